@@ -1,0 +1,178 @@
+"""NVFP4: E2M1 elements, one FP8 E4M3 scale per 16 elements, one FP32 global scale per tensor.
+
+Encode (Transformer Engine's reference order, kept here so kernels can match it bit for bit):
+    S            = 448, or 256 with Four-Over-Six (so a block scale 1.5x larger still fits E4M3)
+    global_enc   = 6 * S / amax(tensor)          global_dec = amax(tensor) / (6 * S)  (= weight_scale_2)
+    s_blk        = e4m3(min(amax(block) / m * global_enc, 448))      m = 6 (or 4, see below)
+    enc_blk      = min(1 / (s_blk * global_dec), FLT_MAX)
+    q            = e2m1(x * enc_blk)                                  (RNE, or stochastic)
+Decode:  x = (e2m1_value * s_blk) * global_dec   (the first product is exact: one rounding in all).
+
+Blocks: 1D = 16 consecutive elements of the last dim (activations, gradients, ModelOpt weights);
+2D = 16 x 16 tiles of the last two dims (training weights, so W and W^T quantize alike). The
+returned block scales always have the 1D layout [..., rows, K/16] (2D tiles repeated over their
+16 rows), which is ModelOpt's `weight_scale` layout.
+
+Four-Over-Six (4/6): per block, quantize with m = 6 and with m = 4 and keep the candidate whose
+error against x is lower by `rule` ("mse", "mae" or "abs_max"); ties keep m = 6. Errors are summed
+in a fixed pairwise order so kernels can reproduce the choice exactly. With stochastic rounding the
+choice is made on the round-to-nearest candidates and the chosen scale is then used for the
+stochastic encode.
+
+NaN anywhere in the tensor makes its global scale NaN, so the whole tensor decodes to NaN: a NaN
+never hides behind a finite quantized value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, e2m1_encode_stochastic, pack_e2m1, unpack_e2m1
+from .fp8 import E4M3, FP8_MAX
+from .rng import uniform_like
+
+NVFP4_BLOCK = 16
+FOUR_OVER_SIX_RULES = ("mse", "mae", "abs_max")
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+class NVFP4Quantized(NamedTuple):
+    packed: torch.Tensor  # uint8 [..., rows, K/2]
+    block_scale: torch.Tensor  # float8_e4m3fn [..., rows, K/16]
+    global_scale: torch.Tensor  # fp32 scalar, the decode global (ModelOpt weight_scale_2)
+
+
+def nvfp4_global_scales(amax: torch.Tensor, four_over_six: bool = True):
+    """(encode, decode) global scales from a tensor amax. Zero amax gives 1 (the tensor is zeros)."""
+    s = (256.0 if four_over_six else FP8_MAX[E4M3]) * E2M1_MAX
+    amax = amax.float()
+    zero = amax == 0
+    enc = torch.where(zero, torch.ones_like(amax), s / torch.where(zero, torch.ones_like(amax), amax))
+    dec = torch.where(zero, torch.ones_like(amax), amax / s)
+    return enc, dec
+
+
+def _tree_sum(e: torch.Tensor) -> torch.Tensor:
+    while e.shape[-1] > 1:
+        half = e.shape[-1] // 2
+        e = e[..., :half] + e[..., half:]
+    return e[..., 0]
+
+
+def _block_error(deq: torch.Tensor, x: torch.Tensor, rule: str) -> torch.Tensor:
+    d = deq - x
+    if rule == "mse":
+        return _tree_sum(d * d)
+    if rule == "mae":
+        return _tree_sum(d.abs())
+    return d.abs().amax(-1)
+
+
+def _to_blocks(t: torch.Tensor, block_2d: bool) -> torch.Tensor:
+    """[..., R, K] -> [..., nR, nK, B] with B = 16 (1D, nR = R) or 256 (2D, row-major inside a tile)."""
+    *lead, r, k = t.shape
+    if not block_2d:
+        return t.reshape(*lead, r, k // 16, 16)
+    t = t.reshape(*lead, r // 16, 16, k // 16, 16)
+    return t.transpose(-3, -2).reshape(*lead, r // 16, k // 16, 256)
+
+
+def _from_blocks(t: torch.Tensor, block_2d: bool, r: int, k: int) -> torch.Tensor:
+    *lead, _, _, _ = t.shape
+    if not block_2d:
+        return t.reshape(*lead, r, k)
+    t = t.reshape(*lead, r // 16, k // 16, 16, 16).transpose(-3, -2)
+    return t.reshape(*lead, r, k)
+
+
+def check_nvfp4_shape(shape, block_2d: bool, name: str = "tensor") -> None:
+    if len(shape) < 1 or shape[-1] % NVFP4_BLOCK:
+        raise ValueError(
+            f"NVFP4 needs the last dimension of {name} to be a multiple of {NVFP4_BLOCK}; got shape {tuple(shape)}"
+        )
+    if block_2d and (len(shape) < 2 or shape[-2] % NVFP4_BLOCK):
+        raise ValueError(
+            f"NVFP4 2D (16x16) blocks need the last two dimensions of {name} to be multiples of {NVFP4_BLOCK}; "
+            f"got shape {tuple(shape)}"
+        )
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    *,
+    block_2d: bool = False,
+    four_over_six: bool = True,
+    rule: str = "mse",
+    stochastic: bool = False,
+    seed: int = 0,
+    amax: torch.Tensor | None = None,
+) -> NVFP4Quantized:
+    """Quantize the last dim (and, with block_2d, the second-to-last) of `x` to NVFP4.
+
+    `amax` overrides the tensor amax used for the global scale (e.g. one amax shared by the shards
+    of a fused weight). `seed` picks the stochastic-rounding stream; the draw for an element is
+    indexed by its row-major position in `x`.
+    """
+    if rule not in FOUR_OVER_SIX_RULES:
+        raise ValueError(f"four_over_six rule must be one of {FOUR_OVER_SIX_RULES}, got {rule!r}")
+    check_nvfp4_shape(x.shape, block_2d)
+    squeeze = x.dim() == 1
+    xf = x.float().unsqueeze(0) if squeeze else x.float()
+    r, k = xf.shape[-2:]
+    if amax is None:
+        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    g_enc, g_dec = nvfp4_global_scales(amax, four_over_six)
+
+    xb = _to_blocks(xf, block_2d)
+    blk_amax = xb.abs().amax(-1)
+
+    def candidate(m: float):
+        s = (blk_amax / m * g_enc).clamp(max=FP8_MAX[E4M3]).to(E4M3)
+        enc = (1.0 / (s.float() * g_dec)).clamp(max=_FLT_MAX)
+        codes = e2m1_encode(xb * enc.unsqueeze(-1))
+        deq = (e2m1_decode(codes) * s.float().unsqueeze(-1)) * g_dec
+        return s, enc, codes, deq
+
+    s, enc, codes, deq = candidate(E2M1_MAX)
+    if four_over_six:
+        s4, enc4, codes4, deq4 = candidate(4.0)
+        use4 = _block_error(deq4, xb, rule) < _block_error(deq, xb, rule)
+        s = torch.where(use4, s4, s)
+        enc = torch.where(use4, enc4, enc)
+        codes = torch.where(use4.unsqueeze(-1), codes4, codes)
+    if stochastic:
+        u = _to_blocks(uniform_like(xf, seed), block_2d)
+        codes = e2m1_encode_stochastic(xb * enc.unsqueeze(-1), u)
+
+    codes = _from_blocks(codes, block_2d, r, k)
+    if block_2d:
+        s = s.repeat_interleave(NVFP4_BLOCK, dim=-2)
+    packed = pack_e2m1(codes)
+    if squeeze:
+        packed, s = packed[0], s[0]
+    return NVFP4Quantized(packed, s, g_dec.reshape(()))
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor, out_dtype=torch.bfloat16
+) -> torch.Tensor:
+    """Inverse of quantize_nvfp4: packed [..., R, K/2], block_scale [..., R, K/16], global scalar."""
+    k = packed.shape[-1] * 2
+    if tuple(block_scale.shape) != (*packed.shape[:-1], k // NVFP4_BLOCK):
+        raise ValueError(
+            f"NVFP4 block scale has shape {tuple(block_scale.shape)}, expected "
+            f"{(*packed.shape[:-1], k // NVFP4_BLOCK)} for packed data of shape {tuple(packed.shape)}"
+        )
+    if block_scale.dtype != E4M3:
+        raise TypeError(f"NVFP4 block scale must be float8_e4m3fn, got {block_scale.dtype}")
+    vals = e2m1_decode(unpack_e2m1(packed))
+    s = block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
+    return ((vals * s) * global_scale.float()).to(out_dtype)
+
+
+def fake_quantize_nvfp4(x: torch.Tensor, out_dtype=None, **kwargs) -> torch.Tensor:
+    """quantize then dequantize: the values an NVFP4 GEMM operand really holds."""
+    qt = quantize_nvfp4(x, **kwargs)
+    return dequantize_nvfp4(*qt, out_dtype=out_dtype or x.dtype)

@@ -1,0 +1,127 @@
+"""Quantize / dequantize entry points as torch.library custom ops.
+
+Each op's default kernel is the reference in surogate_hf.formats (CPU and any device); GPU kernels
+register under the same names (surogate_hf.kernels) and are tested bit for bit against these.
+Fake (meta) implementations make every op traceable by torch.compile and usable on meta tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import formats as F
+
+NS = "surogate"
+
+
+# ---------------------------------------------------------------- FP8
+@torch.library.custom_op(f"{NS}::quantize_fp8_tensorwise", mutates_args=())
+def quantize_fp8_tensorwise(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Cast x * scale to FP8 (saturating) and return (q, amax(|x|)), the amax fused for delayed scaling."""
+    q, _ = F.quantize_fp8_tensorwise(x, fp8_dtype, scale=scale)
+    return q, x.detach().abs().amax().float()
+
+
+@quantize_fp8_tensorwise.register_fake
+def _(x, scale, fp8_dtype):
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NS}::quantize_fp8_blocks", mutates_args=())
+def quantize_fp8_blocks(w: Tensor, block_n: int, block_k: int, ue8m0: bool) -> tuple[Tensor, Tensor]:
+    return F.quantize_fp8_blocks(w, (block_n, block_k), F.E4M3, ue8m0)
+
+
+@quantize_fp8_blocks.register_fake
+def _(w, block_n, block_k, ue8m0):
+    *lead, n, k = w.shape
+    return (
+        torch.empty_like(w, dtype=F.E4M3),
+        w.new_empty((*lead, -(-n // block_n), -(-k // block_k)), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(f"{NS}::dequantize_fp8_blocks", mutates_args=())
+def dequantize_fp8_blocks(q: Tensor, scale_inv: Tensor, block_n: int, block_k: int, out_dtype: torch.dtype) -> Tensor:
+    return F.dequantize_fp8_blocks(q, scale_inv, (block_n, block_k), out_dtype)
+
+
+@dequantize_fp8_blocks.register_fake
+def _(q, scale_inv, block_n, block_k, out_dtype):
+    return torch.empty_like(q, dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{NS}::quantize_fp8_tiles", mutates_args=())
+def quantize_fp8_tiles(x: Tensor, tile: int) -> tuple[Tensor, Tensor]:
+    return F.quantize_fp8_tiles(x, tile, F.E4M3)
+
+
+@quantize_fp8_tiles.register_fake
+def _(x, tile):
+    return torch.empty_like(x, dtype=F.E4M3), x.new_empty((*x.shape[:-1], -(-x.shape[-1] // tile)), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- NVFP4
+@torch.library.custom_op(f"{NS}::quantize_nvfp4", mutates_args=())
+def quantize_nvfp4(
+    x: Tensor, block_2d: bool, four_over_six: bool, rule: str, stochastic: bool, seed: int, amax: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    qt = F.quantize_nvfp4(
+        x, block_2d=block_2d, four_over_six=four_over_six, rule=rule, stochastic=stochastic, seed=seed, amax=amax
+    )
+    return qt.packed, qt.block_scale, qt.global_scale
+
+
+@quantize_nvfp4.register_fake
+def _(x, block_2d, four_over_six, rule, stochastic, seed, amax):
+    *lead, k = x.shape
+    return (
+        x.new_empty((*lead, k // 2), dtype=torch.uint8),
+        x.new_empty((*lead, k // 16), dtype=F.E4M3),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(f"{NS}::dequantize_nvfp4", mutates_args=())
+def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return F.dequantize_nvfp4(packed, block_scale, global_scale, out_dtype)
+
+
+@dequantize_nvfp4.register_fake
+def _(packed, block_scale, global_scale, out_dtype):
+    return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=out_dtype)
+
+
+# ---------------------------------------------------------------- MXFP4
+@torch.library.custom_op(f"{NS}::quantize_mxfp4", mutates_args=())
+def quantize_mxfp4(x: Tensor) -> tuple[Tensor, Tensor]:
+    return F.quantize_mxfp4(x)
+
+
+@quantize_mxfp4.register_fake
+def _(x):
+    *lead, k = x.shape
+    return x.new_empty((*lead, k // 2), dtype=torch.uint8), x.new_empty((*lead, k // 32), dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{NS}::dequantize_mxfp4", mutates_args=())
+def dequantize_mxfp4(packed: Tensor, scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return F.dequantize_mxfp4(packed, scales, out_dtype)
+
+
+@dequantize_mxfp4.register_fake
+def _(packed, scales, out_dtype):
+    return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=out_dtype)
+
+
+# ---------------------------------------------------------------- Hadamard
+@torch.library.custom_op(f"{NS}::rht", mutates_args=())
+def rht(x: Tensor, signs: Tensor) -> Tensor:
+    """Random Hadamard transform of 16-chunks of the last dim, result in fp32."""
+    return F.rht(x, signs)
+
+
+@rht.register_fake
+def _(x, signs):
+    return torch.empty_like(x, dtype=torch.float32)
