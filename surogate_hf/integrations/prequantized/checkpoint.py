@@ -1,0 +1,358 @@
+"""What a checkpoint holds (safetensors headers and scales) and the per-module plan checked against it.
+
+Every check runs before any weight loads; errors are collected so one exception names every bad tensor or key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ...nn.experts import experts_projections, is_experts_module
+from .scheme import MXFP4_GROUP, NVFP4_GROUP, CheckpointScheme, LayerFormat, PrequantizedCheckpointError
+
+FP8_SCALE_ALIASES = ("weight_scale_inv", "scale", "qscale_weight")  # real exports; transformers renames the same
+SCALAR_SHAPES = ((), (1,))
+QUANT_LEAVES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale", "activation_scale")
+
+
+_ST_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+}
+
+
+def _st_dtype(info: TensorInfo) -> torch.dtype:
+    dt = _ST_DTYPES.get(info.dtype)
+    if dt is None:
+        raise PrequantizedCheckpointError(f"safetensors dtype {info.dtype} is not supported by this torch")
+    return dt
+
+
+
+@dataclass
+class TensorInfo:
+    file: str
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+
+
+class CheckpointIndex:
+    """Names, dtypes and shapes of every tensor (from the safetensors headers; no weight is read)."""
+
+    def __init__(self, files):
+        from safetensors import safe_open
+
+        self.files = [f for f in files or [] if f.endswith(".safetensors")]
+        if not self.files:
+            raise PrequantizedCheckpointError(
+                f"pre-quantized loading reads safetensors checkpoints; got {list(files or [])!r}"
+            )
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in self.files:
+            with safe_open(path, "pt") as f:
+                for k in f.keys():
+                    s = f.get_slice(k)
+                    self.tensors[k] = TensorInfo(path, s.get_dtype(), tuple(s.get_shape()))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def get(self, key: str) -> TensorInfo | None:
+        return self.tensors.get(key)
+
+
+# ---------------------------------------------------------------- the plan: one entry per quantized module
+@dataclass
+class ModulePlan:
+    name: str  # module name in the model
+    key: str  # module name in the checkpoint (may differ by the base-model prefix)
+    fmt: LayerFormat
+    slots: dict[str, TensorInfo]  # slot name on the module -> stored tensor
+    stored_names: dict[str, str]  # slot name -> suffix used in the checkpoint (scale aliases)
+    fused: "FusedLayout | None" = None  # MoE experts fused on load from per-expert component linears
+
+
+@dataclass
+class FusedLayout:
+    """Experts stored as per-expert linears (`{key}.{e}.gate_proj.weight`, ...) and fused into 3-D slots."""
+
+    kind: str
+    projections: dict[str, list[str]]  # P -> stored components, e.g. gate_up_proj -> [gate_proj, up_proj]
+    suffix: dict[tuple[str, str], str]  # (component, slot) -> stored suffix (scale aliases)
+    stored: dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]  # (component, slot) -> stored dtype, shape
+    input_scale: bool
+    num_experts: int
+
+
+def _checkpoint_name(name: str, index: CheckpointIndex, prefix: str, probe: str) -> str:
+    """Checkpoints may store `model.layers...` for `layers...` (base model) or the reverse."""
+    if f"{name}.{probe}" in index:
+        return name
+    if prefix and name.startswith(prefix + ".") and f"{name[len(prefix) + 1:]}.{probe}" in index:
+        return name[len(prefix) + 1 :]
+    if prefix and f"{prefix}.{name}.{probe}" in index:
+        return f"{prefix}.{name}"
+    return name
+
+
+def _fmt(info: TensorInfo | None) -> str:
+    return "absent" if info is None else f"{info.dtype} {list(info.shape)}"
+
+
+def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tuple[list[ModulePlan], list[str]]:
+    """Decide every module's stored format and check the headers against it. Returns (plans, errors)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    plans, errors = [], []
+    claimed: set[str] = set()
+
+    for name, module in model.named_modules():
+        if scheme.method != "mxfp4" and is_experts_module(module):
+            plan, errs = _plan_fused_experts(name, module, scheme, index, prefix)
+            errors.extend(errs)
+            if plan is not None:
+                plans.append(plan)
+                claimed.update(f"{plan.key}.{plan.stored_names[s]}" for s in plan.slots)
+            continue
+        fmt = scheme.layer_format(name, module)
+        if fmt is None:
+            if isinstance(module, torch.nn.Linear):
+                key = _checkpoint_name(name, index, prefix, "weight")
+                info = index.get(f"{key}.weight")
+                if info is not None and info.dtype not in ("BF16", "F16", "F32"):
+                    errors.append(
+                        f"{key}.weight is {_fmt(info)} but {scheme.source} keeps {name} unquantized "
+                        f"(excluded or not listed); the checkpoint disagrees with its config"
+                    )
+            continue
+        probe = "gate_up_proj_blocks" if fmt.kind == "mxfp4_experts" else "weight"
+        key = _checkpoint_name(name, index, prefix, probe)
+        check = {"fp8_block": _plan_fp8_block, "fp8_tensor": _plan_fp8_tensor, "nvfp4": _plan_nvfp4,
+                 "mxfp4_experts": _plan_mxfp4_experts}[fmt.kind]
+        slots, stored, errs = check(module, key, fmt, index)
+        errors.extend(f"{e} [{fmt.origin}]" for e in errs)
+        if not errs:
+            plans.append(ModulePlan(name, key, fmt, slots, stored))
+            claimed.update(f"{key}.{stored[s]}" for s in slots)
+    # Scale-like tensors no planned module claims: the config and the tensors disagree.
+    for key, info in index.tensors.items():
+        if key in claimed:
+            continue
+        base, _, leaf = key.rpartition(".")
+        if leaf in ("scale", "qscale_weight"):  # generic names: a scale only next to a non-float weight
+            sibling = index.get(f"{base}.weight")
+            scale_like = sibling is not None and sibling.dtype not in ("BF16", "F16", "F32")
+        else:
+            scale_like = leaf in QUANT_LEAVES or leaf.endswith(("_blocks", "_scales"))
+        if scale_like:
+            errors.append(
+                f"{key} ({_fmt(info)}) is a quantization tensor of a module {scheme.source} does not quantize "
+                "(excluded, unlisted or of an unsupported type); the checkpoint disagrees with its config"
+            )
+    return plans, errors
+
+
+def _expect(index, key, dtypes, shape, errors, what) -> TensorInfo | None:
+    info = index.get(key)
+    if info is None:
+        errors.append(f"missing {what}: {key} not found in the checkpoint")
+        return None
+    if info.dtype not in dtypes:
+        errors.append(f"{key} has dtype {info.dtype}, expected {' or '.join(dtypes)} ({what})")
+        return None
+    if shape is not None and info.shape not in (shape if isinstance(shape, list) else [shape]):
+        want = " or ".join(str(list(s)) for s in (shape if isinstance(shape, list) else [shape]))
+        errors.append(f"{key} has shape {list(info.shape)}, expected {want} ({what})")
+        return None
+    return info
+
+
+def _weight_disagrees(index, key, expected: str, errors) -> bool:
+    info = index.get(f"{key}.weight")
+    if info is not None and info.dtype in ("BF16", "F16", "F32"):
+        errors.append(f"{key}.weight is {_fmt(info)}: stored dense, but the config says it is {expected}")
+        return True
+    return False
+
+
+def _plan_fp8_block(module, key, fmt, index):
+    errors, n, k = [], module.out_features, module.in_features
+    if _weight_disagrees(index, key, "FP8 block-quantized", errors):
+        return {}, {}, errors
+    w = _expect(index, f"{key}.weight", ("F8_E4M3",), (n, k), errors, "FP8 E4M3 weight")
+    alias = next((a for a in FP8_SCALE_ALIASES if f"{key}.{a}" in index), None)
+    if alias is None:
+        errors.append(f"missing scale: {key}.weight_scale_inv (or .scale / .qscale_weight) not found in the checkpoint")
+        return {}, {}, errors
+    bn, bk = fmt.block or (n, k)  # no weight_block_size: one scale for the whole tensor (transformers' reading)
+    grid = (math.ceil(n / bn), math.ceil(k / bk))
+    dtypes = ("F32", "F8_E8M0", "U8") if fmt.ue8m0 else ("F32",)
+    s = _expect(index, f"{key}.{alias}", dtypes, [grid] if fmt.block else [grid, (), (1,)], errors,
+                f"fp8 block scale for block {bn}x{bk}")
+    slots = {"weight": w, "weight_scale_inv": s}
+    return slots, {"weight": "weight", "weight_scale_inv": alias}, errors
+
+
+def _plan_fp8_tensor(module, key, fmt, index):
+    errors, n, k = [], module.out_features, module.in_features
+    if _weight_disagrees(index, key, "ModelOpt FP8", errors):
+        return {}, {}, errors
+    w = _expect(index, f"{key}.weight", ("F8_E4M3",), (n, k), errors, "ModelOpt FP8 weight")
+    s = _expect(index, f"{key}.weight_scale", ("F32",), list(SCALAR_SHAPES), errors, "ModelOpt FP8 per-tensor weight_scale")
+    slots = {"weight": w, "weight_scale": s}
+    if f"{key}.input_scale" in index:
+        slots["input_scale"] = _expect(index, f"{key}.input_scale", ("F32",), list(SCALAR_SHAPES), errors, "input_scale")
+    return slots, {s_: s_ for s_ in slots}, errors
+
+
+def _plan_nvfp4(module, key, fmt, index):
+    errors, n, k = [], module.out_features, module.in_features
+    if k % NVFP4_GROUP:
+        return {}, {}, [f"{key}: in_features {k} is not divisible by the NVFP4 block ({NVFP4_GROUP})"]
+    if _weight_disagrees(index, key, "NVFP4", errors):
+        return {}, {}, errors
+    w = _expect(index, f"{key}.weight", ("U8",), (n, k // 2), errors, "NVFP4 packed E2M1 weight (uint8 [N, K/2])")
+    s = _expect(index, f"{key}.weight_scale", ("F8_E4M3",), (n, k // NVFP4_GROUP), errors,
+                "NVFP4 block scale (E4M3 [N, K/16])")
+    g = _expect(index, f"{key}.weight_scale_2", ("F32",), list(SCALAR_SHAPES), errors, "NVFP4 global scale weight_scale_2")
+    slots = {"weight": w, "weight_scale": s, "weight_scale_2": g}
+    if f"{key}.input_scale" in index:
+        slots["input_scale"] = _expect(index, f"{key}.input_scale", ("F32",), list(SCALAR_SHAPES), errors, "input_scale")
+    return slots, {s_: s_ for s_ in slots}, errors
+
+
+def _plan_mxfp4_experts(module, key, fmt, index):
+    errors, slots = [], {}
+    e = module.num_experts
+    h, i = module.hidden_size, module.intermediate_size
+    for proj, rows, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+        if k % MXFP4_GROUP:
+            errors.append(f"{key}.{proj}: input dimension {k} is not divisible by the MXFP4 block ({MXFP4_GROUP})")
+            continue
+        dense = index.get(f"{key}.{proj}")
+        if dense is not None:
+            errors.append(f"{key}.{proj} is stored dense ({_fmt(dense)}), but the config says MXFP4 experts")
+            continue
+        slots[f"{proj}_blocks"] = _expect(index, f"{key}.{proj}_blocks", ("U8",), (e, rows, k // MXFP4_GROUP, 16), errors,
+                                          "MXFP4 expert blocks (uint8 [E, rows, K/32, 16])")
+        slots[f"{proj}_scales"] = _expect(index, f"{key}.{proj}_scales", ("U8",), (e, rows, k // MXFP4_GROUP), errors,
+                                          "MXFP4 expert E8M0 scales (uint8 [E, rows, K/32])")
+    return slots, {s: s for s in slots}, errors
+
+
+def _components(p: str, comps: int) -> list[str]:
+    if p == "gate_up_proj":
+        return ["gate_proj", "up_proj"] if comps == 2 else []
+    return [p]
+
+
+def _plan_fused_experts(name, module, scheme, index, prefix):
+    """Experts whose checkpoint stores one linear per expert and component; None when they are stored dense."""
+    projections = experts_projections(module)
+    num_experts = next(iter(module._parameters[p] for p in projections)).shape[0]
+    comps = {p: _components(p, c) for p, (_, _, c) in projections.items()}
+    first = next(c for cs in comps.values() for c in cs) if any(comps.values()) else None
+    key = _checkpoint_name(name, index, prefix, f"0.{first}.weight") if first else name
+    fmts = {(e, c): scheme.linear_format(f"{name}.{e}.{c}") for p in comps for c in comps[p] for e in range(num_experts)}
+    kinds = {(f.kind, f.block, f.ue8m0) if f else None for f in fmts.values()}
+    if kinds == {None} or not fmts:
+        return None, []
+    if None in kinds or len(kinds) > 1:
+        return None, [f"{name}: its experts' projections are stored in different formats ({sorted(map(str, kinds))}); "
+                      "surogate_hf's fused experts hold one format per experts module"]
+    fmt = next(iter(fmts.values()))
+    if fmt.kind not in ("fp8_block", "fp8_tensor", "nvfp4"):
+        return None, [f"{name}: experts in {fmt.kind} are not supported"]
+    errors = []
+    if any(module._parameters.get(p + "_bias") is not None for p in projections):
+        errors.append(f"{name}: fused experts with biases are not supported for per-expert checkpoints")
+    for p in projections:
+        if not comps[p]:
+            errors.append(f"{name}.{p}: interleaved (non-concatenated) gate/up experts cannot be fused from components")
+        if f"{key}.{p}" in index:
+            errors.append(f"{key}.{p} is stored dense ({_fmt(index.get(f'{key}.{p}'))}), but the config says "
+                          f"{fmt.kind} [{fmt.origin}]")
+    if errors:
+        return None, errors
+    check = {"fp8_block": _plan_fp8_block, "fp8_tensor": _plan_fp8_tensor, "nvfp4": _plan_nvfp4}[fmt.kind]
+    slots, stored_names, suffix, stored, has_input = {}, {}, {}, {}, set()
+    for p, (n, k, _) in projections.items():
+        rows = n // len(comps[p])
+        for c in comps[p]:
+            for e in range(num_experts):
+                unit_key = f"{key}.{e}.{c}"
+                s_, names, errs = check(SimpleNamespace(out_features=rows, in_features=k), unit_key, fmt, index)
+                errors.extend(f"{x} [{fmt.origin}]" for x in errs)
+                has_input.add("input_scale" in s_)
+                for slot, info in s_.items():
+                    if info is None:
+                        continue
+                    prev = suffix.setdefault((c, slot), names[slot])
+                    if prev != names[slot]:
+                        errors.append(f"{unit_key}.{names[slot]}: named differently from {key}.0.{c}.{prev} in the same experts")
+                    stored.setdefault((c, slot), (_st_dtype(info), tuple(info.shape)))
+                    slots[f"{e}.{c}.{slot}"] = info
+                    stored_names[f"{e}.{c}.{slot}"] = f"{e}.{c}.{names[slot]}"
+    if len(has_input) > 1:
+        errors.append(f"{key}: input_scale is stored for some experts' projections and not for others")
+    if errors:
+        return None, errors
+    layout = FusedLayout(fmt.kind, comps, suffix, stored, has_input == {True}, num_experts)
+    return ModulePlan(name, key, fmt, slots, stored_names, fused=layout), []
+
+
+# ---------------------------------------------------------------- scale values
+def check_scale_values(plans: list[ModulePlan], index: CheckpointIndex) -> list[str]:
+    """NaN / inf / negative scales, read once before loading (scales are <= 1/16 of the checkpoint's bytes)."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for p in plans:
+        for slot in p.slots:
+            leaf = slot.rsplit(".", 1)[-1]
+            if leaf != "weight" and not leaf.endswith("_blocks"):
+                key = f"{p.key}.{p.stored_names[slot]}"
+                by_file.setdefault(index.get(key).file, []).append((key, leaf))
+    errors = []
+    for path, keys in by_file.items():
+        with safe_open(path, "pt") as f:
+            for key, leaf in keys:
+                errors.extend(_scale_problems(key, leaf, f.get_tensor(key)))
+    return errors
+
+
+def _scale_problems(key: str, leaf: str, t: torch.Tensor) -> list[str]:
+    if t.dtype == torch.uint8:  # E8M0 bytes (MXFP4 scales, ue8m0 FP8 scales): 255 is NaN
+        bad = int((t == 255).sum())
+        return [f"{key}: {bad} E8M0 scale byte(s) are 255 (NaN)"] if bad else []
+    v = t.float()
+    nonfinite = int((~torch.isfinite(v)).sum())
+    if nonfinite:
+        return [f"{key}: {nonfinite} NaN/inf value(s) in the scale"]
+    if bool((v < 0).any()):
+        return [f"{key}: negative scale value(s) (min {v.min().item():g})"]
+    if leaf == "weight_scale_2" and bool((v == 0).all()):
+        return [f"{key}: the global scale is zero"]
+    return []
+
+
+def raise_if_errors(errors: list[str], scheme: CheckpointScheme, limit: int = 20) -> None:
+    if not errors:
+        return
+    shown = "\n  - ".join(errors[:limit])
+    more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
+    raise PrequantizedCheckpointError(
+        f"cannot load the pre-quantized checkpoint in {scheme.source} as stored ({len(errors)} problem(s)); "
+        f"nothing was loaded:\n  - {shown}{more}"
+    )
+
+

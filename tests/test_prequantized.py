@@ -1,0 +1,470 @@
+"""Pre-quantized checkpoints load as stored (issue 3). Oracles: transformers' own fine-grained FP8 code and its
+GPT-OSS `convert_moe_packed_tensors`; surogate_hf.formats for the ModelOpt layout (formats.md)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.quantizers import auto as hf_auto
+
+import prequant_fixtures as P
+import surogate_hf
+import surogate_hf.integrations.modelopt  # noqa: F401  (until the package __init__ imports it)
+from surogate_hf import SurogateConfig
+from surogate_hf import formats as F
+from surogate_hf.integrations import prequantized as PQ
+from surogate_hf.nn.experts import QuantizedExperts
+from surogate_hf.nn.linear import FP8Linear, NVFP4Linear, QuantizedLinear
+
+MIXED = {"q_proj": "NVFP4", "k_proj": "NVFP4", "v_proj": "FP8", "o_proj": "FP8", "gate_proj": "NVFP4", "down_proj": "FP8"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prequant")
+    made = {}
+
+    writers = {
+        "llama_fp8": lambda d: P.write_fp8(d, "llama"),
+        "qwen3_fp8": lambda d: P.write_fp8(d, "qwen3"),
+        "llama_fp8ue8m0": lambda d: P.write_fp8(d, "llama", scale_fmt="ue8m0"),
+        "llama_fp8tensor": lambda d: P.write_fp8(d, "llama", block=None),  # no weight_block_size: one scale per tensor
+        "llama_nvfp4": lambda d: P.write_modelopt(d, "llama", "NVFP4"),
+        "qwen3_nvfp4": lambda d: P.write_modelopt(d, "qwen3", "NVFP4"),
+        "qwen3_mofp8": lambda d: P.write_modelopt(d, "qwen3", "FP8"),
+        "llama_mixed": lambda d: P.write_modelopt(d, "llama", "MIXED_PRECISION", mixed=MIXED),
+        "llama_legacy": lambda d: P.write_modelopt(d, "llama", "NVFP4", legacy=True),
+        "gptoss_mxfp4": P.write_gpt_oss_mxfp4,
+        "qwen3_moe_fp8": lambda d: P.write_fp8(d, P.MOE_ARCH, skip=("lm_head", "mlp.gate")),
+        # ModelOpt unifies the amax of gate/up (fused by inference engines): one global scale per expert
+        "qwen3_moe_nvfp4": lambda d: P.write_modelopt(d, P.MOE_ARCH, "NVFP4", exclude=("lm_head", "*.mlp.gate"), fused_amax=True),
+        "qwen3_moe_nvfp4split": lambda d: P.write_modelopt(d, P.MOE_ARCH, "NVFP4", exclude=("lm_head", "*.mlp.gate")),
+    }
+
+    def get(name):
+        if name not in made:
+            made[name] = str(root / name)
+            writers[name](made[name])
+        return made[name]
+
+    return get
+
+
+def copy_ckpt(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def load(path, **kw):
+    return AutoModelForCausalLM.from_pretrained(path, **kw)
+
+
+def quantized(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedExperts))}
+
+
+def dense_twin(model, arch):
+    """A dense model of the same architecture holding the quantized model's weights, decoded."""
+    dense = P.dense_model(arch)
+    with torch.no_grad():
+        sd = {k: v for k, v in model.state_dict().items()}
+        for name, module in dense.named_modules():
+            q = model.get_submodule(name) if name else model
+            if isinstance(q, QuantizedLinear):
+                module.weight.copy_(q.dequantize(module.weight.dtype))
+            elif isinstance(q, QuantizedExperts):
+                for p in q.projections:
+                    getattr(module, p).copy_(q.dequantize(p, getattr(module, p).dtype))
+            else:
+                for pname, par in module.named_parameters(recurse=False):
+                    par.copy_(sd[f"{name}.{pname}"])
+    return dense
+
+
+def logits(model, seed=0):
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def stored_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+
+
+# ---------------------------------------------------------------- fine-grained FP8
+@pytest.mark.parametrize("name", ["llama_fp8", "qwen3_fp8", "llama_fp8tensor"])
+def test_fp8_decodes_like_transformers_bit_for_bit(ckpt, name):
+    path = ckpt(name)
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    mods = quantized(model)
+    assert len(mods) == 7 * 2 and all(isinstance(m, FP8Linear) and m.prequantized for m in mods.values())
+    oracle = Fp8Dequantize(None)
+    for name, m in mods.items():
+        want = oracle._dequantize_one(stored[f"{name}.weight"], stored[f"{name}.weight_scale_inv"], torch.float32)
+        assert torch.equal(m.dequantize(torch.float32), want), name
+        assert m.weight.dtype == torch.float8_e4m3fn and not any(p.requires_grad for p in m.parameters())
+    assert type(model.lm_head) is torch.nn.Linear  # modules_to_not_convert stays dense
+
+
+@pytest.mark.parametrize("arch", P.ARCHS)
+def test_fp8_logits_close_to_dense_decoded(ckpt, arch):
+    # FP8 bases run W8A8 (activations in 1x128 E4M3 tiles), so logits differ from the dense-decoded model
+    # by activation rounding only.
+    model = load(ckpt(f"{arch}_fp8"), quantization_config=SurogateConfig())
+    ref = logits(dense_twin(model, arch))
+    diff = (logits(model) - ref).abs().max().item()
+    print(f"[{arch} fp8] logits max-abs diff vs dense decoded: {diff:.3e} (|logits| max {ref.abs().max():.3f})")
+    assert diff < 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_fp8_ue8m0_loads_and_saves_as_stored(ckpt, tmp_path, as_bytes):
+    # transformers writes float8_e8m0fnu; MXFP8-style exports store the same exponents as uint8 bytes
+    path = copy_ckpt(ckpt("llama_fp8ue8m0"), tmp_path / "ue8m0")
+    if as_bytes:
+        P.rewrite_tensors(path, lambda sd: {k: v.view(torch.uint8) if k.endswith("scale_inv") else v for k, v in sd.items()})
+    stored = P.read_tensors(path)
+    assert stored["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == (torch.uint8 if as_bytes else torch.float8_e8m0fnu)
+    model = load(path, quantization_config=SurogateConfig())
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.weight_scale_inv.dtype == torch.float32
+    want = Fp8Dequantize(None)._dequantize_one(  # the oracle reads uint8 scales as E8M0 exponents too
+        stored["model.layers.0.self_attn.q_proj.weight"], stored["model.layers.0.self_attn.q_proj.weight_scale_inv"],
+        torch.float32,
+    )
+    assert torch.equal(q.dequantize(torch.float32), want)
+    model.save_pretrained(tmp_path / "out")
+    again = P.read_tensors(str(tmp_path / "out"))
+    for k, v in stored.items():
+        assert again[k].dtype == v.dtype and torch.equal(stored_bytes(again[k]), stored_bytes(v)), k
+
+
+def test_fp8_scale_alias_is_read_and_written_back(ckpt, tmp_path):
+    path = copy_ckpt(ckpt("llama_fp8"), tmp_path / "alias")
+    P.rewrite_tensors(path, lambda sd: {k.replace(".weight_scale_inv", ".scale"): v for k, v in sd.items()})
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    q = model.model.layers[1].mlp.up_proj
+    want = Fp8Dequantize(None)._dequantize_one(
+        stored["model.layers.1.mlp.up_proj.weight"], stored["model.layers.1.mlp.up_proj.scale"], torch.float32
+    )
+    assert torch.equal(q.dequantize(torch.float32), want)
+    model.save_pretrained(tmp_path / "out")
+    assert set(P.read_tensors(str(tmp_path / "out"))) == set(stored)
+
+
+# ---------------------------------------------------------------- ModelOpt
+@pytest.mark.parametrize("arch", P.ARCHS)
+def test_modelopt_nvfp4_loads_without_surogate_config(ckpt, arch):
+    path = ckpt(f"{arch}_nvfp4")
+    model = load(path)  # quant_method "modelopt" is registered by surogate_hf
+    stored = P.read_tensors(path)
+    mods = quantized(model)
+    assert len(mods) == 14 and all(isinstance(m, NVFP4Linear) for m in mods.values())
+    for name, m in mods.items():
+        want = F.dequantize_nvfp4(stored[f"{name}.weight"], stored[f"{name}.weight_scale"], stored[f"{name}.weight_scale_2"], torch.float32)
+        assert torch.equal(m.dequantize(torch.float32), want), name
+    diff = (logits(model) - logits(dense_twin(model, arch))).abs().max().item()
+    print(f"[{arch} nvfp4] logits max-abs diff vs dense decoded: {diff:.3e}")
+    assert diff == 0.0  # weight-only: the same bf16 GEMM on the same decoded weights
+
+
+def test_modelopt_mixed_precision_per_layer(ckpt):
+    path = ckpt("llama_mixed")
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in P.LINEAR_SUFFIXES:
+            continue
+        algo = MIXED.get(leaf)
+        if algo is None:
+            assert type(m) is torch.nn.Linear, name  # up_proj is not listed: stays dense
+            continue
+        if algo == "NVFP4":
+            assert isinstance(m, NVFP4Linear), name
+            want = F.dequantize_nvfp4(stored[f"{name}.weight"], stored[f"{name}.weight_scale"], stored[f"{name}.weight_scale_2"], torch.float32)
+        else:
+            assert isinstance(m, FP8Linear) and m.block_size is None, name
+            w = stored[f"{name}.weight"]
+            want = F.dequantize_fp8_blocks(w, stored[f"{name}.weight_scale"].reshape(1, 1), tuple(w.shape), torch.float32)
+        assert torch.equal(m.dequantize(torch.float32), want), name
+    diff = (logits(model) - logits(dense_twin(model, "llama"))).abs().max().item()
+    print(f"[llama MIXED_PRECISION] logits max-abs diff vs dense decoded: {diff:.3e}")
+    assert diff < 0.05
+
+
+def test_modelopt_legacy_hf_quant_config(ckpt):
+    path = ckpt("llama_legacy")
+    assert "quantization_config" not in json.load(open(os.path.join(path, "config.json")))
+    model = load(path, quantization_config=SurogateConfig())
+    assert len(quantized(model)) == 14
+    assert model.config.quantization_config.to_dict()["quant_method"] == "modelopt"
+
+
+# ---------------------------------------------------------------- GPT-OSS MXFP4
+def test_gpt_oss_mxfp4_experts_stay_packed(ckpt):
+    path = ckpt("gptoss_mxfp4")
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    experts = {n: m for n, m in quantized(model).items()}
+    assert len(experts) == 2 and all(isinstance(m, QuantizedExperts) for m in experts.values())
+    total_bytes = total_params = 0
+    for name, m in experts.items():
+        for p in ("gate_up_proj", "down_proj"):
+            want = convert_moe_packed_tensors(stored[f"{name}.{p}_blocks"], stored[f"{name}.{p}_scales"], dtype=torch.float32)
+            assert torch.equal(m.dequantize(p, torch.float32), want), f"{name}.{p}"
+            n, k, _ = m.projections[p]
+            total_params += m.num_experts * n * k
+        assert not any(t.is_floating_point() and t.dim() == 3 for t in m.buffers())  # no dense expert weight
+        total_bytes += m.quantized_nbytes()
+    bpp = total_bytes / total_params
+    print(f"[gpt-oss mxfp4] expert bytes/param: {bpp:.5f}")
+    assert bpp == 0.5 + 1 / 32
+    # the attention and router stay dense (modules_to_not_convert)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    diff = (logits(model) - logits(dense_twin(model, "gpt_oss"))).abs().max().item()
+    print(f"[gpt-oss mxfp4] logits max-abs diff vs dense decoded: {diff:.3e}")
+    assert diff == 0.0
+
+
+# ---------------------------------------------------------------- MoE experts stored per expert and component
+EXPERTS = "model.layers.1.mlp.experts"
+
+
+def test_moe_fp8_components_fuse_exactly(ckpt):
+    path = ckpt("qwen3_moe_fp8")
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    ex = model.get_submodule(EXPERTS)
+    assert isinstance(ex, QuantizedExperts) and ex.quant_format == "fp8" and ex.prequantized
+    oracle = Fp8Dequantize(None)
+
+    def dec(e, c):
+        return oracle._dequantize_one(stored[f"{EXPERTS}.{e}.{c}.weight"], stored[f"{EXPERTS}.{e}.{c}.weight_scale_inv"], torch.float32)
+
+    assert torch.equal(ex.dequantize("gate_up_proj", torch.float32), torch.stack([torch.cat([dec(e, "gate_proj"), dec(e, "up_proj")]) for e in range(4)]))
+    assert torch.equal(ex.dequantize("down_proj", torch.float32), torch.stack([dec(e, "down_proj") for e in range(4)]))
+    ref = logits(dense_twin(model, P.MOE_ARCH))
+    diff = (logits(model) - ref).abs().max().item()
+    print(f"[qwen3-moe fp8] logits max-abs diff vs dense decoded: {diff:.3e} (|logits| max {ref.abs().max():.3f})")
+    assert diff < 0.05 * ref.abs().max().item()
+
+
+def test_moe_nvfp4_unified_global_fuses_exactly(ckpt):
+    path = ckpt("qwen3_moe_nvfp4")
+    model = load(path)
+    stored = P.read_tensors(path)
+    ex = model.get_submodule(EXPERTS)
+
+    def dec(e, c):
+        k = f"{EXPERTS}.{e}.{c}"
+        return F.dequantize_nvfp4(stored[f"{k}.weight"], stored[f"{k}.weight_scale"], stored[f"{k}.weight_scale_2"], torch.float32)
+
+    assert torch.equal(ex.dequantize("gate_up_proj", torch.float32), torch.stack([torch.cat([dec(e, "gate_proj"), dec(e, "up_proj")]) for e in range(4)]))
+    diff = (logits(model) - logits(dense_twin(model, P.MOE_ARCH))).abs().max().item()
+    print(f"[qwen3-moe nvfp4] logits max-abs diff vs dense decoded: {diff:.3e}")
+    assert diff == 0.0
+
+
+def test_moe_nvfp4_separate_globals_are_requantized_with_a_warning(ckpt):
+    path = ckpt("qwen3_moe_nvfp4split")
+    from surogate_hf.integrations.prequantized import FuseStoredExperts
+
+    FuseStoredExperts._warned = False
+    with pytest.warns(UserWarning, match="different NVFP4 global scales.*re-quantizing"):
+        model = load(path)
+    stored = P.read_tensors(path)
+    ex = model.get_submodule(EXPERTS)
+    for e in range(4):
+        parts = []
+        for c in ("gate_proj", "up_proj"):
+            k = f"{EXPERTS}.{e}.{c}"
+            parts.append(F.dequantize_nvfp4(stored[f"{k}.weight"], stored[f"{k}.weight_scale"], stored[f"{k}.weight_scale_2"], torch.float32))
+        fused = F.quantize_nvfp4(torch.cat(parts), four_over_six=False)
+        assert torch.equal(ex.dequantize("gate_up_proj", torch.float32)[e], F.dequantize_nvfp4(*fused, out_dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- save_pretrained round trip
+@pytest.mark.parametrize(
+    "name", ["qwen3_fp8", "llama_fp8tensor", "llama_nvfp4", "llama_mixed", "qwen3_mofp8", "gptoss_mxfp4", "qwen3_moe_fp8", "qwen3_moe_nvfp4"]
+)
+def test_save_writes_the_stored_layout_and_reloads_bit_identical(ckpt, tmp_path, name):
+    path = ckpt(name)
+    first = load(path, quantization_config=SurogateConfig())
+    first.save_pretrained(tmp_path / "out")
+    stored, written = P.read_tensors(path), P.read_tensors(str(tmp_path / "out"))
+    assert set(written) == set(stored)
+    for k, v in stored.items():
+        assert written[k].dtype == v.dtype and written[k].shape == v.shape, k
+        assert torch.equal(stored_bytes(written[k]), stored_bytes(v)), k
+    cfg = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    assert json.load(open(tmp_path / "out" / "config.json"))["quantization_config"] == cfg
+    second = load(str(tmp_path / "out"), quantization_config=SurogateConfig())
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(stored_bytes(a[k]), stored_bytes(b[k])), k
+    assert torch.equal(logits(first), logits(second))
+
+
+# ---------------------------------------------------------------- transformers' own behaviour is kept
+def test_without_surogate_config_fp8_and_mxfp4_stay_transformers(ckpt):
+    fp8 = load(ckpt("llama_fp8"))
+    assert not quantized(fp8) and type(fp8.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    ours = load(ckpt("llama_fp8"), quantization_config=SurogateConfig())
+    # transformers (CPU: dequantizes to bf16 itself) decodes to what our modules decode to
+    for name, m in quantized(ours).items():
+        assert torch.equal(fp8.get_submodule(name).weight, m.dequantize(torch.bfloat16)), name
+    mx = load(ckpt("gptoss_mxfp4"))
+    assert not quantized(mx) and type(mx.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+    assert hf_auto.AUTO_QUANTIZER_MAPPING["fp8"].__module__.startswith("transformers.")
+    assert hf_auto.AUTO_QUANTIZER_MAPPING["mxfp4"].__module__.startswith("transformers.")
+
+
+def test_importing_surogate_hf_registers_modelopt_and_the_merge_seam():
+    # In a fresh interpreter: `import surogate_hf` alone must make ModelOpt checkpoints and SurogateConfig() on
+    # fp8 / mxfp4 / modelopt checkpoints work.
+    import subprocess
+    import sys
+
+    code = (
+        "import surogate_hf\n"
+        "from transformers.quantizers import auto as a\n"
+        "from surogate_hf.integrations import prequantized as pq\n"
+        "assert 'modelopt' in a.AUTO_QUANTIZER_MAPPING and 'modelopt' in a.AUTO_QUANTIZATION_CONFIG_MAPPING\n"
+        "assert a.AutoHfQuantizer.merge_quantization_configs.__func__ is pq._merge_quantization_configs\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert surogate_hf.SurogateConfig is SurogateConfig
+
+
+def test_merge_patch_still_needed():
+    # If transformers starts accepting a different config class here, the patch in prequantized.py can go.
+    with pytest.raises(ValueError, match="but you are passing a SurogateConfig"):
+        PQ._original_merge(hf_auto.AutoHfQuantizer, {"quant_method": "fp8", "weight_block_size": [128, 128]}, SurogateConfig())
+    # ... and the patch only applies while get_hf_quantizer goes through this classmethod.
+    assert "AutoHfQuantizer.merge_quantization_configs(" in inspect.getsource(hf_auto.get_hf_quantizer)
+
+
+def test_trainable_and_frozen(ckpt):
+    model = load(ckpt("llama_nvfp4"))
+    assert model.hf_quantizer.is_trainable and model.hf_quantizer.is_serializable()
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 128, dtype=torch.bfloat16, requires_grad=True)
+    q(x).float().sum().backward()
+    assert x.grad is not None and not any(p.requires_grad for p in q.parameters())
+
+
+# ---------------------------------------------------------------- errors
+def test_online_format_on_prequantized_checkpoint_is_an_error(ckpt):
+    with pytest.raises(ValueError, match=r"already quantized.*quant_method 'fp8'.*format='nvfp4'"):
+        load(ckpt("llama_fp8"), quantization_config=SurogateConfig(format="nvfp4"))
+    with pytest.raises(ValueError, match=r"already quantized.*'modelopt'"):
+        load(ckpt("llama_nvfp4"), quantization_config=SurogateConfig(format="fp8"))
+
+
+def test_modules_to_not_convert_on_prequantized_is_an_error(ckpt):
+    with pytest.raises(ValueError, match=r"modules_to_not_convert=\.\.\.\) has no effect on a pre-quantized checkpoint"):
+        load(ckpt("llama_fp8"), quantization_config=SurogateConfig(modules_to_not_convert=["q_proj"]))
+
+
+def test_no_quantization_anywhere_is_an_error(tmp_path):
+    model = P.dense_model("llama")
+    model.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match="no quantization_config in config.json and no hf_quant_config.json"):
+        load(str(tmp_path / "dense"), quantization_config=SurogateConfig())
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _drop(key):
+    return lambda sd: {k: v for k, v in sd.items() if k != key}
+
+
+def _set(key, value_fn):
+    return lambda sd: {**sd, key: value_fn(sd[key])}
+
+
+def _nan_first(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+BAD_TENSORS = [
+    ("llama_fp8", _drop(f"{Q}.weight_scale_inv"), rf"missing scale: {Q}\.weight_scale_inv"),
+    ("llama_fp8", _set(f"{Q}.weight_scale_inv", lambda t: torch.ones(2, 2)), rf"{Q}\.weight_scale_inv has shape \[2, 2\], expected \[1, 1\]"),
+    ("llama_fp8", _set(f"{Q}.weight_scale_inv", lambda t: t.bfloat16()), rf"{Q}\.weight_scale_inv has dtype BF16, expected F32"),
+    ("llama_fp8", _set(f"{Q}.weight_scale_inv", _nan_first), rf"{Q}\.weight_scale_inv: 1 NaN/inf"),
+    ("llama_nvfp4", _set(f"{Q}.weight_scale_2", lambda t: torch.tensor(float("inf"))), rf"{Q}\.weight_scale_2: 1 NaN/inf"),
+    ("llama_nvfp4", _set(f"{Q}.weight_scale", lambda t: torch.full_like(t.float(), float("nan")).to(t.dtype)), rf"{Q}\.weight_scale: \d+ NaN/inf"),
+    ("llama_nvfp4", _drop(f"{Q}.weight_scale_2"), rf"missing NVFP4 global scale weight_scale_2: {Q}\.weight_scale_2"),
+    ("llama_nvfp4", _set(f"{Q}.weight_scale", lambda t: t.float()), rf"{Q}\.weight_scale has dtype F32, expected F8_E4M3"),
+    (
+        "gptoss_mxfp4",
+        _set("model.layers.1.mlp.experts.down_proj_scales", lambda t: torch.full_like(t, 255)),
+        r"model\.layers\.1\.mlp\.experts\.down_proj_scales: \d+ E8M0 scale byte\(s\) are 255",
+    ),
+    (
+        "gptoss_mxfp4",
+        _set("model.layers.0.mlp.experts.gate_up_proj_blocks", lambda t: t[:, :, :1]),
+        r"gate_up_proj_blocks has shape \[4, 128, 1, 16\], expected \[4, 128, 2, 16\]",
+    ),
+    (
+        "qwen3_moe_fp8",
+        _drop("model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"),
+        r"missing scale: model\.layers\.0\.mlp\.experts\.2\.up_proj\.weight_scale_inv",
+    ),
+    # tensors that disagree with the config
+    ("llama_fp8", _set(f"{Q}.weight", lambda t: t.bfloat16()), rf"{Q}\.weight is BF16 \[128, 128\]: stored dense, but the config says"),
+    ("llama_fp8", lambda sd: {**sd, "lm_head.weight_scale_inv": torch.ones(2, 1)}, r"lm_head\.weight_scale_inv .* does not quantize"),
+]
+
+
+@pytest.mark.parametrize("name,edit,message", BAD_TENSORS)
+def test_bad_tensors_raise_naming_the_key(ckpt, tmp_path, name, edit, message):
+    path = copy_ckpt(ckpt(name), tmp_path / "bad")
+    P.rewrite_tensors(path, edit)
+    with pytest.raises(PQ.PrequantizedCheckpointError, match=message) as err:
+        load(path, quantization_config=SurogateConfig())
+    assert "nothing was loaded" in str(err.value)
+
+
+BAD_CONFIGS = [
+    ("llama_nvfp4", lambda c: {**c, "quant_algo": "W4A8_AWQ"}, r"unknown ModelOpt quant_algo 'W4A8_AWQ'"),
+    ("llama_nvfp4", lambda c: {**c, "group_size": 32}, r"NVFP4 group_size 32 unsupported"),
+    ("llama_fp8", lambda c: {**c, "weight_block_size": [64, 64]}, rf"{Q}\.weight_scale_inv has shape \[1, 1\], expected \[2, 2\]"),
+    ("llama_fp8", lambda c: {**c, "modules_to_not_convert": ["lm_head", Q]}, rf"{Q}\.weight is F8_E4M3 .* keeps {Q} unquantized"),
+    (
+        "llama_mixed",
+        lambda c: {**c, "quantized_layers": {**c["quantized_layers"], Q: {"quant_algo": "FP8"}}},
+        rf"{Q}\.weight has dtype U8, expected F8_E4M3",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,edit,message", BAD_CONFIGS)
+def test_config_disagreeing_with_tensors_raises(ckpt, tmp_path, name, edit, message):
+    path = copy_ckpt(ckpt(name), tmp_path / "bad")
+    P.rewrite_quant_config(path, edit)
+    with pytest.raises(PQ.PrequantizedCheckpointError, match=message):
+        load(path, quantization_config=SurogateConfig())
+
+
+def test_dimension_not_divisible_by_block(tmp_path):
+    path = str(tmp_path / "odd")
+    P.write_modelopt(path, "llama", "NVFP4", config_overrides={"intermediate_size": 200})
+    with pytest.raises(PQ.PrequantizedCheckpointError, match=r"down_proj: in_features 200 is not divisible by the NVFP4 block \(16\)"):
+        load(path)
