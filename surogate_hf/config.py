@@ -1,0 +1,182 @@
+"""SurogateConfig: the transformers `quantization_config` that selects a surogate_hf weight format.
+
+    SurogateConfig(format="nvfp4")   # quantize a bf16/fp16 checkpoint while it loads
+    SurogateConfig()                 # format=None: load the checkpoint's own pre-quantized format
+
+Options (validated on creation; a bad value raises ValueError naming the option):
+    format                 "fp8" | "nvfp4" | "mxfp4" | "nf4" | None
+    block_size             fp8 weight block (rows, cols), default (128, 128); None or "tensor" = one
+                           per-tensor scale. Each side a power of two in [16, 512] (GPU kernels tile in
+                           powers of two; DeepSeek-V3 checkpoints use 128x128).
+    ue8m0                  fp8: power-of-two (UE8M0) block scales, default False
+    four_over_six          nvfp4: Four-Over-Six block scale choice, default True
+    four_over_six_rule     nvfp4: "mse" | "mae" | "abs_max", default "mse"
+    nf4_block_size         nf4: 64 | 128, default 64
+    nf4_double_quant       nf4: quantize the absmaxes too, default True
+    modules_to_not_convert module-name patterns kept in the model dtype (transformers' matching rules:
+                           prefix up to a module boundary, regex, or suffix)
+    skip_quant_first_layers / skip_quant_last_layers   number of decoder layers kept in the model dtype
+
+The options of one format are accepted (and kept at their defaults) for another, so one config dict
+can be switched between formats by changing `format` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.quantizers.auto import register_quantization_config
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
+FOUR_OVER_SIX_RULES = ("mse", "mae", "abs_max")
+NF4_BLOCK_SIZES = (64, 128)
+FP8_BLOCK_SIDES = (16, 32, 64, 128, 256, 512)
+QUANT_METHOD = "surogate"
+
+_FIELDS = (
+    "format",
+    "block_size",
+    "ue8m0",
+    "four_over_six",
+    "four_over_six_rule",
+    "nf4_block_size",
+    "nf4_double_quant",
+    "modules_to_not_convert",
+    "skip_quant_first_layers",
+    "skip_quant_last_layers",
+)
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@register_quantization_config(QUANT_METHOD)
+class SurogateConfig(QuantizationConfigMixin):
+    def __init__(
+        self,
+        format: str | None = None,
+        block_size: tuple[int, int] | str | None = (128, 128),
+        ue8m0: bool = False,
+        four_over_six: bool = True,
+        four_over_six_rule: str = "mse",
+        nf4_block_size: int = 64,
+        nf4_double_quant: bool = True,
+        modules_to_not_convert: list[str] | None = None,
+        skip_quant_first_layers: int = 0,
+        skip_quant_last_layers: int = 0,
+        **kwargs,
+    ):
+        method = kwargs.pop("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(f"SurogateConfig: quant_method must be {QUANT_METHOD!r}, got {method!r}")
+        if kwargs:
+            raise ValueError(f"SurogateConfig: unknown option(s) {sorted(kwargs)}; known options are {list(_FIELDS)}")
+        self.quant_method = QUANT_METHOD
+        self.format = format
+        self.block_size = block_size
+        self.ue8m0 = ue8m0
+        self.four_over_six = four_over_six
+        self.four_over_six_rule = four_over_six_rule
+        self.nf4_block_size = nf4_block_size
+        self.nf4_double_quant = nf4_double_quant
+        self.modules_to_not_convert = modules_to_not_convert
+        self.skip_quant_first_layers = skip_quant_first_layers
+        self.skip_quant_last_layers = skip_quant_last_layers
+        self.post_init()
+
+    def post_init(self):
+        """Validate and normalise every option; raise ValueError naming the offending one."""
+        fmt = self.format
+        if fmt is not None:
+            if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
+                raise ValueError(f"SurogateConfig: unknown format {fmt!r}; expected one of {FORMATS} or None")
+            self.format = fmt.lower()
+
+        bs = self.block_size
+        if isinstance(bs, str):
+            if bs.lower() != "tensor":
+                raise ValueError(f"SurogateConfig: block_size must be two ints, None or 'tensor'; got {bs!r}")
+            bs = None
+        if bs is not None:
+            try:
+                bs = tuple(bs)
+            except TypeError:
+                raise ValueError(f"SurogateConfig: block_size must be two ints, None or 'tensor'; got {bs!r}") from None
+            if len(bs) != 2 or not all(_is_int(b) for b in bs):
+                raise ValueError(f"SurogateConfig: block_size must be two ints, None or 'tensor'; got {self.block_size!r}")
+            if not all(b in FP8_BLOCK_SIDES for b in bs):
+                raise ValueError(
+                    f"SurogateConfig: unsupported block_size {bs}; each side must be one of {FP8_BLOCK_SIDES}"
+                )
+        self.block_size = bs
+
+        for name in ("ue8m0", "four_over_six", "nf4_double_quant"):
+            if not _is_bool(getattr(self, name)):
+                raise ValueError(f"SurogateConfig: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.ue8m0 and self.block_size is None:
+            raise ValueError("SurogateConfig: ue8m0 scales need block scaling; block_size is per-tensor (None)")
+        if self.four_over_six_rule not in FOUR_OVER_SIX_RULES:
+            raise ValueError(
+                f"SurogateConfig: four_over_six_rule must be one of {FOUR_OVER_SIX_RULES}, got {self.four_over_six_rule!r}"
+            )
+        if self.nf4_block_size not in NF4_BLOCK_SIZES or not _is_int(self.nf4_block_size):
+            raise ValueError(
+                f"SurogateConfig: unsupported nf4_block_size {self.nf4_block_size!r}; expected one of {NF4_BLOCK_SIZES}"
+            )
+
+        mtc = self.modules_to_not_convert
+        if mtc is not None:
+            if isinstance(mtc, str) or not all(isinstance(m, str) and m for m in mtc):
+                raise ValueError(
+                    f"SurogateConfig: modules_to_not_convert must be a list of non-empty strings, got {mtc!r}"
+                )
+            self.modules_to_not_convert = list(mtc)
+        for name in ("skip_quant_first_layers", "skip_quant_last_layers"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"SurogateConfig: {name} must be a non-negative int, got {v!r}")
+
+    # ------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = {"quant_method": QUANT_METHOD}
+        for name in _FIELDS:
+            v = getattr(self, name)
+            d[name] = list(v) if isinstance(v, tuple) else (list(v) if isinstance(v, list) else v)
+        return d
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        config = cls(**config_dict)
+        unused = {}
+        for k, v in kwargs.items():
+            if k in _FIELDS:
+                setattr(config, k, v)
+            else:
+                unused[k] = v
+        config.post_init()
+        return (config, unused) if return_unused_kwargs else config
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def __eq__(self, other):
+        return isinstance(other, SurogateConfig) and self.to_dict() == other.to_dict()
+
+    __hash__ = None
+
+    # ------------------------------------------------------------ helpers
+    def format_options(self) -> dict[str, Any]:
+        """Constructor keywords of the quantized module class for `self.format`."""
+        if self.format == "fp8":
+            return {"block_size": self.block_size, "ue8m0": self.ue8m0}
+        if self.format == "nvfp4":
+            return {"four_over_six": self.four_over_six, "four_over_six_rule": self.four_over_six_rule}
+        if self.format == "nf4":
+            return {"block_size": self.nf4_block_size, "double_quant": self.nf4_double_quant}
+        return {}

@@ -1,0 +1,164 @@
+"""Swap a model's linears and fused experts for quantized modules, on meta, before weights load.
+
+Rules (in order) deciding whether a module is quantized:
+  1. only `nn.Linear` of exactly that type (not subclasses such as LoRA or already-quantized layers)
+     and fused experts modules (3-D `gate_up_proj` / `up_proj` / `down_proj` parameters);
+  2. `skip` patterns keep a module in the model dtype: transformers' defaults (lm_head / output
+     embeddings, tied weights), `modules_to_not_convert`, `_keep_in_fp32_modules`; matched like
+     transformers does (module-boundary prefix, regex, or suffix: `should_convert_module`) against
+     the module's name or any ancestor's (so "self_attn" keeps every projection of attention dense);
+  3. decoder layers `skip_quant_first_layers` / `skip_quant_last_layers` stay in the model dtype;
+  4. `module_filter(module, fqn) -> bool`, when given, can veto more;
+  5. a module whose shape the format cannot tile (NVFP4/MXFP4 need in_features % 16 / % 32, NF4
+     needs out*in % block) stays in the model dtype, named in one warning per conversion.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .experts import QuantizedExperts, experts_shape_problem, is_experts_module
+from .linear import LINEAR_CLASSES, QuantizedLinear, make_format
+
+
+class SurogateWarning(UserWarning):
+    """A module was kept in high precision or an option had no effect."""
+
+
+@dataclass
+class ConversionReport:
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
+
+
+def decoder_layer_names(model: nn.Module) -> list[str]:
+    """Names of the decoder layers, in order: the longest ModuleList whose length equals
+    config.num_hidden_layers (or the longest `*.layers` ModuleList)."""
+    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if n_layers is None and hasattr(model, "config") and hasattr(model.config, "get_text_config"):
+        n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    exact = [(name, m) for name, m in lists if len(m) == n_layers]
+    pool = exact or [(name, m) for name, m in lists if name.split(".")[-1] == "layers"]
+    if not pool:
+        return []
+    name, ml = max(pool, key=lambda nm: len(nm[1]))
+    prefix = f"{name}." if name else ""
+    return [f"{prefix}{i}" for i in range(len(ml))]
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    return not should_convert_module(name, patterns)
+
+
+def _matches_self_or_ancestor(name: str, patterns: list[str]) -> bool:
+    """A pattern naming a module also keeps everything inside it dense ("self_attn" covers its q_proj)."""
+    parts = name.split(".")
+    return any(_matches(".".join(parts[:i]), patterns) for i in range(len(parts), 0, -1))
+
+
+def unmatched_patterns(model: nn.Module, patterns: list[str] | None) -> list[str]:
+    if not patterns:
+        return []
+    names = [n for n, _ in model.named_modules() if n]
+    return [p for p in patterns if not any(_matches(n, [p]) for n in names)]
+
+
+def quantized_module_for(module: nn.Module, fmt_name: str, options: dict, dtype=None) -> nn.Module:
+    """The meta quantized replacement of a dense nn.Linear or experts module."""
+    if is_experts_module(module):
+        return QuantizedExperts(module, make_format(fmt_name, **options), dtype=dtype)
+    dtype = dtype or module.weight.dtype
+    return LINEAR_CLASSES[fmt_name](
+        module.in_features, module.out_features, bias=module.bias is not None, device="meta", dtype=dtype, **options
+    )
+
+
+def replace_with_quantized_modules(
+    model: nn.Module,
+    fmt_name: str,
+    options: dict | None = None,
+    *,
+    skip: list[str] | None = None,
+    skip_first_layers: int = 0,
+    skip_last_layers: int = 0,
+    module_filter: Callable[[nn.Module, str], bool] | None = None,
+    dtype: torch.dtype | None = None,
+) -> ConversionReport:
+    options = options or {}
+    fmt = make_format(fmt_name, **options)
+    report = ConversionReport()
+    skip = list(skip or [])
+
+    layer_skip: list[str] = []
+    if skip_first_layers or skip_last_layers:
+        layers = decoder_layer_names(model)
+        if not layers:
+            raise ValueError(
+                "skip_quant_first_layers / skip_quant_last_layers: no decoder layer list found in "
+                f"{type(model).__name__}"
+            )
+        if skip_first_layers + skip_last_layers > len(layers):
+            raise ValueError(
+                f"skip_quant_first_layers ({skip_first_layers}) + skip_quant_last_layers ({skip_last_layers}) "
+                f"exceed the model's {len(layers)} decoder layers"
+            )
+        layer_skip = layers[:skip_first_layers] + (layers[len(layers) - skip_last_layers :] if skip_last_layers else [])
+
+    bad_shape: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        experts = is_experts_module(module)
+        if not (type(module) is nn.Linear or experts):
+            continue
+        if skip and _matches_self_or_ancestor(name, skip):
+            report.skipped[name] = "modules_to_not_convert / default skip"
+            continue
+        if any(name == p or name.startswith(p + ".") for p in layer_skip):
+            report.skipped[name] = "skip_quant_first_layers / skip_quant_last_layers"
+            continue
+        if module_filter is not None and not module_filter(module, name):
+            report.skipped[name] = "module_filter"
+            continue
+        problem = (
+            experts_shape_problem(module, fmt) if experts else fmt.shape_problem(module.out_features, module.in_features)
+        )
+        if problem:
+            report.skipped[name] = problem
+            bad_shape[name] = problem
+            continue
+        new = quantized_module_for(module, fmt_name, options, dtype=dtype if experts else (dtype or module.weight.dtype))
+        model.set_submodule(name, new)
+        report.quantized.append(name)
+
+    if bad_shape:
+        listed = "; ".join(f"{n} ({why})" for n, why in list(bad_shape.items())[:8])
+        more = f" and {len(bad_shape) - 8} more" if len(bad_shape) > 8 else ""
+        warnings.warn(
+            f"surogate_hf: {len(bad_shape)} module(s) kept in the model dtype because format {fmt_name!r} cannot "
+            f"tile their shape: {listed}{more}",
+            SurogateWarning,
+            stacklevel=2,
+        )
+    return report
+
+
+def quantized_modules(model: nn.Module):
+    """(name, module) for every surogate quantized module of `model`."""
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantizedLinear, QuantizedExperts)):
+            yield name, m
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace every quantized module by its dense equivalent (nn.Linear / the original experts)."""
+    for name, m in list(quantized_modules(model)):
+        model.set_submodule(name, m.to_dense(dtype))
+    return model
+

@@ -1,0 +1,493 @@
+"""Frozen quantized linear layers: packed weight + scales as buffers, forward through surogate:: ops.
+
+Buffers (named as in the standard checkpoint layouts, so a checkpoint loads straight into them):
+    FP8Linear    weight e4m3 [N, K]; weight_scale_inv fp32 [ceil(N/bn), ceil(K/bk)] (blocks) or [] (per tensor)
+    NVFP4Linear  weight uint8 [N, K/2] (two E2M1, even index in the low nibble); weight_scale e4m3 [N, K/16];
+                 weight_scale_2 fp32 [] (decode global, ModelOpt's name)
+    MXFP4Linear  weight uint8 [N, K/2]; weight_scale uint8 E8M0 [N, K/32]
+    NF4Linear    weight uint8 [N*K/2, 1] (bitsandbytes packing); weight_absmax (uint8 codes with double
+                 quantization, else fp32) [nblocks]; weight_quant_map fp32 [16]; with double quantization
+                 also weight_nested_absmax fp32 [ceil(nblocks/256)], weight_nested_quant_map fp32 [256],
+                 weight_offset fp32 []. (bitsandbytes' checkpoint keys `weight.absmax` etc. carry dots, which
+                 module buffer names cannot; save/load translate `weight_x` <-> `weight.x`.)
+The bias, when present, is a frozen Parameter in the model dtype. No dense weight is ever kept:
+forward and the input gradient decode inside the ops (one layer at a time on CPU).
+
+`Format` objects below describe one 2-D weight unit [N, K] of a format (slots, quantize, dequantize,
+linear, dgrad); the experts module reuses them per expert.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .. import formats as F
+from .. import ops
+from ..formats.mxfp4 import MXFP4_BLOCK
+from ..formats.nvfp4 import NVFP4_BLOCK
+
+_NESTED_BLOCK = 256  # bitsandbytes' block size for double-quantized absmaxes
+# Large weights are quantized in row chunks of about this many elements: the reference quantizers
+# keep ~8 fp32 temporaries per element, so chunking bounds the load-time work space to a few MB per
+# chunk instead of ~16x the dense tensor. Results are bit-identical to one-shot quantization (the
+# per-tensor quantities, the NVFP4 global and the per-tensor FP8 scale, come from the whole tensor).
+QUANTIZE_CHUNK_ELEMENTS = 1 << 18
+
+
+def _row_chunks(n: int, k: int, multiple: int = 1):
+    rows = max(multiple, (QUANTIZE_CHUNK_ELEMENTS // max(k, 1)) // multiple * multiple)
+    return [(r, min(r + rows, n)) for r in range(0, n, rows)]
+
+
+def _chunked(w: Tensor, multiple: int, fn) -> dict[str, Tensor]:
+    """Apply fn to row chunks of w and concatenate each output along rows (0-d outputs: first chunk's)."""
+    parts = [fn(w[a:b]) for a, b in _row_chunks(w.shape[0], w.shape[1], multiple)]
+    if len(parts) == 1:
+        return parts[0]
+    return {key: parts[0][key] if parts[0][key].dim() == 0 else torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+# ============================================================================ formats
+class Format:
+    """One weight format, for a 2-D unit [n, k] (rows = output features, k = reduction dim)."""
+
+    name = ""
+    # Whether the halves of a fused [gate; up] projection are quantized as separate units, so a fused
+    # expert weight splits exactly into the per-projection tensors of the standard layouts.
+    per_component = False
+
+    def shape_problem(self, n: int, k: int) -> str | None:
+        """Why this format cannot hold an [n, k] weight, or None."""
+        return None
+
+    def slots(self, n: int, k: int, expert: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        raise NotImplementedError
+
+    def quantize(self, w: Tensor, expert: bool = False) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, t: dict[str, Tensor], n: int, k: int, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
+        raise NotImplementedError
+
+    def dgrad(self, dy: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
+        raise NotImplementedError
+
+    def bytes_per_param(self) -> float:
+        raise NotImplementedError
+
+
+class FP8Format(Format):
+    name = "fp8"
+    per_component = True
+
+    def __init__(self, block_size=(128, 128), ue8m0: bool = False):
+        self.block_size = None if block_size is None else (int(block_size[0]), int(block_size[1]))
+        self.ue8m0 = bool(ue8m0)
+
+    def slots(self, n, k, expert=False):
+        scale = () if self.block_size is None else (-(-n // self.block_size[0]), -(-k // self.block_size[1]))
+        return {"": ((n, k), F.E4M3), "_scale_inv": (scale, torch.float32)}
+
+    def quantize(self, w, expert=False):
+        if self.block_size is None:
+            scale = F.fp8_scale_from_amax(w.detach().abs().amax(), F.E4M3)
+
+            def one(c):
+                q, s = F.quantize_fp8_tensorwise(c, F.E4M3, scale=scale)
+                return {"": q, "_scale_inv": s.reshape(()).float()}
+
+            return _chunked(w, 1, one)
+        bn, bk = self.block_size
+
+        def one(c):
+            q, s = ops.quantize_fp8_blocks(c, bn, bk, self.ue8m0)
+            return {"": q, "_scale_inv": s}
+
+        return _chunked(w, bn, one)
+
+    def _blocks(self, t, n, k):
+        # per-tensor scaling is one block covering the whole weight
+        if self.block_size is None:
+            return n, k, t["_scale_inv"].reshape(1, 1)
+        return self.block_size[0], self.block_size[1], t["_scale_inv"]
+
+    def dequantize(self, t, n, k, dtype):
+        bn, bk, s = self._blocks(t, n, k)
+        return ops.dequantize_fp8_blocks(t[""], s, bn, bk, dtype)
+
+    def linear(self, x, t, n, k):
+        bn, bk, s = self._blocks(t, n, k)
+        # activations always use 1x128 tiles (or 1xK) as in the fine-grained recipe
+        return ops.fp8_block_linear(x, t[""], s, bn, bk)
+
+    def dgrad(self, dy, t, n, k):
+        bn, bk, s = self._blocks(t, n, k)
+        return ops.fp8_block_linear_dgrad(dy, t[""], s, bn, bk)
+
+    def bytes_per_param(self):
+        if self.block_size is None:
+            return 1.0
+        return 1.0 + 4.0 / (self.block_size[0] * self.block_size[1])
+
+
+class NVFP4Format(Format):
+    name = "nvfp4"
+
+    def __init__(self, four_over_six: bool = True, four_over_six_rule: str = "mse"):
+        self.four_over_six = bool(four_over_six)
+        self.rule = four_over_six_rule
+
+    def shape_problem(self, n, k):
+        if k % NVFP4_BLOCK:
+            return f"NVFP4 needs in_features % {NVFP4_BLOCK} == 0, got {k}"
+        return None
+
+    def slots(self, n, k, expert=False):
+        return {
+            "": ((n, k // 2), torch.uint8),
+            "_scale": ((n, k // NVFP4_BLOCK), F.E4M3),
+            "_scale_2": ((), torch.float32),
+        }
+
+    def quantize(self, w, expert=False):
+        amax = w.detach().abs().amax().float()
+
+        def one(c):
+            packed, scale, g = ops.quantize_nvfp4(c, False, self.four_over_six, self.rule, False, 0, amax)
+            return {"": packed, "_scale": scale, "_scale_2": g.reshape(())}
+
+        return _chunked(w, 1, one)
+
+    def dequantize(self, t, n, k, dtype):
+        return ops.dequantize_nvfp4(t[""], t["_scale"], t["_scale_2"], dtype)
+
+    def linear(self, x, t, n, k):
+        return ops.nvfp4_linear(x, t[""], t["_scale"], t["_scale_2"])
+
+    def dgrad(self, dy, t, n, k):
+        return ops.nvfp4_linear_dgrad(dy, t[""], t["_scale"], t["_scale_2"])
+
+    def bytes_per_param(self):
+        return 0.5 + 1.0 / NVFP4_BLOCK
+
+
+class MXFP4Format(Format):
+    """Linear: weight [n, k/2] + weight_scale [n, k/32]. Experts use GPT-OSS' shapes and names:
+    `{P}` packed as [n, k/32, 16] (GPT-OSS' `{P}_blocks`) and `{P}_scales` [n, k/32]."""
+
+    name = "mxfp4"
+
+    def shape_problem(self, n, k):
+        if k % MXFP4_BLOCK:
+            return f"MXFP4 needs in_features % {MXFP4_BLOCK} == 0, got {k}"
+        return None
+
+    def slots(self, n, k, expert=False):
+        if expert:
+            return {"": ((n, k // MXFP4_BLOCK, 16), torch.uint8), "_scales": ((n, k // MXFP4_BLOCK), torch.uint8)}
+        return {"": ((n, k // 2), torch.uint8), "_scale": ((n, k // MXFP4_BLOCK), torch.uint8)}
+
+    def quantize(self, w, expert=False):
+        n, k = w.shape
+        t = _chunked(w, 1, lambda c: dict(zip(("p", "s"), ops.quantize_mxfp4(c))))
+        packed, scales = t["p"], t["s"]
+        if expert:
+            return {"": packed.reshape(n, k // MXFP4_BLOCK, 16), "_scales": scales}
+        return {"": packed, "_scale": scales}
+
+    @staticmethod
+    def _canon(t, n, k):
+        scales = t["_scales"] if "_scales" in t else t["_scale"]
+        return t[""].reshape(n, k // 2), scales.reshape(n, k // MXFP4_BLOCK)
+
+    def dequantize(self, t, n, k, dtype):
+        return ops.dequantize_mxfp4(*self._canon(t, n, k), dtype)
+
+    def linear(self, x, t, n, k):
+        return ops.mxfp4_linear(x, *self._canon(t, n, k))
+
+    def dgrad(self, dy, t, n, k):
+        return ops.mxfp4_linear_dgrad(dy, *self._canon(t, n, k))
+
+    def bytes_per_param(self):
+        return 0.5 + 1.0 / MXFP4_BLOCK
+
+
+class NF4Format(Format):
+    name = "nf4"
+    per_component = True
+
+    def __init__(self, block_size: int = 64, double_quant: bool = True):
+        if block_size not in F.nf4.NF4_BLOCK_SIZES:
+            raise ValueError(f"nf4 block_size must be one of {F.nf4.NF4_BLOCK_SIZES}, got {block_size}")
+        self.block_size = int(block_size)
+        self.double_quant = bool(double_quant)
+
+    def shape_problem(self, n, k):
+        # bitsandbytes 0.50's CPU dequantize_4bit mis-decodes blocks that straddle rows (k % block != 0)
+        # while its quantize flattens them: such layers stay dense so what we write decodes alike everywhere.
+        if k % self.block_size:
+            return f"NF4 needs in_features % {self.block_size} == 0, got {k}"
+        return None
+
+    def slots(self, n, k, expert=False):
+        nb = n * k // self.block_size
+        s = {
+            "": ((n * k // 2, 1), torch.uint8),
+            "_absmax": ((nb,), torch.uint8 if self.double_quant else torch.float32),
+            "_quant_map": ((16,), torch.float32),
+        }
+        if self.double_quant:
+            s["_nested_absmax"] = ((-(-nb // _NESTED_BLOCK),), torch.float32)
+            s["_nested_quant_map"] = ((256,), torch.float32)
+            s["_offset"] = ((), torch.float32)
+        return s
+
+    def quantize(self, w, expert=False):
+        packed, qs = F.quantize_nf4(w, self.block_size, self.double_quant)
+        t = {"": packed.reshape(-1, 1), "_absmax": qs.absmax, "_quant_map": qs.code.float()}
+        if qs.nested:
+            t["_nested_absmax"] = qs.state2.absmax.float()
+            t["_nested_quant_map"] = qs.state2.code.float()
+            t["_offset"] = torch.as_tensor(qs.offset, dtype=torch.float32).reshape(())
+        return t
+
+    def quant_state(self, t, n, k, dtype):
+        """The bitsandbytes QuantState of a unit (dtype = the dtype bitsandbytes decodes to)."""
+        from bitsandbytes.functional import QuantState
+
+        state2 = None
+        offset = None
+        if self.double_quant:
+            state2 = QuantState(
+                absmax=t["_nested_absmax"], code=t["_nested_quant_map"], blocksize=_NESTED_BLOCK, dtype=torch.float32
+            )
+            offset = t["_offset"]
+        return QuantState(
+            absmax=t["_absmax"],
+            shape=torch.Size((n, k)),
+            code=t["_quant_map"],
+            blocksize=self.block_size,
+            quant_type="nf4",
+            dtype=dtype,
+            offset=offset,
+            state2=state2,
+        )
+
+    def _absmax(self, t, n, k):
+        return F.nf4_absmax(self.quant_state(t, n, k, torch.float32))
+
+    def dequantize(self, t, n, k, dtype):
+        # the same decode the linear ops use (bitsandbytes' dequantize_4bit agrees for k % block == 0)
+        return F.dequantize_nf4_raw(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, (n, k), dtype)
+
+    def linear(self, x, t, n, k):
+        return ops.nf4_linear(x, t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
+
+    def dgrad(self, dy, t, n, k):
+        return ops.nf4_linear_dgrad(dy, t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
+
+    def bytes_per_param(self):
+        if not self.double_quant:
+            return 0.5 + 4.0 / self.block_size
+        return 0.5 + 1.0 / self.block_size + 4.0 / (self.block_size * _NESTED_BLOCK)
+
+
+_FORMAT_CLASSES = {"fp8": FP8Format, "nvfp4": NVFP4Format, "mxfp4": MXFP4Format, "nf4": NF4Format}
+
+
+def make_format(name: str, **options) -> Format:
+    try:
+        cls = _FORMAT_CLASSES[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; expected one of {tuple(_FORMAT_CLASSES)}") from None
+    return cls(**options)
+
+
+# ============================================================================ autograd
+class QuantLinearFunction(torch.autograd.Function):
+    """y = x W^T over a frozen quantized W: the gradient flows to x only, nothing dense is saved."""
+
+    @staticmethod
+    def forward(ctx, x, fmt, n, k, keys, *tensors):
+        ctx.fmt, ctx.n, ctx.k, ctx.keys = fmt, n, k, keys
+        ctx.save_for_backward(*tensors)
+        return fmt.linear(x, dict(zip(keys, tensors)), n, k)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = ctx.fmt.dgrad(dy.contiguous(), dict(zip(ctx.keys, ctx.saved_tensors)), ctx.n, ctx.k)
+        return (dx, None, None, None, None, *([None] * len(ctx.saved_tensors)))
+
+
+def quantized_linear(x: Tensor, fmt: Format, t: dict[str, Tensor], n: int, k: int) -> Tensor:
+    keys = tuple(t)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return QuantLinearFunction.apply(x, fmt, n, k, keys, *t.values())
+    return fmt.linear(x, t, n, k)
+
+
+# ============================================================================ modules
+def _apply_keep_dtypes(module: nn.Module, fn, names: set[str], parent_apply, recurse: bool):
+    held = {n: module._buffers.pop(n) for n in names if module._buffers.get(n) is not None}
+    try:
+        out = parent_apply(fn, recurse)
+    finally:
+        for n, b in held.items():
+            moved = fn(b)
+            module._buffers[n] = moved if moved.dtype == b.dtype else b.to(device=moved.device)
+    return out
+
+
+class QuantizedLinear(nn.Linear):
+    """Base of the quantized linears. Built on meta (every slot registered, nothing allocated);
+    `from_linear` quantizes a dense nn.Linear; `load_dense_weight` fills the slots from a dense weight."""
+
+    quant_format = ""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype: torch.dtype | None = None,
+        *,
+        fmt: Format,
+    ):
+        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a dense weight
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.fmt = fmt
+        self.prequantized = False
+        device = torch.device("meta") if device is None else torch.device(device)
+        self.dtype = dtype or torch.get_default_dtype()  # the dtype forward returns and dequantize defaults to
+        problem = fmt.shape_problem(self.out_features, self.in_features)
+        if problem:
+            raise ValueError(f"{type(self).__name__}({in_features}, {out_features}): {problem}")
+        for suffix, (shape, dt) in fmt.slots(self.out_features, self.in_features).items():
+            self.register_buffer("weight" + suffix, torch.empty(shape, dtype=dt, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_features, dtype=self.dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def _apply(self, fn, recurse=True):
+        # Module-wide casts (model.half(), .to(bf16)) must not re-type packed data or scales: they move
+        # device only. Dtype changes of the bias follow the model as usual.
+        return _apply_keep_dtypes(self, fn, set(self.slot_names()), super()._apply, recurse)
+
+    # ---- slots
+    def slot_names(self) -> list[str]:
+        return ["weight" + s for s in self.fmt.slots(self.out_features, self.in_features)]
+
+    def _tensors(self) -> dict[str, Tensor]:
+        return {s: getattr(self, "weight" + s) for s in self.fmt.slots(self.out_features, self.in_features)}
+
+    @torch.no_grad()
+    def quantize_weight(self, w: Tensor) -> dict[str, Tensor]:
+        """Quantize a dense [out, in] weight into {buffer name: tensor} without touching the module."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"{type(self).__name__}: weight of shape {tuple(w.shape)} given, expected "
+                f"({self.out_features}, {self.in_features})"
+            )
+        if not w.is_floating_point():
+            raise TypeError(f"{type(self).__name__}: cannot quantize a non-floating weight of dtype {w.dtype}")
+        return {"weight" + s: v for s, v in self.fmt.quantize(w).items()}
+
+    @torch.no_grad()
+    def load_dense_weight(self, w: Tensor) -> None:
+        for name, v in self.quantize_weight(w).items():
+            setattr(self, name, v)
+        self.dtype = w.dtype
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options) -> "QuantizedLinear":
+        w = linear.weight.detach()
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=w.device, dtype=w.dtype, **options)
+        m.load_dense_weight(w)
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return m
+
+    # ---- numerics
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        return self.fmt.dequantize(self._tensors(), self.out_features, self.in_features, dtype or self.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = quantized_linear(x, self.fmt, self._tensors(), self.out_features, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def to_dense(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """A plain nn.Linear holding the dequantized weight (and this layer's bias)."""
+        dtype = dtype or self.dtype
+        w = self.dequantize(dtype)
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
+        return lin
+
+    def quantized_nbytes(self) -> int:
+        """Bytes of the packed weight and its scales (bias excluded)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.quant_format}"
+
+
+class FP8Linear(QuantizedLinear):
+    quant_format = "fp8"
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, block_size=(128, 128), ue8m0=False):
+        super().__init__(in_features, out_features, bias, device, dtype, fmt=FP8Format(block_size, ue8m0))
+
+    @property
+    def block_size(self):
+        return self.fmt.block_size
+
+
+class NVFP4Linear(QuantizedLinear):
+    quant_format = "nvfp4"
+
+    def __init__(
+        self, in_features, out_features, bias=True, device=None, dtype=None, *, four_over_six=True, four_over_six_rule="mse"
+    ):
+        super().__init__(in_features, out_features, bias, device, dtype, fmt=NVFP4Format(four_over_six, four_over_six_rule))
+
+
+class MXFP4Linear(QuantizedLinear):
+    quant_format = "mxfp4"
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device, dtype, fmt=MXFP4Format())
+
+
+class NF4Linear(QuantizedLinear):
+    quant_format = "nf4"
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, block_size=64, double_quant=True):
+        super().__init__(in_features, out_features, bias, device, dtype, fmt=NF4Format(block_size, double_quant))
+
+    def quant_state(self):
+        """The bitsandbytes QuantState of the weight (for bitsandbytes-layout export)."""
+        return self.fmt.quant_state(self._tensors(), self.out_features, self.in_features, self.dtype)
+
+
+LINEAR_CLASSES: dict[str, type[QuantizedLinear]] = {
+    "fp8": FP8Linear,
+    "nvfp4": NVFP4Linear,
+    "mxfp4": MXFP4Linear,
+    "nf4": NF4Linear,
+}
