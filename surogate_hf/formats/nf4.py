@@ -32,6 +32,8 @@ def quantize_nf4(w: torch.Tensor, block_size: int = 64, double_quant: bool = Tru
 
 
 def dequantize_nf4(packed: torch.Tensor, quant_state, out_dtype=None) -> torch.Tensor:
+    """bitsandbytes' own decode. Its CPU path (0.50.2) misdecodes blocks that straddle rows, so the
+    modules require in_features % block_size == 0 and decode through dequantize_nf4_raw."""
     out = _bnb().dequantize_4bit(packed, quant_state)
     return out if out_dtype is None else out.to(out_dtype)
 
