@@ -23,3 +23,6 @@ from .linear import (
     nvfp4_linear,
     nvfp4_linear_dgrad,
 )
+
+# CUDA implementations register under the same names (thin wrappers: triton loads on first CUDA call).
+from .. import kernels as _kernels  # noqa: E402,F401

@@ -1,0 +1,197 @@
+"""End-to-end training step, Qwen3-1.7B-shaped model (random weights from its config), batch
+4 x 2048, LoRA r=16 on all seven projections; plus full fine-tuning. tokens/s and peak memory.
+Targets: our fp8 QLoRA >= 1.3x PEFT LoRA on a bf16 base with bf16 adapters; our nf4 QLoRA >= 1.5x
+PEFT + bitsandbytes NF4 QLoRA (stock); full fine-tune fp8-hybrid >= 1.3x bf16 and ahead of torchao
+float8 under torch.compile. Every setup runs in this one process; failures are reported."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+from torch import nn
+
+from common import attempt, table, write_result
+
+import surogate_hf.kernels  # noqa: F401
+
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def config(layers: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=4096)
+
+
+def base_model(layers: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(config(layers), dtype=torch.bfloat16, attn_implementation="sdpa")
+    m.config.use_cache = False
+    return m
+
+
+def _targets(model):
+    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in PROJ]
+
+
+def _lora(model, bf16_adapters: bool):
+    from peft import LoraConfig, get_peft_model
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cfg = LoraConfig(r=16, lora_alpha=32, target_modules=PROJ, lora_dropout=0.0)
+    return get_peft_model(model, cfg, autocast_adapter_dtype=not bf16_adapters)
+
+
+def peft_bf16(layers, bf16_adapters=True):
+    return _lora(base_model(layers), bf16_adapters)
+
+
+def bnb_nf4(layers):
+    import bitsandbytes as bnb
+
+    model = base_model(layers)
+    for name, lin in _targets(model):
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
+                              compress_statistics=True, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(lin.weight.detach().cpu(), requires_grad=False, quant_type="nf4",
+                                     compress_statistics=True).cuda()
+        model.set_submodule(name, q)
+    torch.cuda.empty_cache()
+    return _lora(model, bf16_adapters=False)  # stock PEFT QLoRA: fp32 adapters
+
+
+def ours_qlora(layers, fmt):
+    from surogate_hf.integrations.peft import install_peft_dispatch, set_lora_dtype
+    from surogate_hf.nn import linear as L
+
+    cls = {"fp8": L.FP8Linear, "nvfp4": L.NVFP4Linear, "mxfp4": L.MXFP4Linear, "nf4": L.NF4Linear}[fmt]
+    model = base_model(layers)
+    for name, lin in _targets(model):
+        model.set_submodule(name, cls.from_linear(lin))
+    torch.cuda.empty_cache()
+    install_peft_dispatch()
+    model = _lora(model, True)
+    set_lora_dtype(model, torch.bfloat16)
+    return model
+
+
+def full(layers, recipe=None, compiled=False, torchao=False):
+    model = base_model(layers)
+    if recipe is not None:
+        from surogate_hf.recipes.linear import apply_recipe
+
+        apply_recipe(model, recipe)
+    if torchao:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "lm_head" not in fqn,
+                                   config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    return model
+
+
+SETUPS = {
+    "peft_bf16": ("PEFT LoRA, bf16 base, bf16 adapters", lambda L: peft_bf16(L, True), "lora"),
+    "bnb_nf4": ("PEFT + bitsandbytes NF4 QLoRA (stock, fp32 adapters)", bnb_nf4, "lora"),
+    "ours_fp8": ("ours fp8 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "fp8"), "lora"),
+    "ours_nf4": ("ours nf4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nf4"), "lora"),
+    "ours_nvfp4": ("ours nvfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nvfp4"), "lora"),
+    "ours_mxfp4": ("ours mxfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "mxfp4"), "lora"),
+    "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
+    "full_fp8": ("full fine-tune ours fp8-hybrid, eager", lambda L: full(L, "fp8-hybrid"), "full"),
+    "full_fp8_compiled": ("full fine-tune ours fp8-hybrid, compiled layers", lambda L: full(L, "fp8-hybrid", True), "full"),
+    "full_bf16_compiled": ("full fine-tune bf16, compiled layers", lambda L: full(L, compiled=True), "full"),
+    "full_torchao_compiled": ("full fine-tune torchao float8 tensorwise, compiled layers",
+                              lambda L: full(L, compiled=True, torchao=True), "full"),
+}
+TARGETS = {"ours_fp8": ("peft_bf16", 1.3), "ours_nf4": ("bnb_nf4", 1.5), "full_fp8": ("full_bf16", 1.3),
+           "full_fp8_compiled": ("full_torchao_compiled", 1.0)}
+
+
+def run_setup(key, layers, batch, seq, warmup, steps):
+    model = SETUPS[key][1](layers)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    ids = torch.randint(0, 151936, (batch, seq), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    ntrain = sum(p.numel() for p in params)
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"non-finite loss {loss.item()}")
+    del model, opt, params
+    return batch * seq * steps / dt, peak, ntrain, float(loss)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--setups", default="peft_bf16,bnb_nf4,ours_fp8,ours_nf4,full_bf16,full_fp8")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--name", default="e2e_qwen3_1.7b")
+    args = ap.parse_args()
+    rows, errors, tps = [], {}, {}
+    for key in args.setups.split(","):
+        label = SETUPS[key][0]
+        t0 = time.perf_counter()
+        res = attempt(label, lambda: run_setup(key, args.layers, args.batch, args.seq, args.warmup, args.steps), errors)
+        gc.collect()
+        torch.cuda.empty_cache()
+        if res is None:
+            rows.append([label, None, None, None, None, None, errors[label]])
+            print(f"{label}: FAILED {errors[label]}", flush=True)
+            continue
+        tok, peak, ntrain, loss = res
+        tps[key] = tok
+        print(f"{label}: {tok:,.0f} tok/s, peak {peak:.1f} GiB, loss {loss:.3f} ({time.perf_counter() - t0:.0f}s)",
+              flush=True)
+        ratio, target, note = None, None, ""
+        if key in TARGETS:
+            peer, target = TARGETS[key]
+            if peer in tps:
+                ratio = tok / tps[peer]
+                note = f"vs {SETUPS[peer][0]}: " + ("meets" if ratio >= target else f"misses by {target - ratio:.2f}x")
+            else:
+                note = f"peer {peer} not measured in this run"
+        rows.append([label, tok, peak, ntrain / 1e6, ratio, target, note])
+    body = (f"Model: Qwen3-1.7B shape ({args.layers} layers, hidden 2048, intermediate 6144, vocab 151936), "
+            f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
+            "no gradient checkpointing.\n\n")
+    body += table(["setup", "tokens/s", "peak GiB", "trainable M", "ratio", "target", "note"], rows)
+    if errors:
+        body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())
+    write_result(args.name, "End-to-end training step, Qwen3-1.7B-shaped model", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The optional native extension (csrc/), JIT-built with torch.utils.cpp_extension and cached.
+
+Nothing here runs at import of surogate_hf. `load(build=True)` (what `python -m
+surogate_hf.kernels.build` calls) compiles it once per torch/CUDA version into the cache folder;
+later processes only load the cached library. Kernels use it when `load(build=False)` finds it
+built; otherwise they run the Triton version and warn once how to build it.
+Environment: SUROGATE_HF_EXT=0 disables it; SUROGATE_HF_EXT_DIR overrides the cache folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+NAME = "surogate_hf_ext"
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = ("bindings.cpp", "fp8/cast_amax.cu")
+
+_module = None
+_error: str | None = None
+
+
+def build_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "surogate_hf"
+    root = Path(os.environ.get("SUROGATE_HF_EXT_DIR", default))
+    tag = f"torch{torch.__version__.split('+')[0]}-cu{(torch.version.cuda or 'none').replace('.', '')}"
+    return root / f"{NAME}-{tag}"
+
+
+def _built_library() -> Path:
+    return build_dir() / f"{NAME}.so"
+
+
+def status() -> tuple[bool, str]:
+    """(loaded, reason) without building anything."""
+    if _module is not None:
+        return True, ""
+    if _error:
+        return False, _error
+    if os.environ.get("SUROGATE_HF_EXT", "1") == "0":
+        return False, "disabled by SUROGATE_HF_EXT=0"
+    if not _built_library().exists():
+        return False, f"not built (run `python -m surogate_hf.kernels.build`; cache {build_dir()})"
+    return True, "built, not loaded yet"
+
+
+def load(build: bool = False):
+    """The extension module, or None. With build=False only an already built library is loaded."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    if os.environ.get("SUROGATE_HF_EXT", "1") == "0" or not torch.cuda.is_available():
+        return None
+    if not build and not _built_library().exists():
+        return None
+    missing = [s for s in SOURCES if not (_CSRC / s).exists()]
+    if missing:
+        _error = f"csrc sources not found under {_CSRC} ({', '.join(missing)}): install from a source checkout"
+        return None
+    from torch.utils.cpp_extension import load as _load
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        _module = _load(
+            name=NAME,
+            sources=[str(_CSRC / s) for s in SOURCES],
+            build_directory=str(d),
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "-std=c++17"],  # no fast-math: the casts must round exactly,
+            verbose=bool(os.environ.get("SUROGATE_HF_EXT_VERBOSE")),
+        )
+    except Exception as exc:  # a broken toolkit must not break the Triton path: report it
+        _error = f"building/loading the extension failed: {type(exc).__name__}: {exc}"
+        return None
+    return _module

@@ -1,0 +1,123 @@
+"""FP8 GEMMs on the tensor cores through torch's cuBLASLt bindings.
+
+- block-scaled (fp8 bases, DeepSeek-V3 recipe): activations / output gradients quantized in 1x128
+  tiles by our Triton kernel, weights in 128x128 blocks, `torch.nn.functional.scaled_mm` with
+  BlockWise1x128 x BlockWise128x128 scaling (layout: ../shared/notes/anchors.md).
+- per-tensor (fp8-hybrid recipe): `torch._scaled_mm`.
+Shapes or dtypes cuBLASLt does not take go through the reference math (warned once, with the why).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as Fn
+
+from .. import formats as F
+from ._warn import warn_once
+from . import triton_quant as TQ
+
+_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _blockwise_ok(device_index: int) -> bool:
+    return hasattr(Fn, "scaled_mm") and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _block_problem(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int) -> str | None:
+    n, k = w.shape
+    if (block_n, block_k) != (128, 128):
+        return f"block size {block_n}x{block_k} (cuBLASLt block scaling is 128x128)"
+    if n % 128 or k % 128:
+        return f"weight shape [{n}, {k}] not a multiple of 128"
+    if x.dtype not in (torch.bfloat16,):
+        return f"activation dtype {x.dtype} (block-scaled scaled_mm writes bf16)"
+    if not _blockwise_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return "block-scaled scaled_mm needs torch >= 2.10 and an SM90 GPU"
+    return None
+
+
+def _block_mm(a2: torch.Tensor, a_tile: int, wt_q: torch.Tensor, wt_s: torch.Tensor) -> torch.Tensor:
+    """a2 [M, K] bf16 @ (block-scaled W')^T with W' = wt_q [N, K] e4m3, wt_s [N/128, K/128].
+
+    cuBLASLt wants the weight scales as the transpose view of an [N/128, L4] buffer, L4 = K/128
+    rounded up to 4 (padding entries never multiply data), and M a multiple of 16 (we pad the
+    activation rows; the quantize kernel writes the real rows, the pad rows stay zero).
+    """
+    m, k = a2.shape
+    kb = k // 128
+    l4 = -(-kb // 4) * 4
+    if l4 != kb:
+        padded = torch.zeros((wt_s.shape[0], l4), dtype=torch.float32, device=wt_s.device)
+        padded[:, :kb] = wt_s
+        wt_s = padded
+    mp = -(-m // 16) * 16
+    if mp != m:
+        a2 = torch.cat((a2, a2.new_zeros((mp - m, k))))
+    aq, as_ = TQ.quantize_fp8_tiles(a2, a_tile, scale_colmajor=True)
+    out = Fn.scaled_mm(
+        aq, wt_q.t(), as_, Fn.ScalingType.BlockWise1x128, wt_s.t(), Fn.ScalingType.BlockWise128x128,
+        output_dtype=a2.dtype,
+    )
+    return out[:m] if mp != m else out
+
+
+def _reference_linear(x, w, w_scale_inv, block_n, block_k):
+    xq, xs = TQ.quantize_fp8_tiles(x, block_k)
+    xd = F.dequantize_fp8_tiles(xq, xs, block_k, torch.float32)
+    wd = TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
+    return (xd @ wd.t()).to(x.dtype)
+
+
+def fp8_block_linear(x, w, w_scale_inv, block_n, block_k):
+    why = _block_problem(x, w, block_n, block_k)
+    if why:
+        warn_once("fp8_block_linear", f"surogate::fp8_block_linear runs the fp32 reference GEMM: {why}")
+        return _reference_linear(x, w, w_scale_inv, block_n, block_k)
+    k = x.shape[-1]
+    y = _block_mm(x.reshape(-1, k), block_k, w, w_scale_inv)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k):
+    why = _block_problem(dy, w, block_n, block_k)
+    if why:
+        warn_once("fp8_block_linear_dgrad", f"surogate::fp8_block_linear_dgrad runs the fp32 reference GEMM: {why}")
+        dq, ds = TQ.quantize_fp8_tiles(dy, block_n)
+        dd = F.dequantize_fp8_tiles(dq, ds, block_n, torch.float32)
+        wd = TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
+        return (dd @ wd).to(dy.dtype)
+    n = dy.shape[-1]
+    # dx = dy @ W: the reduction runs over W's rows, so the GEMM takes W^T [K, N] (blocks transpose
+    # with it); one fp8 transpose of the weight per call (1 byte/param), no dense copy.
+    wt = TQ.transpose_2d(w)
+    dx = _block_mm(dy.reshape(-1, n), block_n, wt, w_scale_inv.t().contiguous())
+    return dx.reshape(*dy.shape[:-1], w.shape[1])
+
+
+def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
+    m, k = a.shape
+    n = b.shape[0]
+    why = None
+    if out_dtype not in _OUT:
+        why = f"out_dtype {out_dtype}"
+    elif a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        why = "e5m2 x e5m2 (cuBLASLt needs one e4m3 operand)"
+    elif k % 16 or n % 16:
+        why = f"K={k}, N={n} not multiples of 16"
+    if why:
+        warn_once("fp8_scaled_mm", f"surogate::fp8_scaled_mm runs the fp32 reference GEMM: {why}")
+        acc = a.float() @ b.float().t()
+        out = acc * (scale_a_inv.float() * scale_b_inv.float())
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+    sa = scale_a_inv.float().reshape(())
+    sb = scale_b_inv.float().reshape(())
+    a = a.contiguous()
+    bt = b.contiguous().t()
+    if bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32):
+        # cuBLASLt adds the bias in fp32 in its epilogue before the single output rounding
+        return torch._scaled_mm(a, bt, sa, sb, bias=bias, out_dtype=out_dtype)
+    out = torch._scaled_mm(a, bt, sa, sb, out_dtype=torch.float32)
+    return (out + bias.float()).to(out_dtype)

@@ -1,0 +1,65 @@
+"""Capability probes: each returns (ok, reason). Used by dispatch and by pytest skipif.
+
+Cheap and side-effect free: they look for modules with importlib.util.find_spec and never import
+triton or build the native extension.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+
+@functools.cache
+def cuda_ok() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (torch.cuda.is_available() is False)"
+    return True, ""
+
+
+@functools.cache
+def triton_ok() -> tuple[bool, str]:
+    ok, why = cuda_ok()
+    if not ok:
+        return ok, why
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install triton)"
+    return True, ""
+
+
+@functools.cache
+def hopper_ok() -> tuple[bool, str]:
+    """FP8 tensor cores (SM 8.9+) and block-scaled scaled_mm (torch.nn.functional.scaled_mm, SM 9.0)."""
+    ok, why = cuda_ok()
+    if not ok:
+        return ok, why
+    cap = torch.cuda.get_device_capability()
+    if cap < (9, 0):
+        return False, f"block-scaled FP8 GEMMs need compute capability >= 9.0, this GPU has {cap[0]}.{cap[1]}"
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        return False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (needs torch >= 2.10)"
+    return True, ""
+
+
+@functools.cache
+def fp8_ok() -> tuple[bool, str]:
+    """FP8 tensor cores through torch._scaled_mm (SM 8.9+)."""
+    ok, why = cuda_ok()
+    if not ok:
+        return ok, why
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 9):
+        return False, f"FP8 GEMMs need compute capability >= 8.9, this GPU has {cap[0]}.{cap[1]}"
+    return True, ""
+
+
+def extension_ok() -> tuple[bool, str]:
+    """Whether the csrc extension is built and loaded (building it if a toolkit is there)."""
+    ok, why = cuda_ok()
+    if not ok:
+        return ok, why
+    from . import ext
+
+    return ext.status()

@@ -1,0 +1,215 @@
+"""CUDA implementations of the surogate:: ops, registered with torch.library.register_kernel.
+
+Registration is cheap: each wrapper imports its Triton module (or the native extension) on its
+first call, so importing surogate_hf never imports triton. On a CUDA device without Triton the
+first call raises one actionable error (`_require_triton`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import probe
+from ._warn import warn_once
+
+NS = "surogate"
+_registered = False
+
+
+def _require_triton():
+    ok, why = probe.triton_ok()
+    if not ok:
+        raise RuntimeError(
+            f"surogate_hf's CUDA kernels need Triton: {why}. Install it (`pip install triton`, bundled with "
+            "CUDA builds of torch) or run the op on CPU tensors for the reference path."
+        )
+
+
+def _tq():
+    _require_triton()
+    return importlib.import_module(".triton_quant", __package__)
+
+
+def _tg():
+    _require_triton()
+    return importlib.import_module(".triton_gemm", __package__)
+
+
+def _fp8():
+    _require_triton()
+    return importlib.import_module(".fp8_gemm", __package__)
+
+
+# ---------------------------------------------------------------- quantize / dequantize
+def quantize_fp8_tensorwise(x, scale, fp8_dtype):
+    from . import ext
+
+    mod = ext.load(build=False)
+    xc = x.contiguous()
+    if mod is not None and xc.dtype in (torch.float32, torch.bfloat16, torch.float16) and xc.data_ptr() % 16 == 0:
+        q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+        am = torch.zeros(1, dtype=torch.int32, device=x.device)
+        mod.fp8_cast_amax(xc, scale.float().reshape(1).contiguous(), q, am)
+        return q, am.view(torch.float32).reshape(())
+    if mod is None:
+        ok, why = ext.status()
+        warn_once("ext", f"surogate::quantize_fp8_tensorwise uses the Triton kernel; the CUDA extension is {why}")
+    return _tq().quantize_fp8_tensorwise(x, scale, fp8_dtype)
+
+
+def quantize_fp8_tensorwise_t(x, scale, fp8_dtype):
+    return _tq().quantize_fp8_tensorwise_t(x, scale, fp8_dtype)
+
+
+def quantize_fp8_blocks(w, block_n, block_k, ue8m0):
+    return _tq().quantize_fp8_blocks(w, block_n, block_k, ue8m0)
+
+
+def dequantize_fp8_blocks(q, scale_inv, block_n, block_k, out_dtype):
+    return _tq().dequantize_fp8_blocks(q, scale_inv, block_n, block_k, out_dtype)
+
+
+def quantize_fp8_tiles(x, tile):
+    return _tq().quantize_fp8_tiles(x, tile)
+
+
+def quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed, amax):
+    return _tq().quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed, amax)
+
+
+def dequantize_nvfp4(packed, block_scale, global_scale, out_dtype):
+    return _tq().dequantize_nvfp4(packed, block_scale, global_scale, out_dtype)
+
+
+def quantize_mxfp4(x):
+    return _tq().quantize_mxfp4(x)
+
+
+def dequantize_mxfp4(packed, scales, out_dtype):
+    return _tq().dequantize_mxfp4(packed, scales, out_dtype)
+
+
+def rht(x, signs):
+    return _tq().rht(x, signs)
+
+
+# ---------------------------------------------------------------- quantized-base linears
+def fp8_block_linear(x, w, w_scale_inv, block_n, block_k):
+    return _fp8().fp8_block_linear(x, w, w_scale_inv, block_n, block_k)
+
+
+def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k):
+    return _fp8().fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k)
+
+
+def _weight_only(op: str, fwd: bool, fmt_name: str, a, n, k, packed, scale, gscale=None, code=None, nf4_bs=64,
+                 reference=None):
+    tg = _tg()
+    fmt = {"nvfp4": tg.NVFP4, "mxfp4": tg.MXFP4, "nf4": tg.NF4}[fmt_name]
+    ok, why = tg.supported(fmt, a, n, k, nf4_bs)
+    if not ok:
+        warn_once(op, f"surogate::{op} dequantizes the weight (reference path): {why}")
+        return reference()
+    fn = tg.linear if fwd else tg.linear_dgrad
+    return fn(fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
+
+
+def nvfp4_linear(x, packed, block_scale, global_scale):
+    n, k = packed.shape[0], packed.shape[1] * 2
+
+    def ref():
+        return torch.nn.functional.linear(x, _tq().dequantize_nvfp4(packed, block_scale, global_scale, x.dtype))
+
+    return _weight_only("nvfp4_linear", True, "nvfp4", x, n, k, packed, block_scale, global_scale, reference=ref)
+
+
+def nvfp4_linear_dgrad(dy, packed, block_scale, global_scale):
+    n, k = packed.shape[0], packed.shape[1] * 2
+
+    def ref():
+        return dy @ _tq().dequantize_nvfp4(packed, block_scale, global_scale, dy.dtype)
+
+    return _weight_only("nvfp4_linear_dgrad", False, "nvfp4", dy, n, k, packed, block_scale, global_scale,
+                        reference=ref)
+
+
+def mxfp4_linear(x, packed, scales):
+    n, k = packed.shape[0], packed.shape[1] * 2
+
+    def ref():
+        return torch.nn.functional.linear(x, _tq().dequantize_mxfp4(packed, scales, x.dtype))
+
+    return _weight_only("mxfp4_linear", True, "mxfp4", x, n, k, packed, scales, reference=ref)
+
+
+def mxfp4_linear_dgrad(dy, packed, scales):
+    n, k = packed.shape[0], packed.shape[1] * 2
+
+    def ref():
+        return dy @ _tq().dequantize_mxfp4(packed, scales, dy.dtype)
+
+    return _weight_only("mxfp4_linear_dgrad", False, "mxfp4", dy, n, k, packed, scales, reference=ref)
+
+
+def _nf4_ref(a, packed, absmax, code, block_size, n, k, fwd):
+    from ..formats.nf4 import dequantize_nf4_raw
+
+    w = dequantize_nf4_raw(packed, absmax, code, block_size, (n, k), a.dtype)
+    return torch.nn.functional.linear(a, w) if fwd else a @ w
+
+
+def nf4_linear(x, packed, absmax, code, block_size, out_features, in_features):
+    return _weight_only(
+        "nf4_linear", True, "nf4", x, out_features, in_features, packed, absmax.float().contiguous(), None,
+        code.float().contiguous(), block_size,
+        reference=lambda: _nf4_ref(x, packed, absmax, code, block_size, out_features, in_features, True),
+    )
+
+
+def nf4_linear_dgrad(dy, packed, absmax, code, block_size, out_features, in_features):
+    return _weight_only(
+        "nf4_linear_dgrad", False, "nf4", dy, out_features, in_features, packed, absmax.float().contiguous(), None,
+        code.float().contiguous(), block_size,
+        reference=lambda: _nf4_ref(dy, packed, absmax, code, block_size, out_features, in_features, False),
+    )
+
+
+# ---------------------------------------------------------------- recipe GEMMs
+def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
+    return _fp8().fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype)
+
+
+_QUANT = (
+    "quantize_fp8_tensorwise", "quantize_fp8_tensorwise_t", "quantize_fp8_blocks", "dequantize_fp8_blocks",
+    "quantize_fp8_tiles", "quantize_nvfp4", "dequantize_nvfp4", "quantize_mxfp4", "dequantize_mxfp4", "rht",
+)
+_LINEAR = (
+    "fp8_block_linear", "fp8_block_linear_dgrad", "nvfp4_linear", "nvfp4_linear_dgrad", "mxfp4_linear",
+    "mxfp4_linear_dgrad", "nf4_linear", "nf4_linear_dgrad",
+)
+_RECIPE = ("fp8_scaled_mm",)
+
+
+def registered_ops() -> tuple[str, ...]:
+    return _QUANT + _LINEAR + _RECIPE
+
+
+def register() -> None:
+    """Register every CUDA implementation once (idempotent, imports no Triton)."""
+    global _registered
+    if _registered:
+        return
+    from .. import ops  # noqa: F401  (declares the reference ops)
+    from . import ops as _own  # noqa: F401  (declares quantize_fp8_tensorwise_t)
+
+    try:
+        from ..ops import recipe  # noqa: F401
+    except ImportError:
+        recipe = None
+    g = globals()
+    names = _QUANT + _LINEAR + (_RECIPE if recipe is not None else ())
+    for name in names:
+        torch.library.register_kernel(f"{NS}::{name}", "cuda", g[name])
+    _registered = True

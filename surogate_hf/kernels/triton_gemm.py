@@ -1,0 +1,213 @@
+"""Weight-only dequantize-GEMM kernels (Triton) for the nvfp4, mxfp4 and nf4 frozen bases.
+
+Forward y = x W^T and input gradient dx = dy W with W stored packed: each program decodes the
+weight tile it needs into registers (never a dense weight in memory) and feeds the tensor cores in
+x's dtype with fp32 accumulation. The decoded weight element is bit-identical to the reference
+dequantization (surogate_hf.formats, rounded to x's dtype), so the products differ from the
+reference op only by the order of the fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_quant import _e2m1_decode, _e8m0_to_f32
+
+NVFP4, MXFP4, NF4 = 0, 1, 2
+
+
+@triton.jit
+def _e2m1_bf16(code):
+    """E2M1 code -> bf16 value, built as 16-bit patterns (no float arithmetic)."""
+    c = code.to(tl.int32)
+    m = c & 7
+    bits = tl.where(m >= 2, (((m >> 1) + 126) << 7) | ((m & 1) << 6), tl.where(m == 1, 126 << 7, 0))
+    bits = bits | ((c & 8) << 12)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e8m0_bf16(b):
+    """E8M0 byte -> bf16 power of two (bf16 shares fp32's exponent field); 0 -> 2^-127, 255 -> NaN."""
+    b = b.to(tl.int32)
+    bits = tl.where(b == 0, 1 << 6, b << 7)
+    bits = tl.where(b == 255, 0x7FC0, bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nf4_value(c, code_ptr):
+    """NF4 code -> fp32 level through a 4-level select tree (a gather from memory per element is
+    far slower); the 16 levels are scalar loads that stay in L1."""
+    b0 = (c & 1) != 0
+    b1 = (c & 2) != 0
+    b2 = (c & 4) != 0
+    b3 = (c & 8) != 0
+    l0 = tl.where(b0, tl.load(code_ptr + 1), tl.load(code_ptr + 0))
+    l1 = tl.where(b0, tl.load(code_ptr + 3), tl.load(code_ptr + 2))
+    l2 = tl.where(b0, tl.load(code_ptr + 5), tl.load(code_ptr + 4))
+    l3 = tl.where(b0, tl.load(code_ptr + 7), tl.load(code_ptr + 6))
+    l4 = tl.where(b0, tl.load(code_ptr + 9), tl.load(code_ptr + 8))
+    l5 = tl.where(b0, tl.load(code_ptr + 11), tl.load(code_ptr + 10))
+    l6 = tl.where(b0, tl.load(code_ptr + 13), tl.load(code_ptr + 12))
+    l7 = tl.where(b0, tl.load(code_ptr + 15), tl.load(code_ptr + 14))
+    m0 = tl.where(b1, l1, l0)
+    m1 = tl.where(b1, l3, l2)
+    m2 = tl.where(b1, l5, l4)
+    m3 = tl.where(b1, l7, l6)
+    n0 = tl.where(b2, m1, m0)
+    n1 = tl.where(b2, m3, m2)
+    return tl.where(b3, n1, n0)
+
+
+@triton.jit
+def _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rows, c0, KW, FMT: tl.constexpr, NF4_BS: tl.constexpr,
+                 R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, FAST: tl.constexpr):
+    """Dense [R, C] tile (in OUT dtype) of the packed weight at rows x [c0, c0 + C); W has KW columns.
+
+    Exact paths: the element equals the reference dequantization rounded to OUT. FAST (bf16 out,
+    nvfp4 / mxfp4): e2m1 x block scale is exact in bf16 and built from bit patterns; for nvfp4 the
+    global scale is then applied to the fp32 accumulator by the caller instead of per element.
+    """
+    r64 = rows[:, None].to(tl.int64)
+    pcols = c0 // 2 + tl.arange(0, C // 2)
+    p = tl.load(p_ptr + r64 * (KW // 2) + pcols[None, :])
+    if FMT == 2:
+        # bitsandbytes: the even element sits in the HIGH nibble
+        codes = tl.reshape(tl.join(p >> 4, p & 0xF), (R, C))
+    else:
+        codes = tl.reshape(tl.join(p & 0xF, p >> 4), (R, C))
+    if FMT == 0:
+        scols = c0 // 16 + tl.arange(0, C // 16)
+        s8 = tl.load(s_ptr + r64 * (KW // 16) + scols[None, :])
+        if FAST:
+            v = tl.reshape(_e2m1_bf16(codes), (R, C // 16, 16)) * s8.to(tl.bfloat16)[:, :, None]
+            w = tl.reshape(v, (R, C))
+        else:
+            g = tl.load(g_ptr)
+            v = tl.reshape(_e2m1_decode(codes), (R, C // 16, 16)) * s8.to(tl.float32)[:, :, None]
+            w = tl.reshape(v, (R, C)) * g
+    elif FMT == 1:
+        scols = c0 // 32 + tl.arange(0, C // 32)
+        sb = tl.load(s_ptr + r64 * (KW // 32) + scols[None, :])
+        if FAST:
+            w = tl.reshape(tl.reshape(_e2m1_bf16(codes), (R, C // 32, 32)) * _e8m0_bf16(sb)[:, :, None], (R, C))
+        else:
+            w = tl.reshape(tl.reshape(_e2m1_decode(codes), (R, C // 32, 32)) * _e8m0_to_f32(sb)[:, :, None], (R, C))
+    else:
+        vals = _nf4_value(codes, code_ptr)
+        if C >= NF4_BS:
+            bcols = c0 // NF4_BS + tl.arange(0, C // NF4_BS)
+            a = tl.load(s_ptr + r64 * (KW // NF4_BS) + bcols[None, :])
+            w = tl.reshape(tl.reshape(vals, (R, C // NF4_BS, NF4_BS)) * a[:, :, None], (R, C))
+        else:
+            a = tl.load(s_ptr + r64 * (KW // NF4_BS) + c0 // NF4_BS)  # [R, 1]
+            w = vals * a
+    return w.to(OUT)
+
+
+def _configs(fwd: bool):
+    from .triton_quant import AUTOTUNE
+
+    if not AUTOTUNE:
+        return [triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3)]
+    out = []
+    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                                      (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)):
+        out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=warps, num_stages=stages))
+    return out
+
+
+@triton.autotune(configs=_configs(True), key=["M", "N", "K", "FMT", "FAST"])
+@triton.jit
+def _wo_linear_fwd(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, y_ptr, M, N, K, FMT: tl.constexpr, NF4_BS: tl.constexpr,
+                   IEEE: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[M, N] = x[M, K] @ W[N, K]^T. Requires N % BN == 0 and K % BK == 0 (checked by the wrapper)."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    # column-major over M inside groups of N tiles: consecutive programs share the weight tile
+    pid_n = pid // n_m
+    pid_m = pid % n_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mmask[:, None], other=0.0)
+        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, k0, K, FMT, NF4_BS, BN, BK, x_ptr.dtype.element_ty, FAST)
+        if IEEE:
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    if FAST and FMT == 0:
+        acc = acc * tl.load(g_ptr)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+@triton.autotune(configs=_configs(False), key=["M", "N", "K", "FMT", "FAST"])
+@triton.jit
+def _wo_linear_dgrad(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, dx_ptr, M, N, K, FMT: tl.constexpr,
+                     NF4_BS: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """dx[M, K] = dy[M, N] @ W[N, K]; BN tiles the output (K), BK the reduction (N)."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    pid_k = pid // n_m
+    pid_m = pid % n_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BN + tl.arange(0, BN)
+    mmask = rm < M
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for n0 in tl.range(0, N, BK):
+        rn = n0 + tl.arange(0, BK)
+        dyt = tl.load(dy_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mmask[:, None], other=0.0)
+        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, pid_k * BN, K, FMT, NF4_BS, BK, BN, dy_ptr.dtype.element_ty, FAST)
+        if IEEE:
+            acc = tl.dot(dyt, wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dyt, wt, acc)
+    if FAST and FMT == 0:
+        acc = acc * tl.load(g_ptr)
+    tl.store(dx_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def supported(fmt: int, x: torch.Tensor, n: int, k: int, nf4_block: int = 64) -> tuple[bool, str]:
+    """Whether the fused kernel takes this problem; the reason when it does not."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False, f"activation dtype {x.dtype} (needs bf16, fp16 or fp32)"
+    if n % 256 or k % 256:
+        return False, f"weight shape [{n}, {k}] (the fused kernel needs both dims multiples of 256)"
+    if fmt == NF4 and k % nf4_block:
+        return False, f"in_features {k} not a multiple of the nf4 block size {nf4_block}"
+    return True, ""
+
+
+def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n: int, k: int, nf4_bs: int):
+    red = k if fwd else n
+    out_cols = n if fwd else k
+    a2 = a.reshape(-1, red).contiguous()
+    m = a2.shape[0]
+    out = torch.empty((m, out_cols), dtype=a.dtype, device=a.device)
+    if m == 0:
+        return out.reshape(*a.shape[:-1], out_cols)
+    dummy = packed  # unused pointer slots for formats that do not need them
+    g = gscale if gscale is not None else dummy
+    c = code if code is not None else dummy
+    kern = _wo_linear_fwd if fwd else _wo_linear_dgrad
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(out_cols, meta["BN"]),)
+
+    kern[grid](a2, packed.reshape(n, k // 2), scale, g, c, out, m, n, k, FMT=fmt, NF4_BS=nf4_bs,
+               IEEE=a.dtype == torch.float32, FAST=a.dtype == torch.bfloat16 and fmt != NF4)
+    return out.reshape(*a.shape[:-1], out_cols)
+
+
+def linear(fmt: int, x, packed, scale, gscale=None, code=None, n: int = 0, k: int = 0, nf4_bs: int = 64):
+    return _launch(True, fmt, x, packed, scale, gscale, code, n, k, nf4_bs)
+
+
+def linear_dgrad(fmt: int, dy, packed, scale, gscale=None, code=None, n: int = 0, k: int = 0, nf4_bs: int = 64):
+    return _launch(False, fmt, dy, packed, scale, gscale, code, n, k, nf4_bs)

@@ -1,0 +1,316 @@
+"""GPU kernels against the references: bit for bit for quantize/dequantize, SQNR for GEMMs and modules.
+
+The reference is each op's default kernel, run here on CPU copies of the inputs. Skipped with the
+probe's reason without CUDA/Triton.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+# fixed kernel tiles: autotuning changes speed only, and would compile dozens of variants here
+os.environ.setdefault("SUROGATE_HF_AUTOTUNE", "0")
+
+import surogate_hf.kernels as K  # noqa: E402
+from surogate_hf import formats as F  # noqa: E402
+
+_ok, _why = K.triton_ok()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ok, reason=_why)]
+
+ops = torch.ops.surogate
+DEV = "cuda"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        return t.view(torch.uint8)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    return t
+
+
+def assert_bits(out, ref, what):
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+    assert out.dtype == ref.dtype, f"{what}: dtype {out.dtype} vs {ref.dtype}"
+    a, b = _bits(out), _bits(ref)
+    bad = a != b
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first at {tuple(bad.nonzero()[0].tolist())}: "
+        f"{out.detach().cpu()[bad][:4].tolist()} vs {ref[bad][:4].tolist()}"
+    )
+
+
+def sqnr(out, ref) -> float:
+    out, ref = out.detach().float().cpu(), ref.detach().float().cpu()
+    err = (out - ref).norm()
+    return float("inf") if err == 0 else 20 * math.log10(ref.norm() / err)
+
+
+def _rand(shape, dtype, seed=0, spread=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if spread and x.dim() >= 1:
+        # rows / channels of very different magnitudes, a few outliers, exact zeros
+        x = x * torch.exp(torch.randn(shape[-1], generator=g) * 2)
+        x.view(-1)[:: max(1, x.numel() // 7)] *= 50
+        x.view(-1)[1 :: max(1, x.numel() // 5)] = 0
+    return x.to(dtype)
+
+
+def both(op, *args):
+    """(cuda result, cpu reference result) of one op."""
+    cuda_args = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    return op(*cuda_args), op(*args)
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+# ---------------------------------------------------------------- FP8
+@pytest.mark.parametrize("shape", [(1,), (7, 33), (129, 1000), (4, 3, 257), (1024, 4096)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_tensorwise(shape, dtype, fp8):
+    x = _rand(shape, dtype)
+    x.view(-1)[0] = float("inf") if x.numel() > 3 else x.view(-1)[0]
+    scale = torch.tensor(3.7)
+    (q, am), (qr, amr) = both(ops.quantize_fp8_tensorwise, x, scale, fp8)
+    assert_bits(q, qr, "q")
+    assert_bits(am, amr, "amax")
+
+
+def test_fp8_tensorwise_nan_propagates():
+    x = _rand((64, 96), torch.bfloat16)
+    x[3, 4] = float("nan")
+    (q, am), (qr, amr) = both(ops.quantize_fp8_tensorwise, x, torch.tensor(2.0), torch.float8_e4m3fn)
+    assert torch.isnan(am) and torch.isnan(amr)
+    assert torch.equal(torch.isnan(q.float()).cpu(), torch.isnan(qr.float()))
+    fin = ~torch.isnan(qr.float())
+    assert torch.equal(_bits(q)[fin], _bits(qr)[fin])
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (129, 1000), (4, 3, 256), (2048, 1536)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_tensorwise_transposed(shape, dtype):
+    x = _rand(shape, dtype)
+    (q, qt, am), (qr, qtr, amr) = both(ops.quantize_fp8_tensorwise_t, x, torch.tensor(0.37), torch.float8_e4m3fn)
+    assert_bits(q, qr, "q")
+    assert_bits(qt, qtr, "q^T")
+    assert_bits(am, amr, "amax")
+
+
+@pytest.mark.parametrize("shape", [(3, 200), (257, 128), (2, 5, 384), (1000, 1000)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [128, 64])
+def test_fp8_tiles(shape, dtype, tile):
+    x = _rand(shape, dtype)
+    (q, s), (qr, sr) = both(ops.quantize_fp8_tiles, x, tile)
+    assert_bits(q, qr, "q")
+    assert_bits(s, sr, "scale_inv")
+
+
+@pytest.mark.parametrize("shape", [(200, 300), (256, 512), (3, 130, 256), (1, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_blocks_roundtrip(shape, dtype, ue8m0):
+    w = _rand(shape, dtype)
+    (q, s), (qr, sr) = both(ops.quantize_fp8_blocks, w, 128, 128, ue8m0)
+    assert_bits(q, qr, "q")
+    assert_bits(s, sr, "scale_inv")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        d, dr = both(ops.dequantize_fp8_blocks, qr, sr, 128, 128, out_dtype)
+        assert_bits(d, dr, f"dequantized {out_dtype}")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (130, 70), (4096, 1000)])
+def test_transpose_bytes(shape):
+    from surogate_hf.kernels import triton_quant as TQ
+
+    x = _rand(shape, torch.float32).to(torch.float8_e4m3fn).to(DEV)
+    assert_bits(TQ.transpose_2d(x), x.t().contiguous(), "transpose")
+
+
+# ---------------------------------------------------------------- NVFP4
+NVFP4_CASES = [
+    dict(block_2d=False, four_over_six=False, rule="mse", stochastic=False),
+    dict(block_2d=False, four_over_six=True, rule="mse", stochastic=False),
+    dict(block_2d=False, four_over_six=True, rule="mae", stochastic=False),
+    dict(block_2d=False, four_over_six=True, rule="abs_max", stochastic=False),
+    dict(block_2d=False, four_over_six=True, rule="mse", stochastic=True),
+    dict(block_2d=True, four_over_six=False, rule="mse", stochastic=False),
+    dict(block_2d=True, four_over_six=True, rule="mse", stochastic=False),
+    dict(block_2d=True, four_over_six=True, rule="mae", stochastic=True),
+    dict(block_2d=True, four_over_six=True, rule="abs_max", stochastic=False),
+]
+
+
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("shape", [(48, 160), (3, 32, 64), (16, 16), (512, 2048)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_quantize(case, shape, dtype):
+    x = _rand(shape, dtype, seed=len(shape))
+    for amax in (None, torch.tensor(float(x.float().abs().max()) * 1.5)):
+        (p, s, g), (pr, sr, gr) = both(
+            ops.quantize_nvfp4, x, case["block_2d"], case["four_over_six"], case["rule"], case["stochastic"], 1234, amax
+        )
+        assert_bits(p, pr, "packed")
+        assert_bits(s, sr, "block scale")
+        assert_bits(g, gr, "global scale")
+
+
+def test_nvfp4_1d_vector_and_zeros():
+    for x in (_rand((160,), torch.float32), torch.zeros(4, 32)):
+        (p, s, g), (pr, sr, gr) = both(ops.quantize_nvfp4, x, False, True, "mse", False, 0, None)
+        assert_bits(p, pr, "packed")
+        assert_bits(s, sr, "scale")
+        assert_bits(g, gr, "global")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nvfp4_dequantize(out_dtype):
+    pr, sr, gr = ops.quantize_nvfp4(_rand((96, 320), torch.float32), False, True, "mse", False, 0, None)
+    d, dr = both(ops.dequantize_nvfp4, pr, sr, gr, out_dtype)
+    assert_bits(d, dr, "dequantized")
+
+
+# ---------------------------------------------------------------- MXFP4, RHT
+@pytest.mark.parametrize("shape", [(20, 320), (3, 7, 64), (1024, 4096)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mxfp4_roundtrip(shape, dtype):
+    x = _rand(shape, torch.float32)
+    x = x * torch.logspace(-30, 30, shape[-2]).unsqueeze(1) if dtype == torch.float32 else x
+    x = x.to(dtype)
+    x.view(-1)[3] = float("inf")
+    (p, s), (pr, sr) = both(ops.quantize_mxfp4, x)
+    assert_bits(p, pr, "packed")
+    assert_bits(s, sr, "scales")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        d, dr = both(ops.dequantize_mxfp4, pr, sr, out_dtype)
+        assert torch.equal(torch.isnan(d).cpu(), torch.isnan(dr))
+        fin = ~torch.isnan(dr)
+        assert torch.equal(_bits(d)[fin], _bits(dr)[fin])
+
+
+@pytest.mark.parametrize("shape", [(19, 160), (2, 3, 16), (4096, 1024)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rht(shape, dtype):
+    x = _rand(shape, dtype)
+    signs = F.random_signs(11)
+    out, ref = both(ops.rht, x, signs)
+    assert_bits(out, ref, "rht")
+
+
+# ---------------------------------------------------------------- quantized-base GEMMs (SQNR)
+GEMM_SHAPES = [(300, 512, 768), (2, 7, 256, 512)]  # (..., M, N, K): odd token counts
+
+
+def _x_dy(shape, dtype):
+    *lead, n, k = shape
+    return _rand((*lead, k), dtype, seed=1, spread=False), _rand((*lead, n), dtype, seed=2, spread=False)
+
+
+def _weight(n, k, seed=3):
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02)
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "fp8"])
+def test_quantized_linear_ops(shape, fmt):
+    *_, n, k = shape
+    dtype = torch.bfloat16
+    x, dy = _x_dy(shape, dtype)
+    w = _weight(n, k)
+    if fmt == "nvfp4":
+        args = tuple(ops.quantize_nvfp4(w, False, True, "mse", False, 0, None))
+        fwd, bwd = ops.nvfp4_linear, ops.nvfp4_linear_dgrad
+    elif fmt == "mxfp4":
+        args = tuple(ops.quantize_mxfp4(w))
+        fwd, bwd = ops.mxfp4_linear, ops.mxfp4_linear_dgrad
+    elif fmt == "fp8":
+        args = tuple(ops.quantize_fp8_blocks(w, 128, 128, False)) + (128, 128)
+        fwd, bwd = ops.fp8_block_linear, ops.fp8_block_linear_dgrad
+    else:
+        packed, state = F.quantize_nf4(w.to(dtype), 64, True)
+        absmax = F.nf4_absmax(state)
+        args = (packed, absmax, state.code, 64, n, k)
+        fwd, bwd = ops.nf4_linear, ops.nf4_linear_dgrad
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        y, yr = both(fwd, x, *args)
+        dx, dxr = both(bwd, dy, *args)
+    slow = [str(w.message) for w in seen if "surogate::" in str(w.message)]
+    assert not slow, f"these shapes must take the fused kernels: {slow}"
+    assert y.dtype == dtype and dx.dtype == dtype
+    assert sqnr(y, yr) > 38, f"{fmt} forward SQNR {sqnr(y, yr):.1f} dB"
+    assert sqnr(dx, dxr) > 38, f"{fmt} dgrad SQNR {sqnr(dx, dxr):.1f} dB"
+
+
+def test_weight_only_fallback_warns_and_matches():
+    n, k = 48, 96  # not a multiple of the kernel's tiles
+    x = _rand((5, k), torch.bfloat16, spread=False)
+    args = tuple(ops.quantize_mxfp4(_weight(n, k)))
+    with pytest.warns(RuntimeWarning, match="reference path"):
+        y, yr = both(ops.mxfp4_linear, x, *args)
+    assert sqnr(y, yr) > 38
+
+
+@pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
+@pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32])
+def test_fp8_scaled_mm(dtypes, bias):
+    if not hasattr(ops, "fp8_scaled_mm"):
+        pytest.skip("surogate::fp8_scaled_mm is not declared (surogate_hf.ops.recipe missing)")
+    m, n, k = 272, 512, 384
+    a = (torch.randn(m, k) * 20).to(dtypes[0])
+    b = (torch.randn(n, k) * 20).to(dtypes[1])
+    sa, sb = torch.tensor(0.013), torch.tensor(0.021)
+    bb = None if bias is None else torch.randn(n).to(bias)
+    out, ref = both(ops.fp8_scaled_mm, a, b, sa, sb, bb, torch.bfloat16)
+    assert sqnr(out, ref) > 45, f"SQNR {sqnr(out, ref):.1f} dB"
+
+
+# ---------------------------------------------------------------- modules vs their CPU path
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "nf4"])
+def test_modules_match_cpu(fmt):
+    from surogate_hf.nn import linear as L
+
+    cls = {"fp8": L.FP8Linear, "nvfp4": L.NVFP4Linear, "mxfp4": L.MXFP4Linear, "nf4": L.NF4Linear}[fmt]
+    dense = torch.nn.Linear(768, 512, bias=True, dtype=torch.bfloat16)
+    cpu = cls.from_linear(dense)
+    gpu = cls.from_linear(dense).to(DEV)
+    x = _rand((3, 100, 768), torch.bfloat16, spread=False)
+    xc, xg = x.clone().requires_grad_(), x.to(DEV).requires_grad_()
+    yc, yg = cpu(xc), gpu(xg)
+    g = _rand(yc.shape, torch.bfloat16, seed=5, spread=False)
+    yc.backward(g)
+    yg.backward(g.to(DEV))
+    assert sqnr(yg, yc) > 35, f"{fmt} module forward SQNR {sqnr(yg, yc):.1f}"
+    assert sqnr(xg.grad, xc.grad) > 35, f"{fmt} module input-grad SQNR {sqnr(xg.grad, xc.grad):.1f}"
+
+
+# ---------------------------------------------------------------- native extension
+def test_extension_builds_and_matches():
+    import shutil
+
+    from surogate_hf.kernels import ext
+
+    if shutil.which("nvcc") is None and not __import__("os").environ.get("CUDA_HOME"):
+        pytest.skip("no CUDA toolkit (nvcc) to build csrc/")
+    mod = ext.load(build=True)
+    assert mod is not None, ext.status()[1]
+    for dtype in DTYPES:
+        x = _rand((333, 1001), dtype)
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEV)
+        am = torch.zeros(1, dtype=torch.int32, device=DEV)
+        mod.fp8_cast_amax(x.to(DEV), torch.tensor([5.0], device=DEV), q, am)
+        qr, amr = ops.quantize_fp8_tensorwise(x, torch.tensor(5.0), torch.float8_e4m3fn)
+        assert_bits(q, qr, f"extension q {dtype}")
+        assert_bits(am.view(torch.float32).reshape(()), amr, "extension amax")
