@@ -10,4 +10,21 @@ from .config import SurogateConfig
 from .integrations import transformers as _transformers_integration  # noqa: F401  (registers the quantizer)
 from .integrations import modelopt as _modelopt_integration  # noqa: F401  (quant_method "modelopt" + the SurogateConfig() seam for pre-quantized checkpoints)
 
-__all__ = ["SurogateConfig", "__version__"]
+
+# Loaded on first use: the Trainer callback pulls in transformers' Trainer machinery (and with it triton),
+# which plain `import surogate_hf` must not.
+_LAZY = {
+    "RecipeConfig": ".recipes",
+    "apply_recipe": ".recipes",
+    "SurogateRecipeCallback": ".integrations.trainer",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'surogate_hf' has no attribute {name!r}")
+
+__all__ = ["RecipeConfig", "SurogateConfig", "SurogateRecipeCallback", "apply_recipe", "__version__"]

@@ -1,7 +1,7 @@
 """torch.library custom ops (namespace `surogate`): the reference is each op's default kernel;
 surogate_hf.kernels registers CUDA/Triton implementations under the same names."""
 
-from . import linear, quant
+from . import linear, quant, recipe
 from .quant import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,

@@ -1,0 +1,58 @@
+"""Recipes with the HF Trainer: one callback next to TrainingArguments, no Trainer subclass.
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[SurogateRecipeCallback("fp8-hybrid", margin=0)])
+
+`SurogateRecipeCallback()` without a recipe reads SUROGATE_RECIPE / SUROGATE_RECIPE_KNOBS from the
+environment, so a train.py written once with it is switched between recipes by the launch
+environment alone (`SUROGATE_RECIPE=nvfp4 accelerate launch --config_file cfg.yaml train.py`);
+with the variable unset the callback does nothing, i.e. plain training.
+
+The recipe is applied in `on_init_end`, which the Trainer calls at the end of __init__ with the
+model, before it builds its optimizer and before accelerator.prepare. Recipe state (amax
+histories, scales, stochastic-rounding counters) are buffers, so Trainer checkpoints carry them
+and resume_from_checkpoint restores them.
+"""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from ..recipes import RecipeConfig, apply_recipe, as_recipe_config
+
+
+class SurogateRecipeCallback(TrainerCallback):
+    def __init__(self, recipe=None, **knobs):
+        if recipe is None and not knobs:
+            self.config = RecipeConfig.from_env()  # None: nothing to apply
+        else:
+            self.config = as_recipe_config(recipe, **knobs)
+
+    def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.config is None:
+            return
+        if model is None:
+            raise RuntimeError("SurogateRecipeCallback: the Trainer passed no model to on_init_end")
+        if args.fp16:
+            raise ValueError("TrainingArguments(fp16=True) cannot run a surogate_hf recipe; use bf16=True or neither")
+        if optimizer is not None:
+            # An optimizer built before the recipe still holds the same Parameters, but its state
+            # would have been created for the old dtypes; refuse rather than train on mixed state.
+            if any(len(s) for s in optimizer.state.values()):
+                raise ValueError("SurogateRecipeCallback: the optimizer passed to Trainer already has state")
+        applied = getattr(model, "surogate_recipe", None)
+        if applied is not None:
+            wanted = self.config if self.config.model_dtype else self.config.with_model_dtype(applied.model_dtype)
+            if wanted != applied:
+                raise ValueError(f"the model already has a different recipe applied ({applied}); the callback asks for {wanted}")
+            return
+        apply_recipe(model, self.config)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # Trainer(model_init=...) builds a fresh model inside train(), after on_init_end: it would
+        # train without the recipe, so refuse instead of silently running plain precision.
+        if self.config is not None and model is not None and getattr(model, "surogate_recipe", None) is None:
+            raise RuntimeError(
+                "SurogateRecipeCallback: the model being trained has no recipe applied (Trainer(model_init=...) "
+                "replaces the model after on_init_end); call surogate_hf.recipes.apply_recipe inside model_init"
+            )

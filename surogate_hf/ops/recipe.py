@@ -1,0 +1,100 @@
+"""The GEMMs of the training recipes as torch.library custom ops (namespace `surogate`).
+
+Layout convention for every op: out[M, N] = a[M, K] @ b[N, K]^T, both operands row-major with the
+reduction dim K last ("TN", what cuBLASLt's FP8 and CUTLASS's block-scaled FP4 GEMMs take; pass
+`b.t()` of a row-major [N, K] tensor to `torch._scaled_mm`). The default kernels below are the
+reference numerics and run on any device; surogate_hf.kernels registers CUDA implementations under
+the same names (e.g. `torch._scaled_mm` for fp8_scaled_mm) and must match them within the
+accumulation-order tolerance the docstrings state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import formats as F
+
+NS = "surogate"
+
+
+def _no_autocast(device: torch.device):
+    # An enclosing autocast (accelerate mixed_precision="bf16") must not turn the fp32 reference GEMM into bf16.
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+@torch.library.custom_op(f"{NS}::fp8_scaled_mm", mutates_args=())
+def fp8_scaled_mm(
+    a: Tensor, b: Tensor, scale_a_inv: Tensor, scale_b_inv: Tensor, bias: Tensor | None, out_dtype: torch.dtype
+) -> Tensor:
+    """Per-tensor scaled FP8 GEMM: out = cast((a.f32 @ b.f32^T) * (sa * sb) + bias.f32, out_dtype).
+
+    a: [M, K] float8 (e4m3 or e5m2), b: [N, K] float8, scale_a_inv / scale_b_inv: fp32 scalars (the
+    dequantization scales, 1/scale of the cast), bias: [N] or None. Products of two FP8 values are
+    exact in fp32, accumulation is fp32, the combined scale multiplies the fp32 accumulator once,
+    bias is added in fp32 and the result is rounded once to out_dtype (RNE). This is cuBLASLt's
+    `torch._scaled_mm(a, b.t(), scale_a_inv, scale_b_inv, bias, out_dtype=...)`; a kernel differs
+    from the reference only by fp32 summation order (|err| <= K * 2^-24 * sum|a_i b_i| * sa * sb
+    before the output rounding).
+    """
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in F.FP8_MAX:
+            raise TypeError(f"fp8_scaled_mm: operand {name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"fp8_scaled_mm: reduction dims differ, a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    with _no_autocast(a.device):
+        acc = a.float() @ b.float().t()
+        out = acc * (scale_a_inv.float() * scale_b_inv.float())
+        if bias is not None:
+            out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@fp8_scaled_mm.register_fake
+def _(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{NS}::nvfp4_mm", mutates_args=())
+def nvfp4_mm(
+    a_packed: Tensor,
+    a_scale: Tensor,
+    a_global: Tensor,
+    b_packed: Tensor,
+    b_scale: Tensor,
+    b_global: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """Block-scaled NVFP4 GEMM: out = cast((A @ B^T) * (ga * gb) + bias.f32, out_dtype).
+
+    a_packed [M, K/2] / b_packed [N, K/2]: E2M1 codes two per byte (formats.e2m1 layout);
+    a_scale [M, K/16] / b_scale [N, K/16]: E4M3 block scales; a_global / b_global: fp32 decode
+    globals (formats.nvfp4: x = e2m1 * s_blk * global). A and B are the operands decoded WITHOUT
+    their globals (e2m1 * s_blk, exact in fp32); products accumulate in fp32, the product of the two
+    globals scales the accumulator once (CUTLASS's alpha), bias is added in fp32, one rounding to
+    out_dtype. A native SM100 kernel differs only by fp32 summation order.
+    """
+    if a_packed.shape[-1] != b_packed.shape[-1]:
+        raise ValueError(f"nvfp4_mm: reduction dims differ, a {tuple(a_packed.shape)} vs b {tuple(b_packed.shape)}")
+    one = torch.ones((), dtype=torch.float32, device=a_packed.device)
+    with _no_autocast(a_packed.device):
+        a = F.dequantize_nvfp4(a_packed, a_scale, one, torch.float32)
+        b = F.dequantize_nvfp4(b_packed, b_scale, one, torch.float32)
+        out = (a @ b.t()) * (a_global.float() * b_global.float())
+        if bias is not None:
+            out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@nvfp4_mm.register_fake
+def _(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype):
+    return a_packed.new_empty((a_packed.shape[0], b_packed.shape[0]), dtype=out_dtype)
+
+
+def has_native_kernel(op_name: str, device: torch.device) -> bool:
+    """True when a kernel other than the reference is registered for `op_name` on `device`'s backend."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NS}::{op_name}", "CUDA")

@@ -1,0 +1,251 @@
+"""RecipeConfig: the precision recipe and its knobs, frozen and validated on creation.
+
+Names follow Surogate's config (`recipe`, `matmul_dtype`, `gradient_dtype`, `model_dtype`,
+`master_dtype`, `lora_dtype`, `fp8_amax_history`, `skip_quant_first_layers`, ...).
+
+Fallback chain (Surogate's): model_dtype -> matmul_dtype -> gradient_dtype, and model_dtype ->
+master_dtype. One addition: a matmul_dtype of e4m3 falls through to a gradient_dtype of e5m2
+(E4M3 is not a gradient format). The fp8-hybrid and nvfp4 recipes fix the GEMM formats
+(e4m3/e5m2 and e2m1/e2m1); setting matmul_dtype or gradient_dtype to anything else with them is
+an error rather than a silent override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+RECIPES = ("bf16", "fp8-hybrid", "nvfp4")
+MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
+GRADIENT_DTYPES = ("fp32", "bf16", "e5m2")
+FLOAT_DTYPES = ("fp32", "bf16")
+AMAX_ALGOS = ("max", "most_recent")
+FOUR_OVER_SIX_RULES = ("mse", "mae", "abs_max")
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPE_ALIASES = {
+    "float32": "fp32", "torch.float32": "fp32", "fp32": "fp32",
+    "bfloat16": "bf16", "torch.bfloat16": "bf16", "bf16": "bf16",
+    "float16": "fp16", "torch.float16": "fp16", "fp16": "fp16", "half": "fp16",
+    "e4m3": "e4m3", "float8_e4m3fn": "e4m3", "torch.float8_e4m3fn": "e4m3",
+    "e5m2": "e5m2", "float8_e5m2": "e5m2", "torch.float8_e5m2": "e5m2",
+    "e2m1": "e2m1", "fp4": "e2m1",
+}
+# Knobs that only mean something under one recipe: passing them to another is a mistake, not a no-op.
+_FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
+_FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht")
+_KNOB_ALIASES = {"fp8_amax_history": "amax_history_len"}
+
+ENV_RECIPE = "SUROGATE_RECIPE"
+ENV_KNOBS = "SUROGATE_RECIPE_KNOBS"
+
+
+def dtype_name(value, knob: str) -> str | None:
+    """Canonical short name ('fp32', 'bf16', 'e4m3', ...) of a dtype given as str or torch.dtype."""
+    if value is None:
+        return None
+    key = str(value).lower()
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"{knob}={value!r} is not a dtype surogate_hf knows")
+    return _DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    recipe: str = "bf16"
+    # precision knobs (None = take the fallback chain)
+    matmul_dtype: str | None = None
+    gradient_dtype: str | None = None
+    model_dtype: str | None = None  # None: the model's own parameter dtype, read by apply_recipe
+    master_dtype: str | None = None
+    lora_dtype: str | None = None  # applied through surogate_hf.integrations.peft.set_lora_dtype
+    # fp8 delayed scaling (Transformer Engine DelayedScaling semantics)
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    reduce_amax: bool = True
+    # nvfp4
+    four_over_six: bool = True
+    four_over_six_rule: str = "mse"
+    no_fp4_stochastic_rounding: bool = False
+    fp4_rht: bool = True
+    seed: int = 0
+    # which linears are converted
+    skip_quant_first_layers: int = 0
+    skip_quant_last_layers: int = 0
+    modules_to_not_convert: tuple = field(default=("lm_head",))
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass normalisation)
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe={self.recipe!r} is unknown; choose one of {RECIPES}")
+        for knob in ("matmul_dtype", "gradient_dtype", "model_dtype", "master_dtype", "lora_dtype"):
+            set_(knob, dtype_name(getattr(self, knob), knob))
+        if self.matmul_dtype is not None and self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(
+                f"matmul_dtype={self.matmul_dtype!r} is not supported: forward matmuls run in {MATMUL_DTYPES} "
+                "(e5m2 is a gradient format, e2m1 only exists inside the nvfp4 recipe, fp16 is not supported)"
+            )
+        if self.gradient_dtype is not None and self.gradient_dtype not in GRADIENT_DTYPES:
+            raise ValueError(
+                f"gradient_dtype={self.gradient_dtype!r} is not supported: backward matmuls run in {GRADIENT_DTYPES} "
+                "(e4m3 lacks the range gradients need; fp16 and e2m1 are not supported)"
+            )
+        for knob in ("model_dtype", "master_dtype", "lora_dtype"):
+            v = getattr(self, knob)
+            if v is not None and v not in FLOAT_DTYPES:
+                raise ValueError(f"{knob}={v!r} is not supported; choose one of {FLOAT_DTYPES}")
+        forced = {"fp8-hybrid": ("e4m3", "e5m2"), "nvfp4": ("e2m1", "e2m1")}.get(self.recipe)
+        if forced is not None:
+            for knob, want in zip(("matmul_dtype", "gradient_dtype"), forced):
+                v = getattr(self, knob)
+                if v is not None and v != want:
+                    raise ValueError(
+                        f"{knob}={v!r} conflicts with recipe={self.recipe!r}, which runs its matmuls in {want}; "
+                        f"drop {knob} or use recipe='bf16'"
+                    )
+        if self.recipe == "bf16" and self.gradient_dtype == "e5m2" and self.resolved_matmul_dtype() != "e4m3":
+            raise ValueError(
+                "gradient_dtype='e5m2' needs matmul_dtype='e4m3': the FP8 backward multiplies E5M2 gradients "
+                "with the E4M3 weight and activation of the forward (there is no bf16 x e5m2 GEMM)"
+            )
+        if self.model_dtype == "fp32" and self.master_dtype == "bf16":
+            raise ValueError("master_dtype='bf16' below model_dtype='fp32' is not supported; masters must be at least as wide")
+        if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool) or self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len (fp8_amax_history) must be an int >= 1, got {self.amax_history_len!r}")
+        algo = str(self.amax_compute_algo).lower()
+        if algo not in AMAX_ALGOS:
+            raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r} is unknown; choose one of {AMAX_ALGOS}")
+        set_("amax_compute_algo", algo)
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+            raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
+        if self.four_over_six_rule not in FOUR_OVER_SIX_RULES:
+            raise ValueError(f"four_over_six_rule={self.four_over_six_rule!r} is unknown; choose one of {FOUR_OVER_SIX_RULES}")
+        for knob in ("skip_quant_first_layers", "skip_quant_last_layers"):
+            v = getattr(self, knob)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{knob} must be an int >= 0, got {v!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        mods = self.modules_to_not_convert
+        if isinstance(mods, str) or not all(isinstance(m, str) for m in mods):
+            raise ValueError(f"modules_to_not_convert must be a list of module names, got {mods!r}")
+        set_("modules_to_not_convert", tuple(mods))
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_recipe_name(cls, recipe: str, **knobs) -> "RecipeConfig":
+        """The named preset with `knobs` on top; unknown knobs and knobs of another recipe are errors."""
+        recipe = str(recipe).lower().replace("_", "-")
+        if recipe in ("fp8", "fp8hybrid"):
+            recipe = "fp8-hybrid"
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe={recipe!r} is unknown; choose one of {RECIPES}")
+        out = {}
+        valid = {f.name for f in dataclasses.fields(cls)} - {"recipe"}
+        for k, v in knobs.items():
+            name = _KNOB_ALIASES.get(k, k)
+            if name not in valid:
+                raise ValueError(f"unknown recipe knob {k!r}; valid knobs: {sorted(valid | set(_KNOB_ALIASES))}")
+            if name in _FP8_KNOBS and recipe == "nvfp4":
+                raise ValueError(f"{k} is a delayed-scaling (FP8) knob; recipe='nvfp4' has no delayed scaling")
+            if name in _FP4_KNOBS and recipe != "nvfp4":
+                raise ValueError(f"{k} only applies to recipe='nvfp4', not {recipe!r}")
+            out[name] = v
+        return cls(recipe=recipe, **out)
+
+    @classmethod
+    def from_env(cls, environ=None) -> "RecipeConfig | None":
+        """SUROGATE_RECIPE=<name> plus optional SUROGATE_RECIPE_KNOBS=<JSON object>; None when unset."""
+        env = os.environ if environ is None else environ
+        name = env.get(ENV_RECIPE, "").strip()
+        raw = env.get(ENV_KNOBS, "").strip()
+        if not name:
+            if raw:
+                raise ValueError(f"{ENV_KNOBS} is set but {ENV_RECIPE} is not; set {ENV_RECIPE} to one of {RECIPES}")
+            return None
+        knobs = {}
+        if raw:
+            try:
+                knobs = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{ENV_KNOBS} must be a JSON object of knobs, got {raw!r}: {e}") from None
+            if not isinstance(knobs, dict):
+                raise ValueError(f"{ENV_KNOBS} must be a JSON object of knobs, got {raw!r}")
+        return cls.from_recipe_name(name, **knobs)
+
+    def to_env(self) -> dict:
+        """The environment variables from_env reads back into this config."""
+        knobs = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "recipe" and getattr(self, f.name) != f.default
+        }
+        if "modules_to_not_convert" in knobs:
+            knobs["modules_to_not_convert"] = list(knobs["modules_to_not_convert"])
+        env = {ENV_RECIPE: self.recipe}
+        if knobs:
+            env[ENV_KNOBS] = json.dumps(knobs)
+        return env
+
+    # ------------------------------------------------------------ resolution (the fallback chain)
+    def resolved_model_dtype(self) -> str:
+        if self.model_dtype is None:
+            raise ValueError("model_dtype is unresolved: apply_recipe reads it from the model, or pass model_dtype")
+        return self.model_dtype
+
+    def resolved_matmul_dtype(self) -> str:
+        if self.recipe == "fp8-hybrid":
+            return "e4m3"
+        if self.recipe == "nvfp4":
+            return "e2m1"
+        return self.matmul_dtype or self.model_dtype or "bf16"
+
+    def resolved_gradient_dtype(self) -> str:
+        if self.recipe == "fp8-hybrid":
+            return "e5m2"
+        if self.recipe == "nvfp4":
+            return "e2m1"
+        if self.gradient_dtype is not None:
+            return self.gradient_dtype
+        m = self.resolved_matmul_dtype()
+        return "e5m2" if m == "e4m3" else m
+
+    def resolved_master_dtype(self) -> str:
+        return self.master_dtype or self.resolved_model_dtype()
+
+    def uses_fp8(self) -> bool:
+        return self.resolved_matmul_dtype() == "e4m3"
+
+    def with_model_dtype(self, model_dtype) -> "RecipeConfig":
+        return dataclasses.replace(self, model_dtype=dtype_name(model_dtype, "model_dtype"))
+
+
+def as_recipe_config(recipe=None, **knobs) -> RecipeConfig:
+    """A RecipeConfig from a name, a config, or (recipe None) the environment."""
+    if isinstance(recipe, RecipeConfig):
+        return dataclasses.replace(recipe, **{_KNOB_ALIASES.get(k, k): v for k, v in knobs.items()}) if knobs else recipe
+    if recipe is None:
+        cfg = RecipeConfig.from_env()
+        if cfg is None:
+            raise ValueError(f"no recipe given and {ENV_RECIPE} is not set; pass recipe= one of {RECIPES}")
+        return as_recipe_config(cfg, **knobs)
+    return RecipeConfig.from_recipe_name(recipe, **knobs)
+
+
+def check_device(cfg: RecipeConfig, device: torch.device) -> None:
+    """Refuse an FP8 recipe on a CUDA GPU without FP8 tensor cores (below SM89)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not cfg.uses_fp8():
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        knob = "recipe='fp8-hybrid'" if cfg.recipe == "fp8-hybrid" else "matmul_dtype='e4m3'"
+        raise RuntimeError(
+            f"{knob} needs FP8 tensor cores (SM89+: Ada, Hopper, Blackwell); {device} is SM{cap[0]}{cap[1]}. "
+            "Use recipe='bf16' on this GPU"
+        )

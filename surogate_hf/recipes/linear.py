@@ -1,0 +1,326 @@
+"""RecipeLinear: an nn.Linear whose three GEMMs run in the recipe's formats, and apply_recipe().
+
+RecipeLinear keeps nn.Linear's `weight` / `bias` Parameters (same objects, same state_dict keys)
+and adds the recipe state as buffers (fp8: `fp8_meta.amax_history`, `fp8_meta.scale`; nvfp4:
+`fp4_sr_step`). Its forward is one autograd Function over an engine (bf16.FloatEngine,
+fp8_hybrid.FP8Engine, nvfp4.NVFP4Engine); the output and the input gradient are in the input's
+dtype, the weight gradient in the weight's (master) dtype.
+
+Master / work weights: when the weight's dtype (master_dtype) differs from model_dtype, the GEMMs
+use a work copy in model_dtype, cached and refreshed whenever the master changes (its autograd
+version counter moves, i.e. after each optimizer step or load); the gradient still lands on the
+fp32 master.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from .. import formats as F
+from ..ops import recipe as _recipe_ops  # noqa: F401  (registers surogate::fp8_scaled_mm, nvfp4_mm)
+from .bf16 import FloatEngine
+from .config import TORCH_DTYPES, RecipeConfig, as_recipe_config, check_device, dtype_name
+from .delayed import DelayedScaling
+from .fp8_hybrid import ROLE_FORMATS, FP8Engine
+from .nvfp4 import NVFP4Engine
+
+
+class _RecipeLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, work, owner):
+        w = weight if work is None else work
+        x2d = x.reshape(-1, x.shape[-1])
+        y2d, saved = owner.engine.forward(owner, x2d, w, bias)
+        ctx.is_tensor = [isinstance(s, Tensor) for s in saved]
+        ctx.extras = [s for s in saved if not isinstance(s, Tensor)]
+        ctx.save_for_backward(*[s for s in saved if isinstance(s, Tensor)])
+        ctx.owner, ctx.x_shape, ctx.w_dtype = owner, x.shape, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        tensors, extras = iter(ctx.saved_tensors), iter(ctx.extras)
+        saved = tuple(next(tensors) if t else next(extras) for t in ctx.is_tensor)
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw = ctx.owner.engine.backward(ctx.owner, dy2d, saved, need_dx, need_dw)
+        dx = dx.reshape(ctx.x_shape) if need_dx else None
+        dw = dw.to(ctx.w_dtype) if need_dw else None
+        db = dy2d.float().sum(0).to(ctx.b_dtype) if need_db else None
+        return dx, dw, db, None, None
+
+
+class RecipeLinear(nn.Linear):
+    """nn.Linear with recipe GEMMs. `quantize=False` runs the plain model-dtype GEMM (layers the
+    recipe leaves in the model dtype but that still need work weights from fp32 masters)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        config: RecipeConfig,
+        quantize: bool = True,
+        recipe_index: int = 0,
+        device=None,
+        dtype=None,
+        state_device=None,
+    ):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        model_dtype = config.resolved_model_dtype()
+        self.config, self.quantize, self.recipe_index = config, quantize, recipe_index
+        self.compute_dtype = TORCH_DTYPES[model_dtype]
+        state_device = device if state_device is None else state_device
+        self._work, self._work_key, self._checked_devices = None, None, set()
+        self.pass_mode, self.fwd_sr_step = "train", -1
+        if not quantize:
+            self.engine = FloatEngine(model_dtype, model_dtype)
+        elif config.recipe == "nvfp4":
+            for dim, n in (("in_features", in_features), ("out_features", out_features)):
+                if n % F.NVFP4_BLOCK:
+                    raise ValueError(f"recipe='nvfp4' needs {dim} to be a multiple of 16 (2D 16x16 weight blocks), got {n}")
+            self.engine = NVFP4Engine(config)
+            self.register_buffer("fp4_sr_step", torch.zeros((), dtype=torch.int64, device=state_device))
+            self.register_buffer("rht_signs", F.random_signs(config.seed, device=state_device), persistent=False)
+            self._sr_step = 0
+            self.register_load_state_dict_post_hook(lambda m, _keys: m._sync_sr_step())
+        elif config.uses_fp8():
+            self.engine = FP8Engine(config.resolved_gradient_dtype())
+            self.fp8_meta = DelayedScaling(
+                ROLE_FORMATS, config.amax_history_len, config.amax_compute_algo, config.margin, config.reduce_amax
+            ).to(state_device)
+        else:
+            self.engine = FloatEngine(config.resolved_matmul_dtype(), config.resolved_gradient_dtype())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: RecipeConfig, quantize: bool = True, recipe_index: int = 0):
+        """Wrap `linear`'s own Parameters (no copy, no reallocation: built on meta, then re-pointed)."""
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            config=config,
+            quantize=quantize,
+            recipe_index=recipe_index,
+            device="meta",
+            state_device=linear.weight.device,
+        )
+        new.weight = linear.weight
+        if linear.bias is not None:
+            new.bias = linear.bias
+        return new
+
+    def extra_repr(self) -> str:
+        mode = f"recipe={self.config.recipe}" if self.quantize else "model dtype (not quantized)"
+        return f"{super().extra_repr()}, {mode}, engine={self.engine.name}"
+
+    # ---- nvfp4 stochastic-rounding step counter (buffer for checkpoints, int mirror for seeds)
+    def next_sr_step(self) -> int:
+        s = self._sr_step
+        self._sr_step += 1
+        self.fp4_sr_step.fill_(self._sr_step)
+        return s
+
+    def _sync_sr_step(self):
+        self._sr_step = int(self.fp4_sr_step.item())
+
+    def _work_weight(self):
+        w = self.weight
+        if w.dtype == self.compute_dtype:
+            return None
+        key = (w._version, w.data_ptr(), w.device)
+        if key != self._work_key:
+            with torch.no_grad():
+                self._work = w.detach().to(self.compute_dtype)
+            self._work_key = key
+        return self._work
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device not in self._checked_devices:
+            check_device(self.config, x.device)
+            self._checked_devices.add(x.device)
+        self.pass_mode = _pass_mode()
+        if hasattr(self, "fp4_sr_step"):
+            # Function.forward runs with grad mode off, so the step is taken here: one per
+            # training forward; a checkpoint recompute reuses the original forward's step.
+            if self.pass_mode == "train" or (self.pass_mode == "replay" and self.fwd_sr_step < 0):
+                self.fwd_sr_step = self.next_sr_step()
+            elif self.pass_mode == "eval":
+                self.fwd_sr_step = -1
+        return _RecipeLinearFn.apply(x, self.weight, self.bias, self._work_weight(), self)
+
+
+def _pass_mode() -> str:
+    """Return "train", "eval" (no grad) or "replay": a forward run while the autograd engine executes a
+    backward is an activation-checkpointing recompute (the test FSDP2 and torch's ModuleTracker use;
+    tests/test_recipes_training.py::test_gradient_checkpointing_replays_the_forward pins it)."""
+    if not torch.is_grad_enabled():
+        return "eval"
+    return "replay" if torch._C._current_graph_task_id() != -1 else "train"
+
+
+# ---------------------------------------------------------------------------- model conversion
+def _is_quantized_base(m: nn.Module) -> bool:
+    return hasattr(m, "quant_format")
+
+
+def _layer_list(model: nn.Module):
+    """(name, ModuleList) of the transformer blocks: the ModuleList holding the most linears."""
+    best, best_n = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0:
+            n = sum(isinstance(s, nn.Linear) or _is_quantized_base(s) for s in m.modules())
+            if n > best_n:
+                best, best_n = (name, m), n
+    return best
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns)
+
+
+def _infer_model_dtype(model: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if _is_quantized_base(m):
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if p.is_floating_point() and "lora_" not in f"{name}.{pname}":
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(
+                        f"model_dtype: the model's parameters are {p.dtype} ({name}.{pname}); the recipes compute in "
+                        "fp32 or bf16, pass model_dtype='bf16' or 'fp32'"
+                    )
+                return dtype_name(p.dtype, "model_dtype")
+    raise ValueError("model_dtype: the model has no floating-point parameters to read it from; pass model_dtype")
+
+
+def _cast_output(dtype):
+    def hook(_module, _inputs, out):
+        if isinstance(out, Tensor) and out.is_floating_point() and out.dtype != dtype:
+            return out.to(dtype)
+        return out
+
+    return hook
+
+
+def _apply_lora_dtype(model, cfg):
+    try:
+        from ..integrations.peft import set_lora_dtype
+    except ImportError as e:
+        raise RuntimeError(
+            f"lora_dtype={cfg.lora_dtype!r} is applied by surogate_hf.integrations.peft.set_lora_dtype, "
+            f"which is not available ({e}); leave lora_dtype unset"
+        ) from None
+    set_lora_dtype(model, TORCH_DTYPES[cfg.lora_dtype])
+
+
+def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
+    """Convert `model` in place to the precision recipe and return it.
+
+    recipe: "bf16" | "fp8-hybrid" | "nvfp4" | RecipeConfig | None (read SUROGATE_RECIPE and
+    SUROGATE_RECIPE_KNOBS from the environment). Call it before the optimizer is built and before
+    accelerator.prepare. Plain nn.Linear layers inside the transformer blocks get the recipe;
+    embeddings, norms, the attention core and lm_head (and `modules_to_not_convert`, and the first /
+    last `skip_quant_*_layers` blocks) stay in model_dtype. Modules with a `quant_format` attribute
+    (surogate_hf quantized bases) are never touched: in a PEFT model over them the recipe reaches
+    the LoRA adapter linears.
+    """
+    cfg = as_recipe_config(recipe, **knobs)
+    if getattr(model, "surogate_recipe", None) is not None:
+        raise ValueError(f"a recipe ({model.surogate_recipe.recipe}) is already applied to this model")
+    has_lora = any(isinstance(getattr(m, "lora_A", None), nn.ModuleDict) for m in model.modules())
+    if cfg.lora_dtype is not None:
+        if not has_lora:
+            raise ValueError(f"lora_dtype={cfg.lora_dtype!r} given but the model has no LoRA adapters")
+        _apply_lora_dtype(model, cfg)
+    if cfg.model_dtype is None:
+        cfg = cfg.with_model_dtype(_infer_model_dtype(model))
+    model_dt, master_dt = TORCH_DTYPES[cfg.resolved_model_dtype()], TORCH_DTYPES[cfg.resolved_master_dtype()]
+    first = next((p for p in model.parameters()), None)
+    if first is not None:
+        check_device(cfg, first.device)
+
+    # 1. parameter dtypes: trainable -> master, frozen -> model; quantized bases and LoRA
+    #    adapter parameters are owned by others.
+    quant_prefixes = [n for n, m in model.named_modules() if _is_quantized_base(m)]
+    for name, p in model.named_parameters():
+        if any(name.startswith(q + ".") for q in quant_prefixes) or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            continue
+        if "lora_" in name:
+            continue  # adapter masters: PEFT's / set_lora_dtype's (the lora_dtype knob)
+        want = master_dt if p.requires_grad else model_dt
+        if p.dtype != want:
+            p.data = p.data.to(want)
+
+    # 2. which linears get the recipe
+    layers = _layer_list(model)
+    n_layers = len(layers[1]) if layers else 0
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip_blocks = set(range(min(cfg.skip_quant_first_layers, n_layers)))
+    skip_blocks |= set(range(max(n_layers - cfg.skip_quant_last_layers, 0), n_layers))
+    targets, others = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, RecipeLinear):
+            raise ValueError(f"{name} is already a RecipeLinear")
+        if not isinstance(m, nn.Linear) or _is_quantized_base(m):
+            continue
+        if type(m) is not nn.Linear:
+            others.append(name)
+            continue
+        block = None
+        if layers and name.startswith(layers[0] + "."):
+            block = int(name[len(layers[0]) + 1 :].split(".")[0])
+        excluded = (
+            m is out_emb
+            or _matches(name, cfg.modules_to_not_convert)
+            or block is None
+            or block in skip_blocks
+        )
+        targets.append((name, m, not excluded))
+    if others:
+        warnings.warn(
+            f"apply_recipe: left {len(others)} nn.Linear subclass(es) as they are (not plain nn.Linear, "
+            f"unknown storage): {others[:5]}{' ...' if len(others) > 5 else ''}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if cfg.recipe == "nvfp4":
+        bad = [f"{n} ({m.out_features}x{m.in_features})" for n, m, q in targets if q and (m.in_features % 16 or m.out_features % 16)]
+        if bad:
+            raise ValueError(
+                f"recipe='nvfp4' needs in/out features that are multiples of 16 (2D 16x16 weight blocks); "
+                f"these are not: {bad}. Add them to modules_to_not_convert to keep them in model_dtype"
+            )
+
+    # 3. swap
+    index = 0
+    mods = dict(model.named_modules())
+    for name, m, quantize in targets:
+        if not quantize and m.weight.dtype == model_dt:
+            continue  # stays a plain nn.Linear in model dtype
+        new = RecipeLinear.from_linear(m, cfg, quantize=quantize, recipe_index=index)
+        index += int(quantize)
+        parent_name, _, child = name.rpartition(".")
+        setattr(mods[parent_name] if parent_name else model, child, new)
+
+    # 4. non-matmul modules holding fp32 masters still hand model-dtype activations on
+    if master_dt != model_dt:
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) or _is_quantized_base(m):
+                continue
+            if any(p.dtype != model_dt and p.is_floating_point() for p in m.parameters(recurse=False)):
+                m.register_forward_hook(_cast_output(model_dt))
+    model.surogate_recipe = cfg
+    return model
+
+
+def recipe_state(model: nn.Module) -> dict:
+    """The recipe buffers of `model` (amax histories, scales, SR step counters) by state_dict key."""
+    keys = ("fp8_meta.amax_history", "fp8_meta.scale", "fp4_sr_step")
+    return {k: v for k, v in model.state_dict().items() if k.endswith(keys)}

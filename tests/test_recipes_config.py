@@ -1,0 +1,106 @@
+"""RecipeConfig: presets, the fallback chain, the environment round trip, and bad knobs named in errors."""
+
+import pytest
+import torch
+
+from surogate_hf.recipes import RecipeConfig, as_recipe_config
+from surogate_hf.recipes.config import check_device
+
+
+def test_presets_and_forced_formats():
+    assert RecipeConfig.from_recipe_name("fp8-hybrid").resolved_matmul_dtype() == "e4m3"
+    assert RecipeConfig.from_recipe_name("fp8_hybrid").resolved_gradient_dtype() == "e5m2"
+    nv = RecipeConfig.from_recipe_name("nvfp4")
+    assert (nv.resolved_matmul_dtype(), nv.resolved_gradient_dtype()) == ("e2m1", "e2m1")
+    assert nv.four_over_six and not nv.no_fp4_stochastic_rounding and nv.fp4_rht
+    fp8 = RecipeConfig.from_recipe_name("fp8-hybrid", fp8_amax_history=16, amax_compute_algo="MOST_RECENT")
+    assert (fp8.amax_history_len, fp8.amax_compute_algo, fp8.margin) == (16, "most_recent", 0)
+    assert RecipeConfig().amax_history_len == 1024
+
+
+def test_fallback_chain():
+    c = RecipeConfig(model_dtype="bf16")
+    assert (c.resolved_matmul_dtype(), c.resolved_gradient_dtype(), c.resolved_master_dtype()) == ("bf16",) * 3
+    c = RecipeConfig(model_dtype="bf16", matmul_dtype="fp32")
+    assert c.resolved_gradient_dtype() == "fp32"
+    c = RecipeConfig(model_dtype=torch.bfloat16, matmul_dtype="e4m3")
+    assert c.resolved_gradient_dtype() == "e5m2" and c.uses_fp8()
+    c = RecipeConfig(model_dtype="bf16", matmul_dtype="e4m3", gradient_dtype="bf16")
+    assert c.resolved_gradient_dtype() == "bf16"
+    assert RecipeConfig(model_dtype="bf16", master_dtype="fp32").resolved_master_dtype() == "fp32"
+
+
+@pytest.mark.parametrize(
+    "kwargs, knob",
+    [
+        (dict(recipe="bf16", gradient_dtype="e4m3"), "gradient_dtype"),
+        (dict(recipe="bf16", matmul_dtype="e5m2"), "matmul_dtype"),
+        (dict(recipe="bf16", matmul_dtype="e2m1"), "matmul_dtype"),
+        (dict(recipe="bf16", matmul_dtype="fp16"), "matmul_dtype"),
+        (dict(recipe="bf16", gradient_dtype="e5m2"), "gradient_dtype"),
+        (dict(recipe="bf16", matmul_dtype="bf16", gradient_dtype="e5m2"), "gradient_dtype"),
+        (dict(recipe="fp8-hybrid", matmul_dtype="bf16"), "matmul_dtype"),
+        (dict(recipe="fp8-hybrid", gradient_dtype="bf16"), "gradient_dtype"),
+        (dict(recipe="nvfp4", gradient_dtype="e5m2"), "gradient_dtype"),
+        (dict(recipe="bf16", model_dtype="fp16"), "model_dtype"),
+        (dict(recipe="bf16", master_dtype="e4m3"), "master_dtype"),
+        (dict(recipe="bf16", model_dtype="fp32", master_dtype="bf16"), "master_dtype"),
+        (dict(recipe="bf16", lora_dtype="e4m3"), "lora_dtype"),
+        (dict(recipe="fp8-hybrid", amax_history_len=0), "amax_history_len"),
+        (dict(recipe="fp8-hybrid", amax_compute_algo="mean"), "amax_compute_algo"),
+        (dict(recipe="fp8-hybrid", margin=-1), "margin"),
+        (dict(recipe="nvfp4", four_over_six_rule="l3"), "four_over_six_rule"),
+        (dict(recipe="nvfp4", skip_quant_first_layers=-1), "skip_quant_first_layers"),
+        (dict(recipe="fp4"), "recipe"),
+    ],
+)
+def test_bad_knobs_name_the_knob(kwargs, knob):
+    with pytest.raises(ValueError, match=knob):
+        RecipeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "recipe, knobs, knob",
+    [
+        ("fp8-hybrid", dict(no_fp4_stochastic_rounding=True), "no_fp4_stochastic_rounding"),
+        ("bf16", dict(four_over_six=False), "four_over_six"),
+        ("nvfp4", dict(margin=1), "margin"),
+        ("nvfp4", dict(fp8_amax_history=4), "fp8_amax_history"),
+        ("bf16", dict(amax_histroy_len=4), "amax_histroy_len"),
+    ],
+)
+def test_knobs_of_another_recipe_or_unknown(recipe, knobs, knob):
+    with pytest.raises(ValueError, match=knob):
+        RecipeConfig.from_recipe_name(recipe, **knobs)
+
+
+def test_env_round_trip():
+    c = RecipeConfig.from_recipe_name("nvfp4", no_fp4_stochastic_rounding=True, skip_quant_last_layers=1,
+                                      modules_to_not_convert=["lm_head", "router"])
+    env = c.to_env()
+    assert RecipeConfig.from_env(env) == c
+    assert RecipeConfig.from_env({}) is None
+    with pytest.raises(ValueError, match="SUROGATE_RECIPE_KNOBS"):
+        RecipeConfig.from_env({"SUROGATE_RECIPE": "bf16", "SUROGATE_RECIPE_KNOBS": "margin=1"})
+    with pytest.raises(ValueError, match="SUROGATE_RECIPE"):
+        RecipeConfig.from_env({"SUROGATE_RECIPE_KNOBS": "{}"})
+
+
+def test_as_recipe_config_from_env(monkeypatch):
+    monkeypatch.delenv("SUROGATE_RECIPE", raising=False)
+    with pytest.raises(ValueError, match="SUROGATE_RECIPE"):
+        as_recipe_config(None)
+    monkeypatch.setenv("SUROGATE_RECIPE", "fp8-hybrid")
+    monkeypatch.setenv("SUROGATE_RECIPE_KNOBS", '{"margin": 2}')
+    c = as_recipe_config(None)
+    assert c.recipe == "fp8-hybrid" and c.margin == 2
+
+
+def test_fp8_below_sm89_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(RuntimeError, match="fp8-hybrid.*SM89"):
+        check_device(RecipeConfig(recipe="fp8-hybrid"), "cuda:0")
+    with pytest.raises(RuntimeError, match="matmul_dtype='e4m3'"):
+        check_device(RecipeConfig(matmul_dtype="e4m3"), "cuda:0")
+    check_device(RecipeConfig(recipe="bf16"), "cuda:0")  # bf16 runs anywhere
+    check_device(RecipeConfig(recipe="fp8-hybrid"), "cpu")  # CPU: exact emulation

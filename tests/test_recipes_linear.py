@@ -1,0 +1,211 @@
+"""Each recipe's linear against a reference built from surogate_hf.formats (forward, dgrad, wgrad).
+
+Tolerances: the recipe GEMMs scale the fp32 accumulator once where the references below dequantize
+each operand first, so they agree to fp32 rounding: rtol 2e-6 (atol 1e-6 x output scale). Against
+the unquantized fp32 GEMM the recipes are judged by SQNR floors: fp8 forward (E4M3 x E4M3) >= 25 dB,
+fp8 gradients (E5M2 dy) >= 20 dB, nvfp4 forward >= 13 dB, nvfp4 gradients >= 12 dB. Measured on these
+shapes (fwd / dgrad / wgrad): fp8 29.1 / 24.6 / 24.4 dB; nvfp4 17.7 / 15.5 / 16.3 dB with stochastic
+rounding + RHT, 17.7 / 17.6 / 18.1 dB without (SR trades per-step error for unbiasedness).
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from surogate_hf import formats as F
+from surogate_hf.ops import recipe as recipe_ops
+from surogate_hf.recipes import RecipeConfig, RecipeLinear
+from surogate_hf.recipes.nvfp4 import sr_seed
+
+M, K, N = 48, 64, 32
+
+
+def sqnr(ref, x):
+    return (10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean())).item()
+
+
+def close(a, b, scale):
+    torch.testing.assert_close(a.float(), b.float(), rtol=2e-6, atol=1e-6 * scale)
+
+
+def make(recipe, dtype=torch.float32, bias=True, **knobs):
+    torch.manual_seed(0)
+    lin = nn.Linear(K, N, bias=bias, dtype=dtype)
+    cfg = RecipeConfig.from_recipe_name(recipe, model_dtype="fp32" if dtype == torch.float32 else "bf16", **knobs)
+    return RecipeLinear.from_linear(lin, cfg)
+
+
+def run(mod, x, dy):
+    x = x.clone().requires_grad_(True)
+    y = mod(x)
+    y.backward(dy)
+    return y.detach(), x.grad, mod.weight.grad, None if mod.bias is None else mod.bias.grad
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def data(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, M // 2, K, generator=g).to(dtype)
+    dy = (torch.randn(2, M // 2, N, generator=g) * 1e-3).to(dtype)
+    return x, dy
+
+
+def test_fp8_hybrid_matches_reference():
+    mod = make("fp8-hybrid", amax_history_len=4)
+    x, dy = data()
+    run(mod, x, dy)  # warm-up: the histories now hold this step's amaxes
+    mod.weight.grad = mod.bias.grad = None
+    s = mod.fp8_meta.scale.clone()
+    y, dx, dw, db = run(mod, x, dy)
+
+    def deq(t, role, fmt):
+        q, inv = F.quantize_fp8_tensorwise(t, fmt, scale=s[role])
+        return q.float() * inv
+
+    xd, wd, dyd = deq(x.reshape(M, K), 0, F.E4M3), deq(mod.weight.detach(), 1, F.E4M3), deq(dy.reshape(M, N), 2, F.E5M2)
+    close(y.reshape(M, N), xd @ wd.t() + mod.bias.detach(), 10.0)
+    close(dx.reshape(M, K), dyd @ wd, 1e-3)
+    close(dw, dyd.t() @ xd, 1e-2)
+    close(db, dy.reshape(M, N).sum(0), 1e-3)
+    xf, wf, dyf = x.reshape(M, K), mod.weight.detach(), dy.reshape(M, N)
+    assert sqnr(xf @ wf.t(), y.reshape(M, N) - mod.bias.detach()) > 25, "fp8 forward SQNR"
+    assert sqnr(dyf @ wf, dx.reshape(M, K)) > 20, "fp8 dgrad SQNR"
+    assert sqnr(dyf.t() @ xf, dw) > 20, "fp8 wgrad SQNR"
+    # e4m3/e5m2 history rows were pushed by the second step too
+    assert (mod.fp8_meta.amax_history[:, :2] > 0).all()
+
+
+def test_fp8_matmul_with_float_backward():
+    """bf16 recipe, matmul_dtype e4m3, gradient_dtype fp32: FP8 forward, float backward."""
+    torch.manual_seed(0)
+    lin = nn.Linear(K, N, bias=False)
+    mod = RecipeLinear.from_linear(lin, RecipeConfig(model_dtype="fp32", matmul_dtype="e4m3", gradient_dtype="fp32"))
+    x, dy = data()
+    y, dx, dw, _ = run(mod, x, dy)
+    close(dx.reshape(M, K), dy.reshape(M, N) @ mod.weight.detach(), 1e-3)
+    close(dw, dy.reshape(M, N).t() @ x.reshape(M, K), 1e-2)
+    assert mod.fp8_meta.amax_history[2].abs().sum() == 0  # no gradient cast happened
+
+
+@pytest.mark.parametrize("rht, sr", [(True, True), (False, False)])
+def test_nvfp4_matches_reference(rht, sr):
+    mod = make("nvfp4", fp4_rht=rht, no_fp4_stochastic_rounding=not sr, seed=3)
+    x, dy = data()
+    y, dx, dw, db = run(mod, x, dy)
+    step = 0  # the first training forward
+    fq = lambda t, **kw: F.fake_quantize_nvfp4(t.float(), out_dtype=torch.float32, **kw)  # noqa: E731
+    w = mod.weight.detach()
+    xd, wd = fq(x.reshape(M, K)), fq(w, block_2d=True)
+    close(y.reshape(M, N), xd @ wd.t() + mod.bias.detach(), 10.0)
+    dyd = fq(dy.reshape(M, N), stochastic=sr, seed=sr_seed(3, 0, step, 0) if sr else 0)
+    close(dx.reshape(M, K), dyd @ wd, 1e-3)
+    a, b = dy.reshape(M, N).t(), x.reshape(M, K).t()
+    if rht:
+        signs = F.random_signs(3)
+        a, b = F.rht(a, signs), F.rht(b, signs)
+    dwd = fq(a, stochastic=sr, seed=sr_seed(3, 0, step, 1) if sr else 0) @ fq(b).t()
+    close(dw, dwd, 1e-2)
+    xf = x.reshape(M, K)
+    assert sqnr(xf @ w.t(), y.reshape(M, N) - mod.bias.detach()) > 13
+    assert sqnr(dy.reshape(M, N) @ w, dx.reshape(M, K)) > 12
+    assert sqnr(dy.reshape(M, N).t() @ xf, dw) > 12
+    assert mod.fp4_sr_step.item() == 1
+
+
+def test_nvfp4_token_padding_and_sr_replay():
+    mod = make("nvfp4", bias=False)
+    x = torch.randn(5, K)  # 5 tokens: the wgrad reduction is padded to 16 with zeros
+    dy = torch.randn(5, N) * 1e-2
+    _, _, dw1, _ = run(mod, x, dy)
+    mod.weight.grad = None
+    _, _, dw2, _ = run(mod, x, dy)
+    assert not torch.equal(dw1, dw2)  # step 1 draws other stochastic-rounding numbers
+    mod2 = make("nvfp4", bias=False)
+    mod2.load_state_dict({"weight": mod.weight.detach().clone(), "fp4_sr_step": torch.tensor(1)})
+    _, _, dw3, _ = run(mod2, x, dy)
+    assert torch.equal(dw2, dw3)  # the step counter (a buffer) replays the draw after a load
+    mod3 = make("nvfp4", bias=False, no_fp4_stochastic_rounding=True)
+    g1 = run(mod3, x, dy)[2].clone()
+    mod3.weight.grad = None
+    assert torch.equal(g1, run(mod3, x, dy)[2])  # round-to-nearest: no step dependence
+
+
+def test_nvfp4_rejects_unaligned_features():
+    with pytest.raises(ValueError, match="in_features"):
+        RecipeLinear(24, 32, config=RecipeConfig(recipe="nvfp4", model_dtype="fp32"))
+
+
+@pytest.mark.parametrize("matmul, grad", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32")])
+def test_bf16_recipe_gemm_dtypes(matmul, grad):
+    torch.manual_seed(0)
+    lin = nn.Linear(K, N, dtype=torch.bfloat16)
+    mod = RecipeLinear.from_linear(lin, RecipeConfig(model_dtype="bf16", matmul_dtype=matmul, gradient_dtype=grad))
+    x, dy = data(torch.bfloat16)
+    y, dx, dw, db = run(mod, x, dy)
+    w = mod.weight.detach()
+    x2, dy2 = x.reshape(M, K), dy.reshape(M, N)
+    if matmul == "bf16":
+        torch.testing.assert_close(y, nn.functional.linear(x, w, mod.bias.detach()), rtol=0, atol=0)
+    else:
+        close(y.reshape(M, N), (x2.float() @ w.float().t() + mod.bias.float()).bfloat16(), 10.0)
+    gd = {"bf16": torch.bfloat16, "fp32": torch.float32}[grad]
+    ref_dx = (dy2.to(gd).float() @ w.to(gd).float())
+    torch.testing.assert_close(dx.reshape(M, K).float(), ref_dx, rtol=1e-2, atol=1e-5)
+    torch.testing.assert_close(dw.float(), (dy2.float().t() @ x2.float()), rtol=1e-2, atol=1e-4)
+    assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
+
+
+def test_master_fp32_work_weights_refresh_after_step():
+    torch.manual_seed(0)
+    lin = nn.Linear(K, N, bias=False)
+    mod = RecipeLinear.from_linear(lin, RecipeConfig(model_dtype="bf16", master_dtype="fp32"))
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    y = mod(x)
+    assert y.dtype == torch.bfloat16 and mod.weight.dtype == torch.float32
+    torch.testing.assert_close(y, nn.functional.linear(x, mod.weight.detach().bfloat16()), rtol=0, atol=0)
+    work = mod._work
+    y.float().sum().backward()
+    assert mod.weight.grad.dtype == torch.float32
+    mod(x)
+    assert mod._work is work  # same step: cached
+    opt.step()
+    y2 = mod(x)
+    assert mod._work is not work  # refreshed after the optimizer step
+    torch.testing.assert_close(y2, nn.functional.linear(x, mod.weight.detach().bfloat16()), rtol=0, atol=0)
+
+
+def test_ops_opcheck():
+    a = torch.randn(16, 32).to(F.E4M3)
+    b = torch.randn(8, 32).to(F.E5M2)
+    s = torch.tensor(0.5)
+    # test_schema compares the (float8) inputs with allclose, which CPU float8 lacks: run the others
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(recipe_ops.fp8_scaled_mm, (a, b, s, s, torch.randn(8), torch.bfloat16), test_utils=utils)
+    torch.library.opcheck(recipe_ops.fp8_scaled_mm, (a, b, s, s, None, torch.float32), test_utils=utils)
+    qa = F.quantize_nvfp4(torch.randn(16, 32))
+    qb = F.quantize_nvfp4(torch.randn(16, 32), block_2d=True)
+    torch.library.opcheck(recipe_ops.nvfp4_mm, (*qa, *qb, None, torch.float32), test_utils=utils)
+    with pytest.raises(TypeError, match="operand a"):
+        recipe_ops.fp8_scaled_mm(torch.randn(2, 4), b[:, :4], s, s, None, torch.float32)
+
+
+def test_emulation_warns_once(recwarn):
+    import surogate_hf.recipes.fp8_hybrid as fh
+
+    fh._warned.clear()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        mod = make("nvfp4")
+        mod(torch.randn(4, K))
+        mod(torch.randn(4, K))
+    msgs = [str(w.message) for w in rec if "emulation" in str(w.message)]
+    assert len(msgs) == 1 and "NVFP4" in msgs[0] and "CPU" in msgs[0]

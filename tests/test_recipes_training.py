@@ -1,0 +1,319 @@
+"""Recipes end to end on a tiny Llama (CPU, exact emulation): loss goes down, fp8-hybrid tracks bf16,
+and each entry point (apply_recipe + Accelerator, the Trainer callback with checkpoint resume,
+`accelerate launch` with a config file) selects the recipe. The long curves are
+examples/recipe_loss_curves.py."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import surogate_hf.recipes as R
+from surogate_hf.integrations.accelerate import check_accelerator, prepare
+from surogate_hf.integrations.trainer import SurogateRecipeCallback
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def tiny_llama(seed=0, layers=2):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def batch(step, b=8, seq=32):
+    """Each token a fixed permutation of the previous one, 10% noise: learnable in a few dozen steps."""
+    g = torch.Generator().manual_seed(1000 + step)
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
+    ids = torch.empty(b, seq, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, VOCAB, (b,), generator=g)
+    for t in range(1, seq):
+        noise = torch.rand(b, generator=g) < 0.1
+        ids[:, t] = torch.where(noise, torch.randint(0, VOCAB, (b,), generator=g), perm[ids[:, t - 1]])
+    return ids
+
+
+def train_loop(model, steps, lr=3e-3):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for s in range(steps):
+        ids = batch(s)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+# bf16 / fp8-hybrid: long enough for the fp8 gap to mean something; nvfp4 (slow emulation): loss drop only
+STEPS = {"bf16": 30, "fp8-hybrid": 30, "nvfp4": 20}
+
+
+@pytest.fixture(scope="module")
+def curves():
+    return {r: train_loop(R.apply_recipe(tiny_llama(), r), n) for r, n in STEPS.items()}
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-hybrid", "nvfp4"])
+def test_tiny_llama_loss_drops(curves, recipe):
+    c = curves[recipe]
+    start, end = mean(c[:5]), mean(c[-10:])
+    assert end < start - 1.0, f"{recipe}: loss {start:.3f} -> {end:.3f}"
+
+
+def test_fp8_hybrid_tracks_bf16(curves):
+    gap = mean(curves["fp8-hybrid"][-10:]) - mean(curves["bf16"][-10:])
+    assert abs(gap) < 0.05, f"fp8-hybrid - bf16 final loss gap {gap:+.4f}"
+    n = STEPS["nvfp4"]
+    gap4 = mean(curves["nvfp4"][n - 5 : n]) - mean(curves["bf16"][n - 5 : n])
+    assert abs(gap4) < 0.25, f"nvfp4 - bf16 loss gap at step {n} {gap4:+.4f}"
+
+
+def test_conversion_scope():
+    m = R.apply_recipe(tiny_llama(layers=4), "fp8-hybrid", skip_quant_first_layers=1, skip_quant_last_layers=1)
+    kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if isinstance(mod, nn.Linear)}
+    assert kinds["lm_head"] == "Linear"
+    for i in range(4):
+        want = "RecipeLinear" if i in (1, 2) else "Linear"
+        assert kinds[f"model.layers.{i}.self_attn.q_proj"] == want
+        assert kinds[f"model.layers.{i}.mlp.down_proj"] == want
+    assert isinstance(m.model.embed_tokens, nn.Embedding) and m.model.norm.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="already applied"):
+        R.apply_recipe(m, "bf16")
+
+
+def test_master_fp32_model_bf16():
+    m = R.apply_recipe(tiny_llama(), "fp8-hybrid", model_dtype="bf16", master_dtype="fp32")
+    assert {p.dtype for p in m.parameters()} == {torch.float32}
+    ids = batch(0)
+    hidden = {}
+    m.model.layers[0].register_forward_hook(lambda mod, i, o: hidden.setdefault("h", o[0] if isinstance(o, tuple) else o))
+    loss = m(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert hidden["h"].dtype == torch.bfloat16  # activations in model_dtype
+    assert m.model.layers[0].self_attn.q_proj.weight.grad.dtype == torch.float32
+    assert m.lm_head.weight.grad is not None
+
+
+def test_accelerator_entry_point():
+    from accelerate import Accelerator
+
+    model = tiny_llama()
+    acc = Accelerator(mixed_precision="no", cpu=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = prepare(acc, model, opt, recipe="fp8-hybrid", amax_history_len=16)
+    assert isinstance(acc.unwrap_model(model).model.layers[0].mlp.up_proj, R.RecipeLinear)
+    for s in range(3):
+        ids = batch(s)
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    meta = acc.unwrap_model(model).model.layers[0].mlp.up_proj.fp8_meta
+    assert (meta.amax_history[:, :3] > 0).all() and (meta.amax_history[:, 3:] == 0).all()
+
+    class FakeAcc:
+        mixed_precision = "fp8"
+
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        check_accelerator(FakeAcc())
+
+
+class _DS(torch.utils.data.Dataset):
+    def __init__(self, n=48):
+        self.rows = [batch(10_000 + i, b=1)[0] for i in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer(out, max_steps, recipe):
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=2, learning_rate=3e-3,
+        save_strategy="steps", save_steps=2, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        dataloader_num_workers=0, lr_scheduler_type="constant", disable_tqdm=True,
+    )
+    cb = SurogateRecipeCallback(recipe, amax_history_len=8) if recipe == "fp8-hybrid" else SurogateRecipeCallback(recipe)
+    return Trainer(model=tiny_llama(layers=1), args=args, train_dataset=_DS(), callbacks=[cb])
+
+
+@pytest.mark.parametrize("recipe", ["fp8-hybrid", "nvfp4"])
+def test_trainer_resume_is_bit_identical(tmp_path, recipe):
+    full = _trainer(tmp_path / "full", 4, recipe)
+    assert isinstance(full.model.model.layers[0].self_attn.o_proj, R.RecipeLinear)
+    full.train()
+    part = _trainer(tmp_path / "part", 4, recipe)
+    part.args.max_steps = 2
+    part.train()
+    ckpt = tmp_path / "part" / "checkpoint-2"
+    assert ckpt.is_dir()
+    resumed = _trainer(tmp_path / "part", 4, recipe)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys()
+    state = R.recipe_state(full.model)
+    assert state, "recipe buffers are in the state dict"
+    if recipe == "fp8-hybrid":
+        assert (state["model.layers.0.mlp.down_proj.fp8_meta.amax_history"][:, :4] > 0).all()
+    else:
+        assert state["model.layers.0.mlp.down_proj.fp4_sr_step"].item() == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+def test_accelerate_launch_with_config_file(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(textwrap.dedent("""\
+        compute_environment: LOCAL_MACHINE
+        distributed_type: 'NO'
+        mixed_precision: 'no'
+        num_machines: 1
+        num_processes: 1
+        use_cpu: true
+        """))
+    # train.py knows nothing of recipes beyond the callback: the recipe comes from the environment
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""\
+        import json, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_recipes_training import tiny_llama, _DS
+        from transformers import Trainer, TrainingArguments
+        from surogate_hf.integrations.trainer import SurogateRecipeCallback
+        args = TrainingArguments(output_dir={str(tmp_path / "out")!r}, max_steps=2, per_device_train_batch_size=4,
+                                 report_to=[], save_strategy="no", disable_tqdm=True)
+        t = Trainer(model=tiny_llama(), args=args, train_dataset=_DS(8), callbacks=[SurogateRecipeCallback()])
+        t.train()
+        lin = t.model.model.layers[0].self_attn.q_proj
+        json.dump({{"recipe": t.model.surogate_recipe.recipe, "margin": t.model.surogate_recipe.margin,
+                   "module": type(lin).__name__, "pushed": int((lin.fp8_meta.amax_history > 0).sum())}},
+                  open({str(tmp_path / "result.json")!r}, "w"))
+        """))
+    env = dict(os.environ, SUROGATE_RECIPE="fp8-hybrid", SUROGATE_RECIPE_KNOBS='{"margin": 1}',
+               PYTHONPATH=str(Path(__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    launcher = [sys.executable, "-m", "accelerate.commands.launch"]
+    p = subprocess.run([*launcher, "--config_file", str(cfg), str(script)], env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    # 2 steps x (x, w, dy) pushed into the history
+    assert res == {"recipe": "fp8-hybrid", "margin": 1, "module": "RecipeLinear", "pushed": 6}
+
+
+@pytest.mark.parametrize("recipe", ["fp8-hybrid", "nvfp4"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_replays_the_forward(recipe, reentrant):
+    """A recompute must cast like the original forward (same scale, same SR step, no extra history):
+    gradients and recipe state equal those of a run without checkpointing."""
+    ids = batch(0, b=2)
+    runs = []
+    for ckpt in (False, True):
+        m = R.apply_recipe(tiny_llama(layers=1), recipe)
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            m.train()
+        for _ in range(2):  # the second step casts with scales from the first
+            m.zero_grad()
+            m(input_ids=ids, labels=ids).loss.backward()
+        runs.append(({n: p.grad.clone() for n, p in m.named_parameters()}, R.recipe_state(m)))
+    (g0, s0), (g1, s1) = runs
+    for k in s0:
+        assert torch.equal(s0[k], s1[k]), k
+    for k in g0:
+        torch.testing.assert_close(g0[k], g1[k], rtol=0, atol=0, msg=k)
+
+
+def test_eval_forward_leaves_recipe_state_alone():
+    m = R.apply_recipe(tiny_llama(), "fp8-hybrid")
+    ids = batch(0)
+    m(input_ids=ids, labels=ids).loss.backward()
+    before = {k: v.clone() for k, v in R.recipe_state(m).items()}
+    with torch.no_grad():
+        m(input_ids=ids)
+    assert all(torch.equal(before[k], v) for k, v in R.recipe_state(m).items())
+
+
+def test_peft_lora_over_quantized_base_gets_recipe_on_adapters():
+    peft = pytest.importorskip("peft")
+    from surogate_hf.nn.linear import FP8Linear
+
+    model = tiny_llama()
+    for layer in model.model.layers:
+        for name in ("q_proj", "v_proj"):
+            setattr(layer.self_attn, name, FP8Linear.from_linear(getattr(layer.self_attn, name)))
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    R.apply_recipe(pm, "fp8-hybrid", lora_dtype="fp32")
+    attn = pm.base_model.model.model.layers[0].self_attn
+    assert attn.q_proj.get_base_layer().quant_format == "fp8"  # the quantized base is untouched
+    assert isinstance(attn.q_proj.lora_A["default"], R.RecipeLinear)
+    assert isinstance(attn.q_proj.lora_B["default"], R.RecipeLinear)
+    assert attn.q_proj.lora_A["default"].weight.dtype == torch.float32  # lora_dtype masters
+    ids = batch(0)
+    pm(input_ids=ids, labels=ids).loss.backward()
+    a, b = attn.q_proj.lora_A["default"], attn.q_proj.lora_B["default"]
+    assert (a.fp8_meta.amax_history[:2, 0] > 0).all()  # x, W of lora_A (its dy is 0: B starts at zero)
+    assert b.weight.grad.abs().sum() > 0 and (b.fp8_meta.amax_history[[0, 2], 0] > 0).all()  # W of B is 0
+    assert isinstance(attn.k_proj, R.RecipeLinear) and not attn.k_proj.weight.requires_grad
+    assert attn.k_proj.weight.grad is None  # frozen dense base: forward + dgrad only
+
+
+def test_nvfp4_lora_rank_must_fit_blocks():
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=8, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="multiples of 16.*lora_A"):
+        R.apply_recipe(pm, "nvfp4")
+
+
+def test_launcher_builds_env_from_recipe_yaml(tmp_path):
+    from surogate_hf.integrations.accelerate import build_launch
+    from surogate_hf.recipes import RecipeConfig
+
+    y = tmp_path / "recipe.yaml"
+    y.write_text("recipe: nvfp4\nskip_quant_last_layers: 1\nno_fp4_stochastic_rounding: true\n")
+    env, cmd = build_launch(["--recipe_config", str(y), "--config_file", "cfg.yaml", "train.py", "--lr", "1"])
+    assert cmd[-5:] == ["--config_file", "cfg.yaml", "train.py", "--lr", "1"]
+    cfg = RecipeConfig.from_env(env)
+    assert cfg.recipe == "nvfp4" and cfg.skip_quant_last_layers == 1 and cfg.no_fp4_stochastic_rounding
+    with pytest.raises(ValueError, match="margin"):
+        build_launch(["--recipe=nvfp4", '--recipe_knobs={"margin": 1}', "train.py"])
+
+
+def test_callback_env_noop_and_model_init_guard(monkeypatch):
+    monkeypatch.delenv("SUROGATE_RECIPE", raising=False)
+    monkeypatch.delenv("SUROGATE_RECIPE_KNOBS", raising=False)
+    m = tiny_llama(layers=1)
+    cb = SurogateRecipeCallback()
+    assert cb.config is None
+    cb.on_init_end(None, None, None, model=m)  # no recipe in the environment: ordinary training
+    assert getattr(m, "surogate_recipe", None) is None
+    cb = SurogateRecipeCallback("bf16")
+    with pytest.raises(RuntimeError, match="model_init"):
+        cb.on_train_begin(None, None, None, model=m)
+
+    class Args:
+        fp16 = True
+
+    with pytest.raises(ValueError, match="fp16"):
+        cb.on_init_end(Args(), None, None, model=m)
