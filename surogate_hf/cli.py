@@ -1,0 +1,734 @@
+"""`surogate-hf sft [config.yaml]`: Surogate's SFT YAML keys -> SurogateConfig + LoraConfig + TrainingArguments
++ Trainer.
+
+The whole config is validated before anything is loaded: unknown keys, bad values and impossible combinations
+(two qlora formats, a qlora flag on a pre-quantized checkpoint, qlora without LoRA, ...) stop the command with
+a message naming the keys. With no config file the embedded default (surogate_hf/configs/default_sft.yaml)
+runs offline: a tiny model built from a config, a generated task, an adapter, metrics.json and loss_curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-llama",)
+QLORA_FLAGS = {"qlora_fp8": "fp8", "qlora_fp4": "nvfp4", "qlora_mxfp4": "mxfp4", "qlora_bnb": "nf4"}
+PREQUANTIZED_METHODS = ("fp8", "mxfp4", "modelopt", "surogate", "bitsandbytes", "gptq", "awq", "compressed-tensors",
+                        "fbgemm_fp8", "torchao", "hqq", "quanto", "eetq", "aqlm", "nvfp4", "mxfp8")
+OPTIMIZERS = {"adamw_8bit": "adamw_bnb_8bit", "adamw_bnb_8bit": "adamw_bnb_8bit", "adamw": "adamw_torch",
+              "adamw_torch": "adamw_torch"}
+RECIPE_KNOBS = ("matmul_dtype", "gradient_dtype", "master_dtype", "fp8_amax_history")
+
+
+class ConfigError(ValueError):
+    """A config problem found before anything was loaded."""
+
+
+# ------------------------------------------------------------------ schema
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false")
+    return v
+
+
+def _int(lo=None):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("must be an integer")
+        if lo is not None and v < lo:
+            raise ValueError(f"must be >= {lo}")
+        return v
+    return check
+
+
+def _float(lo=None, hi=None, lo_open=False):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError("must be a number")
+        v = float(v)
+        if lo is not None and (v < lo or (lo_open and v == lo)):
+            raise ValueError(f"must be {'>' if lo_open else '>='} {lo}")
+        if hi is not None and v > hi:
+            raise ValueError(f"must be <= {hi}")
+        return v
+    return check
+
+
+def _choice(*choices):
+    def check(v):
+        if v not in choices:
+            raise ValueError(f"must be one of {list(choices)}")
+        return v
+    return check
+
+
+def _str(v):
+    if not isinstance(v, str) or not v:
+        raise ValueError("must be a non-empty string")
+    return v
+
+
+def _opt_str(v):
+    return None if v is None else _str(v)
+
+
+def _targets(v):
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+        raise ValueError("must be a list of module names (or [all])")
+    return v
+
+
+def _resume(v):
+    if isinstance(v, bool) or (isinstance(v, str) and v):
+        return v
+    raise ValueError("must be true, false or a checkpoint directory")
+
+
+def _datasets(v):
+    if not isinstance(v, list) or not v or not all(isinstance(d, dict) for d in v):
+        raise ValueError("must be a non-empty list of dataset entries (each a mapping with at least `type`)")
+    return [validate_dataset(d, i) for i, d in enumerate(v)]
+
+
+@dataclass(frozen=True)
+class Opt:
+    default: Any
+    check: Callable[[Any], Any]
+
+
+SCHEMA: dict[str, Opt] = {
+    # model / output
+    "model": Opt(None, _str),
+    "torch_dtype": Opt("auto", _choice("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")),
+    "sequence_len": Opt(1024, _int(8)),
+    "output_dir": Opt("output", _str),
+    "run_name": Opt(None, _opt_str),
+    "save_steps": Opt(50, _int(0)),
+    "save_total_limit": Opt(5, _int(1)),
+    "resume_from_checkpoint": Opt(True, _resume),
+    # loop
+    "num_epochs": Opt(3, _float(0, lo_open=True)),
+    "max_steps": Opt(-1, _int(-1)),
+    "per_device_train_batch_size": Opt(2, _int(1)),
+    "gradient_accumulation_steps": Opt(4, _int(1)),
+    "eval_steps": Opt(100, _int(0)),
+    "logging_steps": Opt(10, _int(1)),
+    "recompute": Opt(True, _bool),
+    # optimizer
+    "optimizer": Opt("adamw_8bit", _choice(*OPTIMIZERS)),
+    "learning_rate": Opt(2e-4, _float(0, lo_open=True)),
+    "lr_scheduler_type": Opt("linear", _choice("linear", "cosine", "constant", "constant_with_warmup")),
+    "warmup_ratio": Opt(0.0, _float(0, 0.999)),
+    "warmup_steps": Opt(0, _int(0)),
+    "weight_decay": Opt(0.1, _float(0)),
+    "max_grad_norm": Opt(1.0, _float(0)),
+    "adamw_beta1": Opt(0.9, _float(0, 1)),
+    "adamw_beta2": Opt(0.999, _float(0, 1)),
+    "adamw_epsilon": Opt(1e-8, _float(0, lo_open=True)),
+    # data
+    "datasets": Opt(None, _datasets),
+    "validation_split_ratio": Opt(0.1, _float(0, 0.9)),
+    "train_seed": Opt(1234, _int(0)),
+    "eval_seed": Opt(1234, _int(0)),
+    "dataloader_num_workers": Opt(0, _int(0)),
+    "sample_packing": Opt(False, _bool),
+    "report_to": Opt(None, lambda v: _targets(v) if v is not None else None),
+    # LoRA
+    "lora": Opt(True, _bool),
+    "lora_rank": Opt(16, _int(1)),
+    "lora_alpha": Opt(32, _float(0, lo_open=True)),
+    "lora_dropout": Opt(0.05, _float(0, 0.99)),
+    "lora_dtype": Opt("fp32", _choice("fp32", "bf16", "float32", "bfloat16")),
+    "lora_target_modules": Opt(["all"], _targets),
+    "merge_adapter": Opt(False, _bool),
+    # QLoRA (qlora_mxfp4 is a surogate-hf addition: MXFP4 bases, e.g. GPT-OSS-style)
+    "qlora_fp8": Opt(False, _bool),
+    "qlora_fp4": Opt(False, _bool),
+    "qlora_mxfp4": Opt(False, _bool),
+    "qlora_bnb": Opt(False, _bool),
+    "qlora_block_size": Opt(128, _choice(64, 128, 256)),
+    "qlora_bnb_block_size": Opt(64, _int(1)),
+    "qlora_bnb_double_quant": Opt(True, _bool),
+    "qlora_four_over_six": Opt(True, _bool),
+    # precision recipe (surogate_hf.recipes)
+    "recipe": Opt("bf16", _str),
+    "matmul_dtype": Opt(None, _opt_str),
+    "gradient_dtype": Opt(None, _opt_str),
+    "master_dtype": Opt(None, _opt_str),
+    "fp8_amax_history": Opt(None, lambda v: None if v is None else _int(1)(v)),
+    "skip_quant_first_layers": Opt(0, _int(0)),
+    "skip_quant_last_layers": Opt(0, _int(0)),
+}
+
+# Keys of Surogate's own config that this command does not implement: named as such, not as typos.
+SUROGATE_ONLY = {
+    "model_type", "max_model_len", "rope_scaling", "apply_recommended_values", "checkpoint_dir", "from_scratch",
+    "cpu_training", "offload_residual", "offload_master", "offload_quants", "offload_optimizer", "offload_grads",
+    "persistent_quants", "use_zero_copy", "use_write_combined", "zero_level", "shard_weights", "shard_gradients",
+    "use_all_to_all_reduce", "memcpy_all_gather", "memcpy_send_recv", "distributed", "gpus", "use_cuda_graphs",
+    "use_fused_rope", "fp4_backend", "cooldown_steps", "final_lr_fraction", "normuon_momentum", "normuon_beta2",
+    "normuon_cautious_wd", "train_vision", "validation_datasets", "lmhead_chunks", "attn_bwd_chunks",
+    "long_context", "init_projections_to_zero", "train_router", "adapter_path", "router_aux_loss_coef",
+    "router_z_loss_coef", "qlora_selective_expert_dequant", "qlora_offload_experts", "use_chat_template",
+    "template", "system", "max_length", "truncation_strategy", "padding_side", "padding_free", "loss_scale",
+    "sequence_parallel_size", "response_prefix", "max_pixels", "norm_bbox", "agent_template", "log_file",
+    "log_gpu_util", "wandb_project", "wandb_name", "aim_experiment", "aim_repo", "aim_name",
+    "debug_time_breakdown", "debug_memory_breakdown", "auto_lr_reduction", "early_stop", "epoch_adjustment",
+}
+
+DATASET_KEYS = {
+    "synthetic": {"type", "task", "alphabet", "min_len", "max_len", "samples", "eval_samples"},
+    "text": {"type", "path", "text_field", "split", "subset", "samples"},
+    "instruction": {"type", "path", "instruction_field", "input_field", "output_field", "prompt_format",
+                    "split", "subset", "samples"},
+}
+
+
+def validate_dataset(d: dict, i: int) -> dict:
+    where = f"datasets[{i}]"
+    kind = d.get("type")
+    if kind not in DATASET_KEYS:
+        raise ValueError(f"{where}.type must be one of {sorted(DATASET_KEYS)}, got {kind!r}")
+    unknown = sorted(set(d) - DATASET_KEYS[kind])
+    if unknown:
+        raise ValueError(f"{where} (type {kind}): unknown key(s) {unknown}; allowed: {sorted(DATASET_KEYS[kind])}")
+    out = dict(d)
+    if kind == "synthetic":
+        from .data import TaskSpec
+
+        spec = {k: d[k] for k in ("task", "alphabet", "min_len", "max_len") if k in d}
+        try:
+            TaskSpec(**spec)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        out.setdefault("samples", 20000)
+        out.setdefault("eval_samples", 512)
+    else:
+        if not isinstance(d.get("path"), str) or not d["path"]:
+            raise ValueError(f"{where} (type {kind}): `path` (a local .jsonl/.json file or a Hub dataset) is required")
+        if kind == "instruction" and not (d.get("instruction_field") and d.get("output_field")):
+            raise ValueError(f"{where} (type instruction): instruction_field and output_field are required")
+    for k in ("samples", "eval_samples"):
+        if k in out and (isinstance(out[k], bool) or not isinstance(out[k], int) or out[k] < 1):
+            raise ValueError(f"{where}.{k} must be a positive integer")
+    return out
+
+
+# ------------------------------------------------------------------ loading and checking a config
+def default_config_text() -> str:
+    return resources.files("surogate_hf").joinpath("configs/default_sft.yaml").read_text()
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    key, value = item.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> dict:
+    if path is None:
+        raw = yaml.safe_load(default_config_text())
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of Surogate config keys, got {type(raw).__name__}")
+    for item in overrides:
+        k, v = parse_override(item)
+        raw[k] = v
+    return check_config(raw)
+
+
+def check_config(raw: dict) -> dict:
+    """Validate every key and combination; return the full config with defaults filled in."""
+    unknown = sorted(set(raw) - set(SCHEMA))
+    if unknown:
+        not_here = [k for k in unknown if k in SUROGATE_ONLY]
+        typos = [k for k in unknown if k not in SUROGATE_ONLY]
+        msgs = []
+        if typos:
+            hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, SCHEMA, 1)) else k
+                     for k in typos]
+            msgs.append(f"unknown key(s): {', '.join(hints)}")
+        if not_here:
+            msgs.append(f"Surogate option(s) not supported by surogate-hf sft: {', '.join(not_here)}")
+        raise ConfigError("; ".join(msgs))
+    cfg, errors = {}, []
+    for key, opt in SCHEMA.items():
+        if key not in raw:
+            cfg[key] = opt.default
+            continue
+        try:
+            cfg[key] = opt.check(raw[key])
+        except ValueError as e:
+            errors.append(f"{key}: {e} (got {raw[key]!r})")
+    if errors:
+        raise ConfigError("invalid value(s): " + "; ".join(errors))
+    check_combinations(cfg)
+    return cfg
+
+
+def qlora_format(cfg: dict) -> str | None:
+    on = [k for k in QLORA_FLAGS if cfg[k]]
+    return QLORA_FLAGS[on[0]] if on else None
+
+
+def checkpoint_quant_method(model: str) -> str | None:
+    """quant_method of a checkpoint's config.json (local dir or Hub id), read without loading weights."""
+    p = Path(model)
+    if p.is_dir():
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"model directory {model} has no config.json")
+        legacy = p / "hf_quant_config.json"  # older ModelOpt exports keep the quantization here
+        if legacy.is_file():
+            return "modelopt"
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            cfg_file = cached_file(model, "config.json")
+        except OSError as e:
+            raise ConfigError(f"model {model!r}: cannot read its config.json ({e})") from None
+    qc = json.loads(Path(cfg_file).read_text()).get("quantization_config")
+    return None if not qc else str(qc.get("quant_method", "unknown"))
+
+
+def check_combinations(cfg: dict) -> None:
+    errs = []
+    on = [k for k in QLORA_FLAGS if cfg[k]]
+    if len(on) > 1:
+        errs.append(f"{' and '.join(on)} are set together; choose one QLoRA format")
+    if on and not cfg["lora"]:
+        errs.append(f"{on[0]} quantizes the frozen base for LoRA; it needs lora: true")
+    if not cfg["lora"] and cfg["merge_adapter"]:
+        errs.append("merge_adapter: true needs lora: true")
+    if cfg["model"] is None:
+        errs.append("model is required (a local directory, a Hub id, or builtin:tiny-llama)")
+    if cfg["sample_packing"]:
+        errs.append("sample_packing: true is not supported by surogate-hf sft; set sample_packing: false")
+    if cfg["max_steps"] == 0:
+        errs.append("max_steps: 0 trains nothing; use -1 (derive from num_epochs) or a positive number")
+    if cfg["qlora_bnb"] and cfg["qlora_bnb_block_size"] not in (64, 128):
+        errs.append(f"qlora_bnb_block_size: {cfg['qlora_bnb_block_size']} is not supported; use 64 or 128")
+    if cfg["datasets"] is None:
+        errs.append("datasets is required")
+    builtin = isinstance(cfg["model"], str) and cfg["model"].startswith(BUILTIN_PREFIX)
+    if builtin and cfg["model"][len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+        errs.append(f"model: {cfg['model']!r} is not a built-in model; built-ins: "
+                    f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]}")
+    for i, d in enumerate(cfg["datasets"] or []):
+        if builtin and d["type"] != "synthetic":
+            errs.append(f"datasets[{i}]: {cfg['model']} has a character vocabulary and only trains on "
+                        "type: synthetic data")
+        if not builtin and d["type"] == "synthetic":
+            errs.append(f"datasets[{i}]: type: synthetic data needs model: builtin:tiny-llama")
+    if cfg["optimizer"] in ("adamw_8bit", "adamw_bnb_8bit"):
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means the optimizer cannot run
+            errs.append(f"optimizer: {cfg['optimizer']} needs bitsandbytes ({e}); install it or use optimizer: adamw")
+    errs += recipe_problems(cfg)
+    if errs:
+        raise ConfigError("; ".join(errs))
+    if cfg["model"] and not builtin and on:
+        method = checkpoint_quant_method(cfg["model"])
+        if method is not None:
+            raise ConfigError(
+                f"model {cfg['model']!r} is pre-quantized (quant_method: {method}) and {on[0]} asks to quantize it "
+                f"again; drop {on[0]}: a pre-quantized base is trained in its own format"
+            )
+
+
+def recipe_config(cfg: dict):
+    """The RecipeConfig the config asks for, or None for plain bf16 with no precision knobs."""
+    knobs = {k: cfg[k] for k in RECIPE_KNOBS if cfg[k] is not None}
+    for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
+        if cfg[k]:
+            knobs[k] = cfg[k]
+    if cfg["recipe"].lower().replace("_", "-") == "bf16" and not any(k in knobs for k in RECIPE_KNOBS):
+        return None
+    from .recipes import RecipeConfig
+
+    if cfg["lora"]:
+        knobs["lora_dtype"] = "bf16" if cfg["lora_dtype"] in ("bf16", "bfloat16") else "fp32"
+    return RecipeConfig.from_recipe_name(cfg["recipe"], **knobs)
+
+
+def recipe_problems(cfg: dict) -> list[str]:
+    try:
+        recipe_config(cfg)
+    except ImportError as e:
+        return [f"recipe: {cfg['recipe']!r} needs surogate_hf.recipes ({e})"]
+    except ValueError as e:
+        return [f"recipe: {e}"]
+    return []
+
+
+# ------------------------------------------------------------------ running
+def _dtype(cfg: dict, cuda: bool):
+    import torch
+
+    name = cfg["torch_dtype"]
+    if name == "auto":
+        return torch.bfloat16 if cuda else torch.float32
+    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+            "float32": torch.float32, "fp32": torch.float32}[name]
+
+
+def surogate_config(cfg: dict):
+    fmt = qlora_format(cfg)
+    if fmt is None:
+        return None
+    from .config import SurogateConfig
+
+    return SurogateConfig(
+        format=fmt,
+        block_size=(cfg["qlora_block_size"],) * 2,
+        four_over_six=cfg["qlora_four_over_six"],
+        nf4_block_size=cfg["qlora_bnb_block_size"],
+        nf4_double_quant=cfg["qlora_bnb_double_quant"],
+        skip_quant_first_layers=cfg["skip_quant_first_layers"],
+        skip_quant_last_layers=cfg["skip_quant_last_layers"],
+    )
+
+
+def build_model(cfg: dict, dtype, cuda: bool):
+    """(model, tokenizer or None, path the adapter refers to)."""
+    from transformers import AutoModelForCausalLM
+
+    qc = surogate_config(cfg)
+    path = cfg["model"]
+    tokenizer = None
+    if path.startswith(BUILTIN_PREFIX):
+        from .data import CharTokenizer, build_tiny_model, tiny_llama_config
+
+        # saved and loaded back, so the quantized base comes through the same from_pretrained path as any model
+        path = os.path.join(cfg["output_dir"], "base_model")
+        tok = CharTokenizer()
+        build_tiny_model(tiny_llama_config(tok.vocab_size), seed=cfg["train_seed"]).save_pretrained(path)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    kwargs = {"dtype": dtype}
+    if qc is not None:
+        kwargs["quantization_config"] = qc
+    if cuda:
+        kwargs["device_map"] = {"": 0}
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs), tokenizer, path
+
+
+def _read_records(d: dict) -> list[dict]:
+    p = Path(d["path"])
+    if p.is_file():
+        text = p.read_text()
+        if p.suffix == ".jsonl":
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        data = json.loads(text)
+        if not isinstance(data, list):
+            raise ValueError(f"{p}: expected a JSON list of records")
+        return data
+    try:
+        import datasets as hf_datasets
+    except ImportError:
+        raise ValueError(f"dataset {d['path']!r} is not a local file and the `datasets` package (needed for Hub "
+                         "datasets) is not installed") from None
+    ds = hf_datasets.load_dataset(d["path"], d.get("subset"), split=d.get("split", "train"))
+    return list(ds)
+
+
+def _tokenized(d: dict, tokenizer, seq_len: int) -> list[dict]:
+    from .data import IGNORE_INDEX
+
+    out = []
+    for r in _read_records(d)[: d.get("samples")]:
+        if d["type"] == "text":
+            ids = tokenizer(r[d.get("text_field", "text")], truncation=True, max_length=seq_len)["input_ids"]
+            labels = list(ids)
+        else:
+            fmt = d.get("prompt_format", "{instruction}\n{input}\n" if d.get("input_field") else "{instruction}\n")
+            prompt = fmt.format(instruction=r[d["instruction_field"]], input=r.get(d.get("input_field") or "", ""))
+            p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            a_ids = tokenizer(str(r[d["output_field"]]), add_special_tokens=False)["input_ids"]
+            a_ids = a_ids + [tokenizer.eos_token_id]
+            ids = (p_ids + a_ids)[:seq_len]
+            labels = ([IGNORE_INDEX] * len(p_ids) + a_ids)[:seq_len]
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)})
+    return out
+
+
+class _ListDataset:
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def build_data(cfg: dict, tokenizer):
+    """(train set, eval set or None, synthetic task eval sets {name: dataset})."""
+    import random
+
+    from .data import SyntheticTaskDataset, TaskSpec
+
+    train, evals, tasks = [], [], {}
+    for i, d in enumerate(cfg["datasets"]):
+        if d["type"] == "synthetic":
+            spec = TaskSpec(**{k: d[k] for k in ("task", "alphabet", "min_len", "max_len") if k in d})
+            train.extend(SyntheticTaskDataset(spec, d["samples"], seed=cfg["train_seed"] + i).items)
+            eval_seed = cfg["eval_seed"] + 10_000 + i  # disjoint from the training seeds
+            tasks[f"{spec.task}[{i}]"] = SyntheticTaskDataset(spec, d["eval_samples"], seed=eval_seed)
+        else:
+            items = _tokenized(d, tokenizer, cfg["sequence_len"])
+            random.Random(cfg["eval_seed"]).shuffle(items)
+            n_eval = int(len(items) * cfg["validation_split_ratio"])
+            evals.extend(items[:n_eval])
+            train.extend(items[n_eval:])
+    if not train:
+        raise ValueError("the datasets produced no training examples")
+    return _ListDataset(train), (_ListDataset(evals) if evals else None), tasks
+
+
+def training_arguments(cfg: dict, cuda: bool, has_eval: bool):
+    from transformers import TrainingArguments
+
+    out = cfg["output_dir"]
+    warmup = cfg["warmup_steps"] if cfg["warmup_steps"] else cfg["warmup_ratio"]
+    return TrainingArguments(
+        output_dir=out,
+        run_name=cfg["run_name"],
+        max_steps=cfg["max_steps"],
+        num_train_epochs=cfg["num_epochs"],
+        per_device_train_batch_size=cfg["per_device_train_batch_size"],
+        per_device_eval_batch_size=cfg["per_device_train_batch_size"],
+        gradient_accumulation_steps=cfg["gradient_accumulation_steps"],
+        learning_rate=cfg["learning_rate"],
+        lr_scheduler_type=cfg["lr_scheduler_type"],
+        warmup_steps=warmup,
+        weight_decay=cfg["weight_decay"],
+        max_grad_norm=cfg["max_grad_norm"],
+        adam_beta1=cfg["adamw_beta1"],
+        adam_beta2=cfg["adamw_beta2"],
+        adam_epsilon=cfg["adamw_epsilon"],
+        optim=OPTIMIZERS[cfg["optimizer"]],
+        logging_steps=cfg["logging_steps"],
+        save_strategy="steps" if cfg["save_steps"] else "no",
+        save_steps=cfg["save_steps"] or 500,
+        save_total_limit=cfg["save_total_limit"],
+        eval_strategy="steps" if (has_eval and cfg["eval_steps"]) else "no",
+        eval_steps=cfg["eval_steps"] or None,
+        seed=cfg["train_seed"],
+        dataloader_num_workers=cfg["dataloader_num_workers"],
+        report_to=cfg["report_to"] or [],
+        use_cpu=not cuda,
+        # the model is loaded in its training dtype; LoRA masters are cast per call, so no autocast is needed
+        bf16=False,
+        fp16=False,
+        disable_tqdm=False,
+    )
+
+
+def _latest_checkpoint(out: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(out) if os.path.isdir(out) else None
+
+
+def plot_loss(history: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    if pts:
+        ax.plot(*zip(*pts), marker=".", label="train loss")
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run_sft(cfg: dict) -> dict:
+    import torch
+    from transformers import Trainer, set_seed
+
+    from .data import PadCollator, evaluate_task
+    from .integrations.peft import lora_parameters_dtype, set_lora_dtype
+    from .training import prepare_for_training
+
+    t0 = time.time()
+    cuda = torch.cuda.is_available()
+    out = cfg["output_dir"]
+    os.makedirs(out, exist_ok=True)
+    set_seed(cfg["train_seed"])
+    dtype = _dtype(cfg, cuda)
+    model, tokenizer, base_path = build_model(cfg, dtype, cuda)
+    model = prepare_for_training(model, gradient_checkpointing=cfg["recompute"])
+    if cfg["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg["lora_target_modules"]
+        lcfg = LoraConfig(
+            r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"], task_type="CAUSAL_LM",
+            target_modules="all-linear" if targets in (["all"], ["all-linear"]) else targets,
+        )
+        model = get_peft_model(model, lcfg)
+        set_lora_dtype(model, cfg["lora_dtype"])
+    else:
+        for p in model.parameters():
+            p.requires_grad_(p.is_floating_point())
+
+    train_set, eval_set, tasks = build_data(cfg, tokenizer)
+    device = next(model.parameters()).device
+    before = {name: evaluate_task(model, ds) for name, ds in tasks.items()}
+    pad = tokenizer.pad_token_id if tokenizer is not None else 0
+    callbacks = []
+    rcfg = recipe_config(cfg)
+    if rcfg is not None:
+        from .integrations.trainer import SurogateRecipeCallback
+
+        callbacks.append(SurogateRecipeCallback(rcfg))
+    trainer = Trainer(model=model, args=training_arguments(cfg, cuda, eval_set is not None), train_dataset=train_set,
+                      eval_dataset=eval_set, data_collator=PadCollator(pad), callbacks=callbacks)
+    eval_before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
+    resume = cfg["resume_from_checkpoint"]
+    if resume is True:
+        resume = _latest_checkpoint(out)
+    elif resume is False:
+        resume = None
+    t_train = time.time()
+    result = trainer.train(resume_from_checkpoint=resume)
+    train_s = time.time() - t_train
+    after = {name: evaluate_task(model, ds) for name, ds in tasks.items()}
+    eval_after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
+
+    adapter_dir = os.path.join(out, "adapter" if cfg["lora"] else "model")
+    model.save_pretrained(adapter_dir)
+    merged_dir = None
+    if cfg["merge_adapter"]:
+        merged = model.merge_and_unload()
+        if getattr(merged, "hf_quantizer", None) is not None:
+            merged = merged.dequantize()  # layers LoRA did not target are still quantized: export all dense
+        merged_dir = os.path.join(out, "merged")
+        merged.save_pretrained(merged_dir)
+
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    metrics = {
+        "model": cfg["model"],
+        "base_model_path": base_path,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "qlora_format": qlora_format(cfg),
+        "recipe": None if rcfg is None else rcfg.recipe,
+        "lora_dtype": (sorted(str(d).replace("torch.", "") for d in lora_parameters_dtype(model))
+                       if cfg["lora"] else None),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "steps": trainer.state.global_step,
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "train_loss_mean": result.training_loss,
+        "task_metrics_before": before,
+        "task_metrics_after": after,
+        "eval_loss_before": eval_before,
+        "eval_loss_after": eval_after,
+        "train_seconds": round(train_s, 2),
+        "total_seconds": round(time.time() - t0, 2),
+        "adapter_dir": adapter_dir,
+        "merged_dir": merged_dir,
+        "log_history": history,
+        "config": cfg,
+    }
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2, default=str)
+    title = f"{cfg['model']} | qlora={qlora_format(cfg) or 'none'}"
+    if tasks:
+        name = next(iter(tasks))
+        title += f" | {name} exact match {before[name]['exact_match']:.2f} -> {after[name]['exact_match']:.2f}"
+    plot_loss(history, os.path.join(out, "loss_curve.png"), title)
+    return metrics
+
+
+def _summary(m: dict) -> str:
+    lines = [f"surogate-hf sft: {m['steps']} steps on {m['device']} in {m['train_seconds']:.1f}s "
+             f"(total {m['total_seconds']:.1f}s)"]
+    if m["train_loss_first"] is not None:
+        lines.append(f"  train loss {m['train_loss_first']:.4f} -> {m['train_loss_last']:.4f}")
+    for name, after in m["task_metrics_after"].items():
+        b = m["task_metrics_before"][name]
+        lines.append(f"  task {name}: exact match {b['exact_match']:.3f} -> {after['exact_match']:.3f}, "
+                     f"token accuracy {b['token_accuracy']:.3f} -> {after['token_accuracy']:.3f}")
+    if m["eval_loss_after"] is not None:
+        lines.append(f"  eval loss {m['eval_loss_before']:.4f} -> {m['eval_loss_after']:.4f}")
+    lines.append(f"  wrote {m['adapter_dir']}, metrics.json and loss_curve.png in {os.path.dirname(m['adapter_dir'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="surogate-hf", description="Low-precision fine-tuning on the HF stack")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+    sft = sub.add_parser("sft", help="supervised fine-tuning (LoRA / QLoRA) from a Surogate-style YAML config")
+    sft.add_argument("config", nargs="?", help="YAML config; without it the embedded offline default runs")
+    sft.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key (value parsed as YAML), e.g. --set max_steps=20")
+    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    if args.version:
+        from . import __version__
+
+        print(__version__)
+        return 0
+    if args.command != "sft":
+        parser.print_help()
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"surogate-hf sft: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(yaml.safe_dump(cfg, sort_keys=False))
+        return 0
+    metrics = run_sft(cfg)
+    print(_summary(metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
