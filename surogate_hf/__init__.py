@@ -17,6 +17,9 @@ _LAZY = {
     "RecipeConfig": ".recipes",
     "apply_recipe": ".recipes",
     "SurogateRecipeCallback": ".integrations.trainer",
+    "prepare_for_training": ".training",
+    "set_lora_dtype": ".integrations.peft",
+    "merge_to_dense": ".integrations.peft",
 }
 
 
@@ -27,4 +30,13 @@ def __getattr__(name):
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'surogate_hf' has no attribute {name!r}")
 
-__all__ = ["RecipeConfig", "SurogateConfig", "SurogateRecipeCallback", "apply_recipe", "__version__"]
+__all__ = [
+    "RecipeConfig",
+    "SurogateConfig",
+    "SurogateRecipeCallback",
+    "apply_recipe",
+    "merge_to_dense",
+    "prepare_for_training",
+    "set_lora_dtype",
+    "__version__",
+]

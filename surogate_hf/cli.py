@@ -708,6 +708,15 @@ def main(argv: list[str] | None = None) -> int:
     sft.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (value parsed as YAML), e.g. --set max_steps=20")
     sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    sub.add_parser(
+        "launch", add_help=False,
+        help="accelerate launch with a recipe: surogate-hf launch --recipe_config recipe.yaml [accelerate args] train.py",
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # everything after `launch` belongs to accelerate launch
+        from .integrations.accelerate import launch_main
+
+        return launch_main(argv[1:])
     args = parser.parse_args(argv)
     if args.version:
         from . import __version__

@@ -4,8 +4,9 @@ Producers (the oracles of tests/test_prequantized.py):
 - fine-grained FP8 (quant_method "fp8"): transformers' own `Fp8Quantize` (integrations/finegrained_fp8.py);
 - ModelOpt NVFP4 / FP8 / MIXED_PRECISION (quant_method "modelopt"): surogate_hf.formats, following the
   layout in shared/notes/formats.md (weight_scale_2 = amax / (6 * 448), i.e. no Four-Over-Six);
-- GPT-OSS MXFP4 experts (quant_method "mxfp4"): surogate_hf.formats.quantize_mxfp4; transformers'
-  `convert_moe_packed_tensors` is the independent decode oracle in the tests.
+- GPT-OSS MXFP4 experts and MXFP4 dense linears (quant_method "mxfp4"): surogate_hf.formats.quantize_mxfp4;
+  transformers' `convert_moe_packed_tensors` is the independent decode oracle in the tests;
+- bitsandbytes NF4 (quant_method "bitsandbytes"): bitsandbytes' own quantize_4bit, decoded by its dequantize_4bit.
 Each writer returns the dense bf16 model it started from, so tests can compare against it.
 """
 
@@ -209,6 +210,45 @@ def write_gpt_oss_mxfp4(path: str, seed: int = 0):
         sd[f"{key}_scales"] = scales
     skip = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
     _write(path, model.config, sd, {"quant_method": "mxfp4", "modules_to_not_convert": skip})
+    return model
+
+
+# ---------------------------------------------------------------- MXFP4 dense linears
+def write_mxfp4_linears(path: str, arch: str, *, only=LINEAR_SUFFIXES, skip=("lm_head",), seed: int = 0):
+    """quant_method "mxfp4" with dense linears packed as weight uint8 [N, K/2] + weight_scale E8M0 uint8 [N, K/32]
+    (surogate_hf.formats.quantize_mxfp4). Linears whose suffix is not in `only` are stored bf16 and not listed in
+    modules_to_not_convert: transformers' reading of "mxfp4" quantizes packed tensors only."""
+    model = dense_model(arch, seed)
+    sd = checkpoint_state_dict(model)
+    for name in linear_names(sd):
+        if name.rsplit(".", 1)[-1] not in only:
+            continue
+        packed, scales = F.quantize_mxfp4(sd[f"{name}.weight"])
+        sd[f"{name}.weight"], sd[f"{name}.weight_scale"] = packed, scales
+    _write(path, model.config, sd, {"quant_method": "mxfp4", "modules_to_not_convert": list(skip)})
+    return model
+
+
+# ---------------------------------------------------------------- bitsandbytes NF4
+def write_bnb_nf4(path: str, arch: str, *, double_quant: bool = True, block: int = 64, skip=("lm_head",), seed: int = 0):
+    """quant_method "bitsandbytes" (load_in_4bit, nf4) produced by bitsandbytes' own quantize_4bit / QuantState.as_dict,
+    as transformers saves Linear4bit. Only nn.Linear modules are quantized (MoE experts stay bf16, as with stock
+    transformers); `skip=None` writes no llm_int8_skip_modules."""
+    import bitsandbytes.functional as bnbf
+    from transformers import BitsAndBytesConfig
+
+    model = dense_model(arch, seed)
+    sd = checkpoint_state_dict(model)
+    for name in linear_names(sd):
+        if ".experts." in name:
+            continue
+        packed, state = bnbf.quantize_4bit(sd[f"{name}.weight"], blocksize=block, compress_statistics=double_quant,
+                                           quant_type="nf4")
+        sd[f"{name}.weight"] = packed
+        sd.update({f"{name}.weight.{k}": v for k, v in state.as_dict(packed=True).items()})
+    qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+                              bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=None if skip is None else list(skip))
+    _write(path, model.config, sd, json.loads(json.dumps(qcfg.to_dict(), default=str)))
     return model
 
 

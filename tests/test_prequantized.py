@@ -22,7 +22,7 @@ from surogate_hf import SurogateConfig
 from surogate_hf import formats as F
 from surogate_hf.integrations import prequantized as PQ
 from surogate_hf.nn.experts import QuantizedExperts
-from surogate_hf.nn.linear import FP8Linear, NVFP4Linear, QuantizedLinear
+from surogate_hf.nn.linear import FP8Linear, MXFP4Linear, NF4Linear, NVFP4Linear, QuantizedLinear
 
 MIXED = {"q_proj": "NVFP4", "k_proj": "NVFP4", "v_proj": "FP8", "o_proj": "FP8", "gate_proj": "NVFP4", "down_proj": "FP8"}
 
@@ -47,6 +47,13 @@ def ckpt(tmp_path_factory):
         # ModelOpt unifies the amax of gate/up (fused by inference engines): one global scale per expert
         "qwen3_moe_nvfp4": lambda d: P.write_modelopt(d, P.MOE_ARCH, "NVFP4", exclude=("lm_head", "*.mlp.gate"), fused_amax=True),
         "qwen3_moe_nvfp4split": lambda d: P.write_modelopt(d, P.MOE_ARCH, "NVFP4", exclude=("lm_head", "*.mlp.gate")),
+        # attention stays bf16 and unlisted: an mxfp4 config quantizes packed-stored linears only
+        "llama_mxfp4": lambda d: P.write_mxfp4_linears(d, "llama", only=("gate_proj", "up_proj", "down_proj")),
+        "qwen3_moe_mxfp4": lambda d: P.write_mxfp4_linears(d, P.MOE_ARCH, skip=("lm_head", "mlp.gate")),
+        "llama_nf4": lambda d: P.write_bnb_nf4(d, "llama"),
+        "qwen3_nf4plain": lambda d: P.write_bnb_nf4(d, "qwen3", double_quant=False, block=128),
+        # stock bitsandbytes quantizes nn.Linear only: the MoE experts are stored bf16
+        "qwen3_moe_nf4": lambda d: P.write_bnb_nf4(d, P.MOE_ARCH, skip=("lm_head", "mlp.gate")),
     }
 
     def get(name):
@@ -237,6 +244,121 @@ def test_gpt_oss_mxfp4_experts_stay_packed(ckpt):
     assert diff == 0.0
 
 
+# ---------------------------------------------------------------- MXFP4 dense linears
+def _mxfp4_oracle(packed, scales):
+    """transformers' GPT-OSS decode of one [N, K/2] linear (it returns the experts' [E, K, N] layout)."""
+    n, g = scales.shape
+    return convert_moe_packed_tensors(packed.reshape(1, n, g, 16), scales[None], dtype=torch.float32)[0].t()
+
+
+def test_mxfp4_dense_linears_decode_like_transformers(ckpt):
+    path = ckpt("llama_mxfp4")
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    mods = quantized(model)
+    assert len(mods) == 3 * 2 and all(isinstance(m, MXFP4Linear) and m.prequantized for m in mods.values())
+    for name, m in mods.items():
+        assert torch.equal(m.dequantize(torch.float32), _mxfp4_oracle(stored[f"{name}.weight"], stored[f"{name}.weight_scale"])), name
+        assert m.weight.dtype == torch.uint8 and not any(p.requires_grad for p in m.parameters())
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # stored bf16: stays dense
+    diff = (logits(model) - logits(dense_twin(model, "llama"))).abs().max().item()
+    print(f"[llama mxfp4 linears] logits max-abs diff vs dense decoded: {diff:.3e}")
+    assert diff == 0.0  # weight-only
+
+
+def test_moe_mxfp4_components_fuse_exactly(ckpt):
+    path = ckpt("qwen3_moe_mxfp4")
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    ex = model.get_submodule(EXPERTS)
+    assert isinstance(ex, QuantizedExperts) and ex.quant_format == "mxfp4" and ex.prequantized
+
+    def dec(e, c):
+        return _mxfp4_oracle(stored[f"{EXPERTS}.{e}.{c}.weight"], stored[f"{EXPERTS}.{e}.{c}.weight_scale"])
+
+    assert torch.equal(ex.dequantize("gate_up_proj", torch.float32), torch.stack([torch.cat([dec(e, "gate_proj"), dec(e, "up_proj")]) for e in range(4)]))
+    assert torch.equal(ex.dequantize("down_proj", torch.float32), torch.stack([dec(e, "down_proj") for e in range(4)]))
+    assert (logits(model) - logits(dense_twin(model, P.MOE_ARCH))).abs().max().item() == 0.0
+
+
+# ---------------------------------------------------------------- bitsandbytes NF4
+def _bnb_oracle(stored, name):
+    import bitsandbytes.functional as bnbf
+
+    prefix = f"{name}.weight."
+    state = bnbf.QuantState.from_dict({k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}, device="cpu")
+    return bnbf.dequantize_4bit(stored[f"{name}.weight"], state)
+
+
+@pytest.mark.parametrize("name,arch,block,nested", [("llama_nf4", "llama", 64, True), ("qwen3_nf4plain", "qwen3", 128, False)])
+def test_bnb_nf4_decodes_like_bitsandbytes(ckpt, name, arch, block, nested):
+    path = ckpt(name)
+    model = load(path, quantization_config=SurogateConfig())
+    stored = P.read_tensors(path)
+    mods = quantized(model)
+    assert len(mods) == 7 * 2 and all(isinstance(m, NF4Linear) and m.prequantized for m in mods.values())
+    for mod_name, m in mods.items():
+        assert (m.fmt.block_size, m.fmt.double_quant) == (block, nested)
+        assert torch.equal(m.dequantize(torch.bfloat16), _bnb_oracle(stored, mod_name)), mod_name
+        assert not any(p.requires_grad for p in m.parameters())
+    assert type(model.lm_head) is torch.nn.Linear
+    diff = (logits(model) - logits(dense_twin(model, arch))).abs().max().item()
+    print(f"[{arch} nf4 {block} nested={nested}] logits max-abs diff vs dense decoded: {diff:.3e}")
+    assert diff == 0.0  # weight-only: decode, then the same bf16 GEMM
+
+
+def test_bnb_moe_experts_stored_dense_stay_dense(ckpt):
+    model = load(ckpt("qwen3_moe_nf4"), quantization_config=SurogateConfig())
+    assert type(model.get_submodule(EXPERTS)).__name__ == "Qwen3MoeExperts"
+    assert isinstance(model.get_submodule("model.layers.1.self_attn.q_proj"), NF4Linear)
+    assert type(model.get_submodule("model.layers.1.mlp.gate")).__name__ != "NF4Linear"
+
+
+def test_without_surogate_config_bitsandbytes_stays_transformers(ckpt):
+    stock = load(ckpt("llama_nf4"))  # surogate_hf is imported: "bitsandbytes" must still be transformers' own
+    assert not quantized(stock)
+    assert type(stock.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    assert hf_auto.AUTO_QUANTIZER_MAPPING["bitsandbytes_4bit"].__module__.startswith("transformers.")
+    ours = load(ckpt("llama_nf4"), quantization_config=SurogateConfig())
+    import bitsandbytes.functional as bnbf
+
+    q = stock.model.layers[1].mlp.down_proj
+    want = bnbf.dequantize_4bit(q.weight.data, q.weight.quant_state)
+    assert torch.equal(ours.model.layers[1].mlp.down_proj.dequantize(torch.bfloat16), want)
+
+
+@pytest.mark.parametrize("fmt,options", [("mxfp4", {}), ("nf4", {}), ("nf4", {"nf4_double_quant": False})])
+def test_own_moe_save_reloads_and_saves_back_byte_identical(tmp_path, fmt, options):
+    """surogate_hf's own per-expert mxfp4 / nf4 layout: loaded as stored (experts fused from the per-expert tensors)
+    and written back unchanged, config included."""
+    P.dense_model(P.MOE_ARCH).save_pretrained(tmp_path / "bf16")
+    online = load(str(tmp_path / "bf16"), quantization_config=SurogateConfig(format=fmt, **options))
+    online.save_pretrained(tmp_path / "q")
+    model = load(str(tmp_path / "q"), quantization_config=SurogateConfig())
+    ex = model.get_submodule(EXPERTS)
+    assert isinstance(ex, QuantizedExperts) and ex.quant_format == fmt and ex.prequantized
+    for p in ex.projections:
+        assert torch.equal(ex.dequantize(p), online.get_submodule(EXPERTS).dequantize(p)), p
+    model.save_pretrained(tmp_path / "again")
+    first, again = P.read_tensors(str(tmp_path / "q")), P.read_tensors(str(tmp_path / "again"))
+    assert set(first) == set(again)
+    for k, v in first.items():
+        assert again[k].dtype == v.dtype and torch.equal(stored_bytes(again[k]), stored_bytes(v)), k
+    cfg = [json.load(open(tmp_path / d / "config.json"))["quantization_config"] for d in ("q", "again")]
+    assert cfg[0] == cfg[1]
+
+
+def test_model_to_dtype_keeps_carried_fp32_scales(ckpt):
+    model = load(ckpt("llama_nvfp4"))
+    q = model.model.layers[0].self_attn.q_proj
+    before = {n: b.clone() for n, b in q.named_buffers()}
+    assert before["input_scale"].dtype == torch.float32
+    model.to(torch.float16)
+    for n, b in q.named_buffers():
+        assert b.dtype == before[n].dtype and torch.equal(stored_bytes(b), stored_bytes(before[n])), n
+    assert q.bias is None or q.bias.dtype == torch.float16
+
+
 # ---------------------------------------------------------------- MoE experts stored per expert and component
 EXPERTS = "model.layers.1.mlp.experts"
 
@@ -296,7 +418,8 @@ def test_moe_nvfp4_separate_globals_are_requantized_with_a_warning(ckpt):
 
 # ---------------------------------------------------------------- save_pretrained round trip
 @pytest.mark.parametrize(
-    "name", ["qwen3_fp8", "llama_fp8tensor", "llama_nvfp4", "llama_mixed", "qwen3_mofp8", "gptoss_mxfp4", "qwen3_moe_fp8", "qwen3_moe_nvfp4"]
+    "name", ["qwen3_fp8", "llama_fp8tensor", "llama_nvfp4", "llama_mixed", "qwen3_mofp8", "gptoss_mxfp4", "qwen3_moe_fp8",
+             "qwen3_moe_nvfp4", "llama_mxfp4", "qwen3_moe_mxfp4", "llama_nf4", "qwen3_nf4plain", "qwen3_moe_nf4"]
 )
 def test_save_writes_the_stored_layout_and_reloads_bit_identical(ckpt, tmp_path, name):
     path = ckpt(name)
@@ -387,6 +510,12 @@ def test_no_quantization_anywhere_is_an_error(tmp_path):
 
 
 Q = "model.layers.0.self_attn.q_proj"
+M = "model.layers.0.mlp.up_proj"  # [256, 128]
+
+
+def _bnb_json(t, **changes):
+    state = {**json.loads(bytes(t.tolist())), **changes}
+    return torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
 
 
 def _drop(key):
@@ -427,8 +556,28 @@ BAD_TENSORS = [
         _drop("model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"),
         r"missing scale: model\.layers\.0\.mlp\.experts\.2\.up_proj\.weight_scale_inv",
     ),
+    # MXFP4 dense linears
+    ("llama_mxfp4", _drop(f"{M}.weight_scale"), rf"missing MXFP4 E8M0 block scale .*: {M}\.weight_scale not found"),
+    ("llama_mxfp4", _set(f"{M}.weight_scale", lambda t: t.float()), rf"{M}\.weight_scale has dtype F32, expected U8"),
+    ("llama_mxfp4", _set(f"{M}.weight", lambda t: t[:, :32]), rf"{M}\.weight has shape \[256, 32\], expected \[256, 64\]"),
+    ("llama_mxfp4", _set(f"{M}.weight_scale", lambda t: torch.full_like(t, 255)), rf"{M}\.weight_scale: 1024 E8M0 scale byte\(s\) are 255"),
+    # bitsandbytes NF4
+    ("llama_nf4", _drop(f"{M}.weight.absmax"), rf"missing NF4 block absmax: {M}\.weight\.absmax not found"),
+    ("llama_nf4", _drop(f"{M}.weight.quant_state.bitsandbytes__nf4"), rf"missing NF4 QuantState: {M}\.weight\.quant_state"),
+    ("llama_nf4", _drop(f"{M}.weight.nested_absmax"), rf"says nested=True but {M}\.weight\.nested_absmax is absent"),
+    ("llama_nf4", _set(f"{M}.weight.quant_map", _nan_first), rf"{M}\.weight\.quant_map: 1 NaN/inf"),
+    ("llama_nf4", _set(f"{M}.weight.nested_absmax", lambda t: -t), rf"{M}\.weight\.nested_absmax: negative absmax"),
+    ("llama_nf4", _set(f"{M}.weight.quant_map", lambda t: t.bfloat16()), rf"{M}\.weight\.quant_map has dtype BF16, expected F32"),
+    ("llama_nf4", _set(f"{M}.weight.quant_state.bitsandbytes__nf4", lambda t: _bnb_json(t, blocksize=128)),
+     rf"{M}\.weight\.absmax has shape \[512\], expected \[256\]"),
+    ("llama_nf4", _set(f"{M}.weight.quant_state.bitsandbytes__nf4", lambda t: _bnb_json(t, blocksize=32)),
+     rf"{M}\.weight\.quant_state\.bitsandbytes__nf4: blocksize 32 unsupported"),
+    ("llama_nf4", _set(f"{M}.weight.quant_state.bitsandbytes__nf4", lambda t: _bnb_json(t, shape=[128, 256])),
+     r"shape \[128, 256\], expected \[256, 128\]"),
+    ("llama_nf4", _set(f"{M}.weight", lambda t: t[:100]), rf"{M}\.weight has shape \[100, 1\], expected \[16384, 1\]"),
     # tensors that disagree with the config
     ("llama_fp8", _set(f"{Q}.weight", lambda t: t.bfloat16()), rf"{Q}\.weight is BF16 \[128, 128\]: stored dense, but the config says"),
+    ("llama_nf4", _set(f"{Q}.weight", lambda t: torch.zeros(128, 128, dtype=torch.bfloat16)), rf"{Q}\.weight is BF16 \[128, 128\]: stored dense"),
     ("llama_fp8", lambda sd: {**sd, "lm_head.weight_scale_inv": torch.ones(2, 1)}, r"lm_head\.weight_scale_inv .* does not quantize"),
 ]
 
@@ -452,6 +601,11 @@ BAD_CONFIGS = [
         lambda c: {**c, "quantized_layers": {**c["quantized_layers"], Q: {"quant_algo": "FP8"}}},
         rf"{Q}\.weight has dtype U8, expected F8_E4M3",
     ),
+    ("llama_nf4", lambda c: {**c, "llm_int8_skip_modules": ["lm_head", Q]}, rf"{Q}\.weight is U8 .* keeps {Q} unquantized"),
+    ("llama_nf4", lambda c: {**c, "llm_int8_skip_modules": ["lm_head", Q]}, rf"{Q}\.weight\.absmax .* does not quantize"),
+    ("llama_nf4", lambda c: {**c, "bnb_4bit_quant_type": "fp4"}, r"bnb_4bit_quant_type 'fp4' is not supported"),
+    ("llama_nf4", lambda c: {**c, "load_in_8bit": True}, r"load_in_8bit \(LLM\.int8\) is not supported"),
+    ("llama_mxfp4", lambda c: {**c, "modules_to_not_convert": ["lm_head", M]}, rf"{M}\.weight is U8 .* keeps {M} unquantized"),
 ]
 
 

@@ -99,7 +99,8 @@ def test_format_none_goes_to_the_prequantized_quantizer():
 
 def test_import_registers_without_triton_or_native_code():
     # transformers' quantizer registry itself imports torchao (and through it triton) when installed;
-    # what surogate_hf adds on top must hold neither triton nor our kernels package.
+    # what surogate_hf adds on top must hold neither triton nor the modules that need it or the native
+    # extension. The kernels package's registry (thin CUDA wrappers) is expected: it makes GPU calls fast.
     code = (
         "import sys, transformers.quantizers.auto;"
         "before = set(sys.modules);"
@@ -107,8 +108,10 @@ def test_import_registers_without_triton_or_native_code():
         "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as M;"
         "assert 'surogate' in M;"
         "new = set(sys.modules) - before;"
-        "bad = [m for m in new if m == 'triton' or m.startswith('triton.') or m.startswith('surogate_hf.kernels')];"
-        "assert not bad, bad"
+        "heavy = ('surogate_hf.kernels.triton_quant', 'surogate_hf.kernels.triton_gemm', 'surogate_hf.kernels.fp8_gemm');"
+        "bad = [m for m in new if m == 'triton' or m.startswith('triton.') or m in heavy or 'surogate_hf_ext' in m];"
+        "assert not bad, bad;"
+        "assert 'surogate_hf.kernels.registry' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

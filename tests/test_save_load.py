@@ -212,27 +212,9 @@ def test_gpt_oss_mxfp4_directory_loads_in_stock_transformers(tmp_path):
 
 
 # ---------------------------------------------------------------------------- round trip through surogate_hf
-# Layouts the pre-quantized loader (surogate_hf.integrations.prequantized, issue 3) does not read yet at the
-# time of writing; it fails before loading anything with its own error. Any other failure (or wrong bits) fails.
-_NOT_YET_READ = {
-    "mxfp4": "mxfp4 dense linears (the loader reads GPT-OSS experts only)",
-    "nf4": "bitsandbytes layout not read by the pre-quantized loader (stock transformers reads it, tested above)",
-}
-
-
-def _prequantized_error():
-    mod = pytest.importorskip("surogate_hf.integrations.prequantized", reason="pre-quantized loading (issue 3) not present")
-    from surogate_hf.integrations.prequantized import scheme
-
-    return (ValueError, getattr(scheme, "PrequantizedCheckpointError", ValueError))
-
-
 @pytest.mark.parametrize("kind", ("llama", "qwen3_moe"))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_round_trip_through_surogate_hf_is_bit_identical(bf16_dirs, tmp_path, kind, fmt, request):
-    errors = _prequantized_error()
-    if fmt in _NOT_YET_READ:
-        request.applymarker(pytest.mark.xfail(raises=errors, reason=_NOT_YET_READ[fmt], strict=False))
+def test_round_trip_through_surogate_hf_is_bit_identical(bf16_dirs, tmp_path, kind, fmt):
     model = _load(bf16_dirs[kind], format=fmt)
     ids = sample_input_ids(model.config.vocab_size)
     with torch.no_grad():

@@ -1,8 +1,8 @@
 """quant_method "modelopt": transformers 5.23 has no ModelOpt support, so a ModelOpt checkpoint (NVFP4, FP8,
 MIXED_PRECISION) loads through surogate_hf's pre-quantized loader once surogate_hf is imported.
 
-Only the free name "modelopt" is registered; "fp8" and "mxfp4" stay transformers' own unless the caller passes
-SurogateConfig(). Older ModelOpt exports keep the config in hf_quant_config.json only; transformers does not read
+Only the free name "modelopt" is registered; "fp8", "mxfp4" and "bitsandbytes" stay transformers' own unless the
+caller passes SurogateConfig(). Older ModelOpt exports keep the config in hf_quant_config.json only; transformers does not read
 that file, so those load with `quantization_config=SurogateConfig()`.
 """
 

@@ -199,6 +199,11 @@ class SurogateHfQuantizer(HfQuantizer):
             if on_meta:
                 raise RuntimeError(f"surogate_hf: {name} slots {on_meta} were not loaded (missing checkpoint tensors?)")
         model._surogate_report = self.report
+        # LoRA on these modules must go through surogate's LoRA layer (a stock lora.Linear would merge into
+        # packed data), also for load_adapter() straight after from_pretrained().
+        from .peft import install_peft_dispatch
+
+        install_peft_dispatch()
         return model
 
     def get_quantize_ops(self):

@@ -1,5 +1,11 @@
 """Load pre-quantized checkpoints as they are stored: fine-grained FP8, ModelOpt NVFP4/FP8/MIXED_PRECISION,
-GPT-OSS MXFP4 experts.
+MXFP4 (GPT-OSS experts `{P}_blocks`/`{P}_scales`, dense linears `weight` + `weight_scale` E8M0) and bitsandbytes
+4-bit NF4 (`weight`, `weight.absmax`, ... `weight.quant_state.bitsandbytes__nf4`), the layouts surogate_hf's own
+save_pretrained writes included. MoE experts stored per expert (`experts.{e}.gate_proj.weight`, ...) are fused
+into surogate_hf's QuantizedExperts on load and split back on save.
+
+Only "modelopt" is taken over globally; "fp8", "mxfp4" and "bitsandbytes" checkpoints come here only when
+from_pretrained gets `quantization_config=SurogateConfig()`, else transformers' own quantizers load them.
 
 Flow (`PrequantizedHfQuantizer`, hooks in transformers' call order):
 1. `_process_model_before_weight_loading` (model on meta) reads the checkpoint's quantization config

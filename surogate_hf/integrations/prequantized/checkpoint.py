@@ -5,18 +5,44 @@ Every check runs before any weight loads; errors are collected so one exception 
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from ...nn.experts import experts_projections, is_experts_module
-from .scheme import MXFP4_GROUP, NVFP4_GROUP, CheckpointScheme, LayerFormat, PrequantizedCheckpointError
+from .scheme import (
+    MXFP4_GROUP,
+    NVFP4_GROUP,
+    CheckpointScheme,
+    LayerFormat,
+    PrequantizedCheckpointError,
+    _is_gpt_oss_experts,
+)
 
 FP8_SCALE_ALIASES = ("weight_scale_inv", "scale", "qscale_weight")  # real exports; transformers renames the same
 SCALAR_SHAPES = ((), (1,))
 QUANT_LEAVES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale", "activation_scale")
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+# bitsandbytes NF4: module slot (NF4Linear buffer) -> checkpoint suffix. Buffer names cannot hold dots, so the
+# quantizer renames the stored keys onto the slots while loading (transformers reverts that when saving);
+# the QuantState JSON is carried as a uint8 slot and its nested_offset becomes NF4Linear's weight_offset.
+NF4_STORED = {
+    "weight": "weight",
+    "weight_absmax": "weight.absmax",
+    "weight_quant_map": "weight.quant_map",
+    "weight_nested_absmax": "weight.nested_absmax",
+    "weight_nested_quant_map": "weight.nested_quant_map",
+    "weight_quant_state": "weight.quant_state.bitsandbytes__nf4",
+}
+NF4_STATE_SLOT = "weight_quant_state"
+NF4_BLOCKS = (64, 128)
+NF4_NESTED_BLOCK = 256
+_BNB_COMPANION = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__\w+)$")
 
 
 _ST_DTYPES = {
@@ -70,6 +96,13 @@ class CheckpointIndex:
     def get(self, key: str) -> TensorInfo | None:
         return self.tensors.get(key)
 
+    def read(self, key: str) -> torch.Tensor:
+        """One tensor's values (used for small metadata such as bitsandbytes' QuantState JSON)."""
+        from safetensors import safe_open
+
+        with safe_open(self.tensors[key].file, "pt") as f:
+            return f.get_tensor(key)
+
 
 # ---------------------------------------------------------------- the plan: one entry per quantized module
 @dataclass
@@ -116,7 +149,7 @@ def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tup
     claimed: set[str] = set()
 
     for name, module in model.named_modules():
-        if scheme.method != "mxfp4" and is_experts_module(module):
+        if is_experts_module(module) and not (scheme.method == "mxfp4" and _is_gpt_oss_experts(module)):
             plan, errs = _plan_fused_experts(name, module, scheme, index, prefix)
             errors.extend(errs)
             if plan is not None:
@@ -124,6 +157,8 @@ def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tup
                 claimed.update(f"{plan.key}.{plan.stored_names[s]}" for s in plan.slots)
             continue
         fmt = scheme.layer_format(name, module)
+        if fmt is not None and fmt.packed_only and not _stored_packed(index, _checkpoint_name(name, index, prefix, "weight")):
+            fmt = None  # stored dense: the format quantizes packed-stored linears only
         if fmt is None:
             if isinstance(module, torch.nn.Linear):
                 key = _checkpoint_name(name, index, prefix, "weight")
@@ -136,9 +171,10 @@ def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tup
             continue
         probe = "gate_up_proj_blocks" if fmt.kind == "mxfp4_experts" else "weight"
         key = _checkpoint_name(name, index, prefix, probe)
-        check = {"fp8_block": _plan_fp8_block, "fp8_tensor": _plan_fp8_tensor, "nvfp4": _plan_nvfp4,
-                 "mxfp4_experts": _plan_mxfp4_experts}[fmt.kind]
-        slots, stored, errs = check(module, key, fmt, index)
+        fmt, errs = _refine(fmt, module, key, index)
+        slots, stored = {}, {}
+        if not errs:
+            slots, stored, errs = _CHECKS[fmt.kind](module, key, fmt, index)
         errors.extend(f"{e} [{fmt.origin}]" for e in errs)
         if not errs:
             plans.append(ModulePlan(name, key, fmt, slots, stored))
@@ -150,7 +186,9 @@ def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tup
         base, _, leaf = key.rpartition(".")
         if leaf in ("scale", "qscale_weight"):  # generic names: a scale only next to a non-float weight
             sibling = index.get(f"{base}.weight")
-            scale_like = sibling is not None and sibling.dtype not in ("BF16", "F16", "F32")
+            scale_like = sibling is not None and sibling.dtype not in FLOAT_DTYPES
+        elif _BNB_COMPANION.search(key):
+            scale_like = True
         else:
             scale_like = leaf in QUANT_LEAVES or leaf.endswith(("_blocks", "_scales"))
         if scale_like:
@@ -159,6 +197,12 @@ def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tup
                 "(excluded, unlisted or of an unsupported type); the checkpoint disagrees with its config"
             )
     return plans, errors
+
+
+def _stored_packed(index, key: str) -> bool:
+    """Whether `{key}.weight` is stored packed (non-float); absent or dense-stored is False."""
+    info = index.get(f"{key}.weight")
+    return info is not None and info.dtype not in FLOAT_DTYPES
 
 
 def _expect(index, key, dtypes, shape, errors, what) -> TensorInfo | None:
@@ -178,7 +222,7 @@ def _expect(index, key, dtypes, shape, errors, what) -> TensorInfo | None:
 
 def _weight_disagrees(index, key, expected: str, errors) -> bool:
     info = index.get(f"{key}.weight")
-    if info is not None and info.dtype in ("BF16", "F16", "F32"):
+    if info is not None and info.dtype in FLOAT_DTYPES:
         errors.append(f"{key}.weight is {_fmt(info)}: stored dense, but the config says it is {expected}")
         return True
     return False
@@ -230,6 +274,80 @@ def _plan_nvfp4(module, key, fmt, index):
     return slots, {s_: s_ for s_ in slots}, errors
 
 
+def _plan_mxfp4(module, key, fmt, index):
+    """Dense linear: weight uint8 [N, K/2] (two E2M1, even element in the low nibble) + weight_scale E8M0 bytes."""
+    errors, n, k = [], module.out_features, module.in_features
+    if k % MXFP4_GROUP:
+        return {}, {}, [f"{key}: in_features {k} is not divisible by the MXFP4 block ({MXFP4_GROUP})"]
+    if _weight_disagrees(index, key, "MXFP4", errors):
+        return {}, {}, errors
+    w = _expect(index, f"{key}.weight", ("U8",), (n, k // 2), errors, "MXFP4 packed E2M1 weight (uint8 [N, K/2])")
+    s = _expect(index, f"{key}.weight_scale", ("U8",), (n, k // MXFP4_GROUP), errors,
+                "MXFP4 E8M0 block scale (uint8 [N, K/32])")
+    return {"weight": w, "weight_scale": s}, {"weight": "weight", "weight_scale": "weight_scale"}, errors
+
+
+def _refine(fmt: LayerFormat, module, key: str, index) -> tuple[LayerFormat, list[str]]:
+    """nf4: blocksize and double quantization are per tensor, in the stored QuantState; other kinds as given."""
+    if fmt.kind != "nf4":
+        return fmt, []
+    errors: list[str] = []
+    if _weight_disagrees(index, key, "NF4 (bitsandbytes)", errors):
+        return fmt, errors
+    state_key = f"{key}.{NF4_STORED[NF4_STATE_SLOT]}"
+    if state_key not in index:
+        other = [k for k in index.tensors if k.startswith(f"{key}.weight.quant_state.")]
+        if other:
+            return fmt, [f"{other[0]}: bitsandbytes 4-bit type other than nf4 is not supported"]
+        return fmt, [f"missing NF4 QuantState: {state_key} not found in the checkpoint"]
+    if index.get(state_key).dtype != "U8":
+        return fmt, [f"{state_key} has dtype {index.get(state_key).dtype}, expected U8 (bitsandbytes QuantState JSON)"]
+    try:
+        state = json.loads(bytes(index.read(state_key).reshape(-1).tolist()))
+    except ValueError as exc:
+        return fmt, [f"{state_key}: not a bitsandbytes QuantState JSON ({exc})"]
+    n, k = module.out_features, module.in_features
+    block = state.get("blocksize")
+    nested = "nested_blocksize" in state or "nested_offset" in state
+    if state.get("quant_type") != "nf4":
+        errors.append(f"{state_key}: quant_type {state.get('quant_type')!r}, expected 'nf4'")
+    if list(state.get("shape") or []) != [n, k]:
+        errors.append(f"{state_key}: shape {state.get('shape')}, expected [{n}, {k}] (the module's [out, in])")
+    if block not in NF4_BLOCKS:
+        errors.append(f"{state_key}: blocksize {block!r} unsupported; expected one of {NF4_BLOCKS}")
+    elif k % block:
+        # bitsandbytes' CPU dequantize misdecodes blocks that straddle rows; NF4Linear keeps whole-row blocks
+        errors.append(f"{key}: in_features {k} is not divisible by the NF4 blocksize ({block})")
+    if nested and (state.get("nested_blocksize") != NF4_NESTED_BLOCK or not isinstance(state.get("nested_offset"), (int, float))):
+        errors.append(f"{state_key}: nested_blocksize {state.get('nested_blocksize')!r} / nested_offset "
+                      f"{state.get('nested_offset')!r}; expected {NF4_NESTED_BLOCK} and a number")
+    has_nested = f"{key}.{NF4_STORED['weight_nested_absmax']}" in index
+    if nested != has_nested:
+        errors.append(f"{state_key}: the QuantState says nested={nested} but {key}.weight.nested_absmax is "
+                      f"{'present' if has_nested else 'absent'}")
+    if errors:
+        return fmt, errors
+    return LayerFormat("nf4", origin=fmt.origin, nf4_block=int(block), double_quant=nested,
+                       packed_only=fmt.packed_only), []
+
+
+def _plan_nf4(module, key, fmt, index):
+    """bitsandbytes layout, checked against the QuantState read by `_refine` (fmt.nf4_block, fmt.double_quant)."""
+    errors, n, k = [], module.out_features, module.in_features
+    nb = n * k // fmt.nf4_block
+    want = {
+        "weight": (("U8",), (n * k // 2, 1), "NF4 packed weight (uint8 [N*K/2, 1])"),
+        "weight_absmax": (("U8",) if fmt.double_quant else ("F32",), (nb,), "NF4 block absmax"),
+        "weight_quant_map": (("F32",), (16,), "NF4 quant_map"),
+    }
+    if fmt.double_quant:
+        want["weight_nested_absmax"] = (("F32",), (-(-nb // NF4_NESTED_BLOCK),), "NF4 nested absmax")
+        want["weight_nested_quant_map"] = (("F32",), (256,), "NF4 nested quant_map")
+    slots = {s: _expect(index, f"{key}.{NF4_STORED[s]}", d, shp, errors, what) for s, (d, shp, what) in want.items()}
+    slots[NF4_STATE_SLOT] = index.get(f"{key}.{NF4_STORED[NF4_STATE_SLOT]}")
+    return slots, {s: NF4_STORED[s] for s in slots}, errors
+
+
 def _plan_mxfp4_experts(module, key, fmt, index):
     errors, slots = [], {}
     e = module.num_experts
@@ -247,6 +365,11 @@ def _plan_mxfp4_experts(module, key, fmt, index):
         slots[f"{proj}_scales"] = _expect(index, f"{key}.{proj}_scales", ("U8",), (e, rows, k // MXFP4_GROUP), errors,
                                           "MXFP4 expert E8M0 scales (uint8 [E, rows, K/32])")
     return slots, {s: s for s in slots}, errors
+
+
+_CHECKS = {"fp8_block": _plan_fp8_block, "fp8_tensor": _plan_fp8_tensor, "nvfp4": _plan_nvfp4, "mxfp4": _plan_mxfp4,
+           "nf4": _plan_nf4, "mxfp4_experts": _plan_mxfp4_experts}
+FUSABLE = ("fp8_block", "fp8_tensor", "nvfp4", "mxfp4", "nf4")  # kinds per-expert linears can be fused from
 
 
 def _components(p: str, comps: int) -> list[str]:
@@ -270,8 +393,10 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
         return None, [f"{name}: its experts' projections are stored in different formats ({sorted(map(str, kinds))}); "
                       "surogate_hf's fused experts hold one format per experts module"]
     fmt = next(iter(fmts.values()))
-    if fmt.kind not in ("fp8_block", "fp8_tensor", "nvfp4"):
+    if fmt.kind not in FUSABLE:
         return None, [f"{name}: experts in {fmt.kind} are not supported"]
+    if fmt.kind in ("mxfp4", "nf4") and not _stored_packed(index, f"{key}.0.{first}"):
+        return None, []  # transformers' mxfp4 / bitsandbytes readers keep such experts dense: stored dense here
     errors = []
     if any(module._parameters.get(p + "_bias") is not None for p in projections):
         errors.append(f"{name}: fused experts with biases are not supported for per-expert checkpoints")
@@ -283,14 +408,20 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
                           f"{fmt.kind} [{fmt.origin}]")
     if errors:
         return None, errors
-    check = {"fp8_block": _plan_fp8_block, "fp8_tensor": _plan_fp8_tensor, "nvfp4": _plan_nvfp4}[fmt.kind]
+    check = _CHECKS[fmt.kind]
     slots, stored_names, suffix, stored, has_input = {}, {}, {}, {}, set()
+    unit_fmts = set()
     for p, (n, k, _) in projections.items():
         rows = n // len(comps[p])
         for c in comps[p]:
             for e in range(num_experts):
                 unit_key = f"{key}.{e}.{c}"
-                s_, names, errs = check(SimpleNamespace(out_features=rows, in_features=k), unit_key, fmt, index)
+                unit = SimpleNamespace(out_features=rows, in_features=k)
+                ufmt, errs = _refine(fmt, unit, unit_key, index)
+                s_, names = {}, {}
+                if not errs:
+                    unit_fmts.add(ufmt)
+                    s_, names, errs = check(unit, unit_key, ufmt, index)
                 errors.extend(f"{x} [{fmt.origin}]" for x in errs)
                 has_input.add("input_scale" in s_)
                 for slot, info in s_.items():
@@ -304,8 +435,13 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
                     stored_names[f"{e}.{c}.{slot}"] = f"{e}.{c}.{names[slot]}"
     if len(has_input) > 1:
         errors.append(f"{key}: input_scale is stored for some experts' projections and not for others")
+    if len(unit_fmts) > 1:
+        seen = sorted({(f.nf4_block, f.double_quant) for f in unit_fmts})
+        errors.append(f"{key}: its experts' NF4 QuantStates differ in (blocksize, double quantization) {seen}; "
+                      "surogate_hf's fused experts hold one format per experts module")
     if errors:
         return None, errors
+    fmt = unit_fmts.pop() if unit_fmts else fmt
     layout = FusedLayout(fmt.kind, comps, suffix, stored, has_input == {True}, num_experts)
     return ModulePlan(name, key, fmt, slots, stored_names, fused=layout), []
 
@@ -315,22 +451,32 @@ def check_scale_values(plans: list[ModulePlan], index: CheckpointIndex) -> list[
     """NaN / inf / negative scales, read once before loading (scales are <= 1/16 of the checkpoint's bytes)."""
     from safetensors import safe_open
 
-    by_file: dict[str, list[tuple[str, str]]] = {}
+    by_file: dict[str, list[tuple[str, str, str]]] = {}
     for p in plans:
         for slot in p.slots:
             leaf = slot.rsplit(".", 1)[-1]
-            if leaf != "weight" and not leaf.endswith("_blocks"):
+            if leaf != "weight" and not leaf.endswith("_blocks") and leaf != NF4_STATE_SLOT:
                 key = f"{p.key}.{p.stored_names[slot]}"
-                by_file.setdefault(index.get(key).file, []).append((key, leaf))
+                by_file.setdefault(index.get(key).file, []).append((key, leaf, p.fmt.kind))
     errors = []
     for path, keys in by_file.items():
         with safe_open(path, "pt") as f:
-            for key, leaf in keys:
-                errors.extend(_scale_problems(key, leaf, f.get_tensor(key)))
+            for key, leaf, kind in keys:
+                errors.extend(_scale_problems(key, leaf, f.get_tensor(key), kind))
     return errors
 
 
-def _scale_problems(key: str, leaf: str, t: torch.Tensor) -> list[str]:
+def _scale_problems(key: str, leaf: str, t: torch.Tensor, kind: str = "") -> list[str]:
+    if kind == "nf4":
+        if t.dtype == torch.uint8:  # double-quantized absmax: 8-bit codes, every byte is valid
+            return []
+        v = t.float()
+        nonfinite = int((~torch.isfinite(v)).sum())
+        if nonfinite:
+            return [f"{key}: {nonfinite} NaN/inf value(s)"]
+        if leaf in ("weight_absmax", "weight_nested_absmax") and bool((v < 0).any()):
+            return [f"{key}: negative absmax value(s) (min {v.min().item():g})"]
+        return []  # quant maps hold signed levels
     if t.dtype == torch.uint8:  # E8M0 bytes (MXFP4 scales, ue8m0 FP8 scales): 255 is NaN
         bad = int((t == 255).sum())
         return [f"{key}: {bad} E8M0 scale byte(s) are 255 (NaN)"] if bad else []

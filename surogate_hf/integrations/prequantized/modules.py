@@ -3,6 +3,7 @@ export back to the stored layout, and the loading op that fuses per-expert MoE l
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 
@@ -12,8 +13,18 @@ from transformers.core_model_loading import ConversionOps
 from ... import formats as F
 from ...formats.mxfp4 import e8m0_to_float
 from ...nn.experts import QuantizedExperts
-from ...nn.linear import FP8Format, FP8Linear, MXFP4Format, NVFP4Format, NVFP4Linear
-from .checkpoint import _ST_DTYPES, FusedLayout, ModulePlan, _fmt, _st_dtype
+from ...nn.linear import (
+    FP8Format,
+    FP8Linear,
+    MXFP4Format,
+    MXFP4Linear,
+    NF4Format,
+    NF4Linear,
+    NVFP4Format,
+    NVFP4Linear,
+    keep_buffer_dtype,
+)
+from .checkpoint import _ST_DTYPES, NF4_STATE_SLOT, FusedLayout, ModulePlan, _fmt, _st_dtype
 from .scheme import LayerFormat, PrequantizedCheckpointError
 
 
@@ -25,7 +36,19 @@ class StoredSlot:
     working: str | None  # the module's own slot it feeds (None: carried only, e.g. a static input_scale)
     dtype: torch.dtype
     shape: tuple[int, ...]
-    encoding: str = "same"  # same | e8m0 (power-of-two scale bytes) | reshape
+    encoding: str = "same"  # same | e8m0 (power-of-two scale bytes) | reshape | bnb_state (QuantState JSON, carried)
+
+
+_NF4_OFFSET = "_offset"  # NF4 unit slot filled from the QuantState JSON's nested_offset (not a stored tensor)
+_FUSED_STATES_ATTR = "_surogate_bnb_states"  # fused nf4 experts: {"{expert}.{component}": QuantState JSON bytes}
+
+
+def _bnb_state(t: torch.Tensor) -> dict:
+    return json.loads(bytes(t.reshape(-1).tolist()))
+
+
+def _nf4_offset(t: torch.Tensor, device) -> torch.Tensor:
+    return torch.tensor(float(_bnb_state(t)["nested_offset"]), dtype=torch.float32, device=device)
 
 
 def _e8m0_bytes_to_float(t: torch.Tensor) -> torch.Tensor:
@@ -54,15 +77,25 @@ def _build_module(plan: ModulePlan, dense: torch.nn.Module):
                       block_size=plan.fmt.block, ue8m0=plan.fmt.ue8m0)
     elif kind == "fp8_tensor":
         m = FP8Linear(dense.in_features, dense.out_features, bias, "meta", dtype, block_size=None)
-    else:
+    elif kind == "nvfp4":
         m = NVFP4Linear(dense.in_features, dense.out_features, bias, "meta", dtype, four_over_six=False)
+    elif kind == "mxfp4":
+        m = MXFP4Linear(dense.in_features, dense.out_features, bias, "meta", dtype)
+    elif kind == "nf4":
+        m = NF4Linear(dense.in_features, dense.out_features, bias, "meta", dtype,
+                      block_size=plan.fmt.nf4_block, double_quant=plan.fmt.double_quant)
+        if plan.fmt.double_quant:
+            del m._buffers["weight" + _NF4_OFFSET]  # not a stored tensor: adopt_stored reads it from the JSON
+    else:
+        raise PrequantizedCheckpointError(f"{plan.key}: no linear module for stored format {kind!r}")
     stored = {}
     for slot, info in plan.slots.items():
         dt = _st_dtype(info)
         working = {"weight_scale": "weight_scale_inv"}.get(slot, slot) if kind == "fp8_tensor" else slot
-        if slot == "input_scale":
-            working = None
         encoding = "same"
+        if slot in ("input_scale", NF4_STATE_SLOT):
+            working = None  # carried for save (a static activation scale; bitsandbytes' QuantState JSON)
+            encoding = "bnb_state" if slot == NF4_STATE_SLOT else encoding
         if working is not None:
             want = getattr(m, working)
             if dt in (torch.uint8, _ST_DTYPES["F8_E8M0"]) and working == "weight_scale_inv":
@@ -75,6 +108,7 @@ def _build_module(plan: ModulePlan, dense: torch.nn.Module):
             del m._buffers[working]  # filled from the stored slot after loading
         m.register_buffer(slot, torch.empty(info.shape, dtype=dt, device="meta"))
         stored[slot] = StoredSlot(working, dt, tuple(info.shape), encoding)
+    keep_buffer_dtype(m, *stored)  # e.g. an fp32 input_scale must survive model.to(bf16) bit for bit
     setattr(m, _STORED_ATTR, stored)
     return m
 
@@ -109,6 +143,10 @@ def _unit_format(fmt: LayerFormat):
         return FP8Format(fmt.block, fmt.ue8m0)
     if fmt.kind == "fp8_tensor":
         return FP8Format(None)
+    if fmt.kind == "mxfp4":
+        return MXFP4Format()
+    if fmt.kind == "nf4":
+        return NF4Format(fmt.nf4_block, fmt.double_quant)
     return NVFP4Format(four_over_six=False)  # ModelOpt's encode (global = 6 * 448 / amax) when re-quantizing
 
 
@@ -120,7 +158,10 @@ def _build_fused_experts(plan: ModulePlan, dense):
     if lay.input_scale:  # static activation scales: carried for save, the forward scales activations itself
         for p, comps in lay.projections.items():
             m.register_buffer(f"{p}_input_scale", torch.empty(lay.num_experts, len(comps), device="meta"))
+            keep_buffer_dtype(m, f"{p}_input_scale")
     setattr(m, _FUSED_ATTR, lay)
+    if lay.kind == "nf4":
+        setattr(m, _FUSED_STATES_ATTR, {})
     return m
 
 
@@ -172,6 +213,24 @@ class FuseStoredExperts(ConversionOps):
             ss = [torch.stack([_scale_to_working(t, slot_shapes["_scale_inv"][0]) for t in stored(c, scale_slot)]) for c in comps]
             out[full_layer_name] = torch.stack(ws, 1) if n_units > 1 else ws[0]
             out[full_layer_name + "_scale_inv"] = torch.stack(ss, 1) if n_units > 1 else ss[0]
+        elif lay.kind == "mxfp4":  # no per-tensor scale: the components' rows concatenate exactly
+            w = [torch.cat([stored(c, "weight")[e] for c in comps]) for e in range(lay.num_experts)]
+            s = [torch.cat([stored(c, "weight_scale")[e] for c in comps]) for e in range(lay.num_experts)]
+            out[full_layer_name] = torch.stack(w).reshape((lay.num_experts,) + slot_shapes[""][0])
+            out[full_layer_name + "_scales"] = torch.stack(s)
+        elif lay.kind == "nf4":  # per-component units: each stored QuantState is stacked as is
+            states = getattr(m, _FUSED_STATES_ATTR)  # carried for save, byte for byte
+            for c in comps:
+                for e, t in enumerate(stored(c, NF4_STATE_SLOT)):
+                    states[f"{e}.{c}"] = bytes(t.reshape(-1).tolist())
+            for suffix, (shape, _) in slot_shapes.items():
+                per_comp = []
+                for c in comps:
+                    if suffix == _NF4_OFFSET:
+                        per_comp.append(torch.stack([_nf4_offset(t, t.device) for t in stored(c, NF4_STATE_SLOT)]))
+                    else:
+                        per_comp.append(torch.stack([t.reshape(shape) for t in stored(c, "weight" + suffix)]))
+                out[full_layer_name + suffix] = torch.stack(per_comp, 1) if n_units > 1 else per_comp[0]
         else:
             per = {c: (stored(c, "weight"), stored(c, "weight_scale"), stored(c, "weight_scale_2")) for c in comps}
             packed, block, glob = [], [], []
@@ -246,6 +305,19 @@ def export_fused(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str]
                     idx = (e, j) if n_units > 1 else (e,)
                     put("weight", t[""][idx])
                     put("weight_scale_inv" if lay.kind == "fp8_block" else "weight_scale", t["_scale_inv"][idx])
+                elif lay.kind == "mxfp4":
+                    put("weight", t[""][e, j * crows : (j + 1) * crows])
+                    put("weight_scale", t["_scales"][e, j * crows : (j + 1) * crows])
+                elif lay.kind == "nf4":
+                    idx = (e, j) if n_units > 1 else (e,)
+                    for cc, slot in lay.suffix:
+                        if cc != c:
+                            continue
+                        if slot == NF4_STATE_SLOT:  # the stored QuantState JSON, byte for byte
+                            data = getattr(module, _FUSED_STATES_ATTR)[f"{e}.{c}"]
+                            out[f"{prefix}{e}.{c}.{lay.suffix[(c, slot)]}"] = torch.tensor(list(data), dtype=torch.uint8)
+                        else:
+                            put(slot, t[slot.removeprefix("weight")][idx])
                 else:
                     put("weight", t[""][e, j * crows : (j + 1) * crows])
                     put("weight_scale", t["_scale"][e, j * crows : (j + 1) * crows])
@@ -264,6 +336,9 @@ def adopt_stored(module) -> None:
     if fmt is not None and hasattr(module, "out_features"):
         shapes = {"weight" + s: shp for s, (shp, _) in fmt.slots(module.out_features, module.in_features).items()}
     for slot, s in stored.items():
+        if s.encoding == "bnb_state" and module.fmt.double_quant:
+            t = module._buffers[slot]
+            module._buffers["weight" + _NF4_OFFSET] = _nf4_offset(t, t.device)
         if s.working is None:
             continue
         t = module._buffers[slot]
@@ -293,6 +368,8 @@ def export_stored(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str
             t = _float_to_e8m0(t, s.dtype)
         out[prefix + slot] = t.to(s.dtype).reshape(s.shape)
         replaced.add(prefix + src)
+        if s.encoding == "bnb_state":  # weight_offset lives in the JSON on disk
+            replaced.add(prefix + "weight" + _NF4_OFFSET)
     return out, replaced
 
 

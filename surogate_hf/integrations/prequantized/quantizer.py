@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+
+import torch
 
 from transformers.quantizers.auto import AutoHfQuantizer
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .checkpoint import CheckpointIndex, ModulePlan, check_scale_values, plan_modules, raise_if_errors
+from .checkpoint import NF4_STORED, CheckpointIndex, ModulePlan, check_scale_values, plan_modules, raise_if_errors
 from .modules import _FUSED_ATTR, _STORED_ATTR, FuseStoredExperts, _build_module, adopt_stored, export_fused, export_stored
 from .scheme import CheckpointScheme, PrequantizedCheckpointError, read_legacy_modelopt_config
 
@@ -190,7 +193,18 @@ class PrequantizedHfQuantizer(HfQuantizer):
             renames.append(WeightRenaming(source_patterns=r"^(.+)\.scale", target_patterns=r"\1.weight_scale_inv"))
         if "qscale_weight" in getattr(self, "_aliases", ()):
             renames.append(WeightRenaming(source_patterns=r"\.qscale_weight", target_patterns=".weight_scale_inv"))
+        # bitsandbytes' dotted companions (`weight.absmax`, ...) onto NF4Linear's slots (`weight_absmax`, ...)
+        if any(p.fmt.kind == "nf4" for p in self.plans):
+            for slot, suffix in NF4_STORED.items():
+                if slot != suffix:
+                    renames.append(WeightRenaming(source_patterns=re.escape("." + suffix), target_patterns="." + slot))
         return renames + self._fuse_experts_conversions(list(weight_conversions))
+
+    def _loaded_name(self, suffix: str) -> str:
+        """A stored suffix as the renamings above leave it (converters match after renamings)."""
+        if suffix in getattr(self, "_aliases", ()):
+            return "weight_scale_inv"
+        return {v: k for k, v in NF4_STORED.items()}.get(suffix, suffix)
 
     def _fuse_experts_conversions(self, conversions):
         """The model's per-expert merge converters (e.g. experts.*.gate_proj.weight + up_proj -> gate_up_proj) become
@@ -216,8 +230,8 @@ class PrequantizedHfQuantizer(HfQuantizer):
                 base = src[: -len(".weight")]
                 comp = base.rsplit(".", 1)[-1]
                 for (c, slot), suffix in lay.suffix.items():
-                    if c == comp:  # the scale-alias renamings above run before converters match
-                        patterns[(c, slot)] = f"{base}.{'weight_scale_inv' if suffix in self._aliases else suffix}"
+                    if c == comp:  # the renamings above run before converters match
+                        patterns[(c, slot)] = f"{base}.{self._loaded_name(suffix)}"
             if sorted({c for c, _ in patterns}) != sorted(lay.projections[proj]):
                 raise PrequantizedCheckpointError(
                     f"{plan.name}.{proj}: the model's conversion {sources} -> {targets} does not name the stored "
@@ -240,7 +254,17 @@ class PrequantizedHfQuantizer(HfQuantizer):
                     if t.is_meta:
                         raise PrequantizedCheckpointError(f"{type(module).__name__}: a slot was not filled by the checkpoint")
                 adopt_stored(module)
+        from ..peft import install_peft_dispatch  # LoRA on these bases needs surogate's LoRA layer (see peft.py)
+
+        install_peft_dispatch()
         return model
+
+    def _dequantize(self, model, dtype=None):
+        from ...nn import dequantize_model
+
+        if isinstance(dtype, str):  # transformers passes model.config.dtype, a string after save_pretrained
+            dtype = getattr(torch, dtype)
+        return dequantize_model(model, dtype)
 
     def get_state_dict_and_metadata(self, model):
         sd = model.state_dict()

@@ -1,4 +1,9 @@
-"""What a checkpoint's quantization_config says: which module is stored in which format."""
+"""What a checkpoint's quantization_config says: which module is stored in which format.
+
+Dense linears in an "mxfp4" checkpoint and experts in "mxfp4" / "bitsandbytes" ones are quantized only where the
+stored tensors are packed (transformers' own readers quantize GPT-OSS experts / nn.Linear only); checkpoint.py
+decides those from the safetensors headers.
+"""
 
 from __future__ import annotations
 
@@ -21,17 +26,20 @@ class PrequantizedCheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class LayerFormat:
-    """How one module is stored. kind: fp8_block | fp8_tensor | nvfp4 | mxfp4_experts."""
+    """How one module is stored. kind: fp8_block | fp8_tensor | nvfp4 | mxfp4 | mxfp4_experts | nf4."""
 
     kind: str
     block: tuple[int, int] | None = None  # fp8_block
     ue8m0: bool = False  # fp8_block: power-of-two scales
     origin: str = ""  # the config entry that decided it, for messages
+    nf4_block: int = 0  # nf4: blocksize and double quantization, read from the stored QuantState (checkpoint.py)
+    double_quant: bool = False
+    packed_only: bool = False  # quantized only where the stored weight is packed (see the module docstring)
 
 
 @dataclass
 class CheckpointScheme:
-    method: str  # fp8 | modelopt | mxfp4
+    method: str  # fp8 | modelopt | mxfp4 | bitsandbytes
     raw: dict  # the quantization_config as stored (config.json form), written back on save
     source: str  # where it was read, for messages
     skip: list[str] = field(default_factory=list)
@@ -40,6 +48,7 @@ class CheckpointScheme:
     per_layer: dict[str, str] = field(default_factory=dict)  # MIXED_PRECISION: module name -> algo
     fp8_block: tuple[int, int] | None = None
     ue8m0: bool = False
+    lenient_dense: bool = False  # bitsandbytes without llm_int8_skip_modules: dense-stored linears stay dense
 
     @classmethod
     def from_dict(cls, d: dict, source: str) -> "CheckpointScheme":
@@ -52,10 +61,36 @@ class CheckpointScheme:
             return cls._modelopt(d, source)
         if method == "mxfp4":
             return cls(method="mxfp4", raw=dict(d), source=source, skip=list(d.get("modules_to_not_convert") or []))
+        if method == "bitsandbytes":
+            return cls._bitsandbytes(d, source)
         raise PrequantizedCheckpointError(
             f"{source}: quant_method {method!r} is not a pre-quantized layout surogate_hf loads; "
-            "supported: 'fp8' (fine-grained), 'modelopt' (NVFP4, FP8, MIXED_PRECISION), 'mxfp4' (GPT-OSS experts)"
+            "supported: 'fp8' (fine-grained), 'modelopt' (NVFP4, FP8, MIXED_PRECISION), 'mxfp4' (GPT-OSS experts, "
+            "dense linears), 'bitsandbytes' (4-bit NF4)"
         )
+
+    @classmethod
+    def _bitsandbytes(cls, d: dict, source: str) -> "CheckpointScheme":
+        if d.get("load_in_8bit") or not d.get("load_in_4bit"):
+            raise PrequantizedCheckpointError(
+                f"{source}: bitsandbytes load_in_8bit (LLM.int8) is not supported by surogate_hf; it loads 4-bit NF4 "
+                "(load_in_4bit=True, bnb_4bit_quant_type='nf4')"
+            )
+        qtype = d.get("bnb_4bit_quant_type", "fp4")  # bitsandbytes' own default
+        if qtype != "nf4":
+            raise PrequantizedCheckpointError(
+                f"{source}: bnb_4bit_quant_type {qtype!r} is not supported by surogate_hf; it loads 'nf4'"
+            )
+        storage = d.get("bnb_4bit_quant_storage") or "uint8"
+        if storage != "uint8":
+            raise PrequantizedCheckpointError(
+                f"{source}: bnb_4bit_quant_storage {storage!r} is not supported by surogate_hf; it loads uint8 packing"
+            )
+        skip = d.get("llm_int8_skip_modules")
+        # Without an explicit skip list transformers adds its own defaults (lm_head, ...) at load time: then a
+        # linear stored dense is read as dense instead of being an error.
+        return cls(method="bitsandbytes", raw=dict(d), source=source, skip=list(skip or []),
+                   lenient_dense=skip is None)
 
     @classmethod
     def _fp8(cls, d: dict, source: str) -> "CheckpointScheme":
@@ -121,8 +156,8 @@ class CheckpointScheme:
 
     def layer_format(self, name: str, module) -> LayerFormat | None:
         """The stored format of module `name`, None when it is stored dense."""
-        if self.method == "mxfp4":
-            if _is_gpt_oss_experts(module) and not self.is_skipped(name):
+        if self.method == "mxfp4" and _is_gpt_oss_experts(module):
+            if not self.is_skipped(name):
                 return LayerFormat("mxfp4_experts", origin=f"{self.source} (quant_method mxfp4)")
             return None
         if not isinstance(module, torch.nn.Linear):
@@ -131,8 +166,13 @@ class CheckpointScheme:
 
     def linear_format(self, name: str) -> LayerFormat | None:
         """Format of the linear projection `name` (a module, or one expert's component like `experts.3.up_proj`)."""
-        if self.method == "mxfp4" or self.is_skipped(name):
+        if self.is_skipped(name):
             return None
+        if self.method == "mxfp4":
+            return LayerFormat("mxfp4", origin=f"{self.source} (quant_method mxfp4)", packed_only=True)
+        if self.method == "bitsandbytes":
+            return LayerFormat("nf4", origin=f"{self.source} (quant_method bitsandbytes, nf4)",
+                               packed_only=self.lenient_dense)
         if self.method == "fp8":
             return LayerFormat("fp8_block", block=self.fp8_block, ue8m0=self.ue8m0, origin=f"{self.source} (quant_method fp8)")
         algo = self.per_layer.get(name) if self.algo == "MIXED_PRECISION" else self.algo
