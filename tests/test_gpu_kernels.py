@@ -209,7 +209,8 @@ def test_rht(shape, dtype):
 
 
 # ---------------------------------------------------------------- quantized-base GEMMs (SQNR)
-GEMM_SHAPES = [(300, 512, 768), (2, 7, 256, 512)]  # (..., M, N, K): odd token counts
+# (..., M, N, K): odd token counts; M >= DENSE_MIN_TOKENS (512) takes the decode + cuBLAS route
+GEMM_SHAPES = [(300, 512, 768), (2, 7, 256, 512), (2, 333, 512, 768)]
 
 
 def _x_dy(shape, dtype):
@@ -253,6 +254,30 @@ def test_quantized_linear_ops(shape, fmt):
     assert sqnr(dx, dxr) > 38, f"{fmt} dgrad SQNR {sqnr(dx, dxr):.1f} dB"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [64, 128])
+def test_nf4_dense_decode_bits(dtype, block):
+    """The transient dense weight of the large-M route is the reference decode bit for bit."""
+    from surogate_hf.kernels import triton_gemm as TG
+
+    n, k = 256, 768
+    packed, state = F.quantize_nf4(_weight(n, k).to(dtype), block, True)
+    absmax = F.nf4_absmax(state)
+    ref = F.dequantize_nf4_raw(packed, absmax, state.code, block, (n, k), dtype)
+    out = TG.dequantize(TG.NF4, packed.to(DEV), absmax.float().to(DEV), None, state.code.float().to(DEV), n, k,
+                        block, dtype)
+    assert_bits(out, ref, f"nf4 dense decode {dtype}")
+
+
+def test_dense_route_threshold():
+    from surogate_hf.kernels import triton_gemm as TG
+
+    k = 256
+    assert not TG.use_dense(torch.empty(TG.DENSE_MIN_TOKENS - 1, k))
+    assert TG.use_dense(torch.empty(2, -(-TG.DENSE_MIN_TOKENS // 2), k))
+    assert not TG.use_dense(torch.empty(0, k))
+
+
 def test_weight_only_fallback_warns_and_matches():
     n, k = 48, 96  # not a multiple of the kernel's tiles
     x = _rand((5, k), torch.bfloat16, spread=False)
@@ -278,15 +303,16 @@ def test_fp8_scaled_mm(dtypes, bias):
 
 
 # ---------------------------------------------------------------- modules vs their CPU path
+@pytest.mark.parametrize("tokens", [(3, 100), (4, 200)])  # fused kernels / decode + cuBLAS
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "nf4"])
-def test_modules_match_cpu(fmt):
+def test_modules_match_cpu(fmt, tokens):
     from surogate_hf.nn import linear as L
 
     cls = {"fp8": L.FP8Linear, "nvfp4": L.NVFP4Linear, "mxfp4": L.MXFP4Linear, "nf4": L.NF4Linear}[fmt]
     dense = torch.nn.Linear(768, 512, bias=True, dtype=torch.bfloat16)
     cpu = cls.from_linear(dense)
     gpu = cls.from_linear(dense).to(DEV)
-    x = _rand((3, 100, 768), torch.bfloat16, spread=False)
+    x = _rand((*tokens, 768), torch.bfloat16, spread=False)
     xc, xg = x.clone().requires_grad_(), x.to(DEV).requires_grad_()
     yc, yg = cpu(xc), gpu(xg)
     g = _rand(yc.shape, torch.bfloat16, seed=5, spread=False)
@@ -294,6 +320,59 @@ def test_modules_match_cpu(fmt):
     yg.backward(g.to(DEV))
     assert sqnr(yg, yc) > 35, f"{fmt} module forward SQNR {sqnr(yg, yc):.1f}"
     assert sqnr(xg.grad, xc.grad) > 35, f"{fmt} module input-grad SQNR {sqnr(xg.grad, xc.grad):.1f}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nf4"])
+def test_module_cuda_plan_follows_its_buffers(fmt):
+    """The cached CUDA plan is rebuilt when the weight is reloaded or written in place."""
+    from surogate_hf.nn import linear as L
+
+    cls = {"fp8": L.FP8Linear, "nvfp4": L.NVFP4Linear, "nf4": L.NF4Linear}[fmt]
+    dense = torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16)
+    m = cls.from_linear(dense).to(DEV)
+    x = _rand((40, 512), torch.bfloat16, spread=False).to(DEV)
+    y1 = m(x)
+    assert m(x).equal(y1) and len(m._gemm_plans) == 1
+    plan = m._gemm_plans[None]
+    m(x)
+    assert m._gemm_plans[None] is plan, "plan rebuilt although nothing changed"
+    m.load_dense_weight(dense.weight.detach().to(DEV) * 4)
+    y2 = m(x)
+    assert m._gemm_plans[None] is not plan
+    assert sqnr(y2, y1 * 4) > 30, "a stale plan ran after the weight was reloaded"
+    plan = m._gemm_plans[None]
+    m.weight.copy_(m.weight)  # in-place write bumps the version counter
+    m(x)
+    assert m._gemm_plans[None] is not plan
+
+
+def test_experts_cuda_match_cpu():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from surogate_hf.nn import QuantizedExperts, make_format
+
+    cfg = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    dense = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        dense.gate_up_proj.normal_(0, 0.05)
+        dense.down_proj.normal_(0, 0.05)
+    dense = dense.to(torch.bfloat16)
+    def quantized(fmt):
+        with torch.device("meta"):
+            q = QuantizedExperts(Qwen3MoeExperts(cfg), make_format(fmt))
+        for p in q.projections:
+            q.load_dense_weight(p, getattr(dense, p).detach())
+        return q
+
+    for fmt in ("nvfp4", "nf4"):
+        idx = torch.randint(0, 4, (64, 2), generator=torch.Generator().manual_seed(1))
+        rw = torch.rand(64, 2, generator=torch.Generator().manual_seed(2)).softmax(-1).to(torch.bfloat16)
+        x = _rand((64, 256), torch.bfloat16, spread=False)
+        yc = quantized(fmt)(x, idx, rw)
+        yg = quantized(fmt).to(DEV)(x.to(DEV), idx.to(DEV), rw.to(DEV))
+        assert sqnr(yg, yc) > 35, f"{fmt} experts SQNR {sqnr(yg, yc):.1f}"
 
 
 # ---------------------------------------------------------------- native extension

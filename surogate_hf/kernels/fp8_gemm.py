@@ -39,26 +39,29 @@ def _block_problem(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int)
     return None
 
 
-def _block_mm(a2: torch.Tensor, a_tile: int, wt_q: torch.Tensor, wt_s: torch.Tensor) -> torch.Tensor:
-    """a2 [M, K] bf16 @ (block-scaled W')^T with W' = wt_q [N, K] e4m3, wt_s [N/128, K/128].
-
-    cuBLASLt wants the weight scales as the transpose view of an [N/128, L4] buffer, L4 = K/128
-    rounded up to 4 (padding entries never multiply data), and M a multiple of 16 (we pad the
-    activation rows; the quantize kernel writes the real rows, the pad rows stay zero).
-    """
-    m, k = a2.shape
-    kb = k // 128
+def mm_scales(ws: torch.Tensor) -> torch.Tensor:
+    """Weight block scales [N/128, K/128] -> the buffer cuBLASLt reads (as its transpose view): rows
+    padded to L4 = K/128 rounded up to 4 (padding entries never multiply data)."""
+    kb = ws.shape[1]
     l4 = -(-kb // 4) * 4
-    if l4 != kb:
-        padded = torch.zeros((wt_s.shape[0], l4), dtype=torch.float32, device=wt_s.device)
-        padded[:, :kb] = wt_s
-        wt_s = padded
+    if l4 == kb:
+        return ws.float().contiguous()
+    padded = torch.zeros((ws.shape[0], l4), dtype=torch.float32, device=ws.device)
+    padded[:, :kb] = ws
+    return padded
+
+
+def _block_mm(a2: torch.Tensor, a_tile: int, wt_q: torch.Tensor, wt_s_mm: torch.Tensor) -> torch.Tensor:
+    """a2 [M, K] bf16 @ (block-scaled W')^T with W' = wt_q [N, K] e4m3 and its scales laid out by
+    `mm_scales`. cuBLASLt wants M a multiple of 16: we pad the activation rows (the quantize kernel
+    writes the real rows, the pad rows stay zero)."""
+    m, k = a2.shape
     mp = -(-m // 16) * 16
     if mp != m:
         a2 = torch.cat((a2, a2.new_zeros((mp - m, k))))
     aq, as_ = TQ.quantize_fp8_tiles(a2, a_tile, scale_colmajor=True)
     out = Fn.scaled_mm(
-        aq, wt_q.t(), as_, Fn.ScalingType.BlockWise1x128, wt_s.t(), Fn.ScalingType.BlockWise128x128,
+        aq, wt_q.t(), as_, Fn.ScalingType.BlockWise1x128, wt_s_mm.t(), Fn.ScalingType.BlockWise128x128,
         output_dtype=a2.dtype,
     )
     return out[:m] if mp != m else out
@@ -71,17 +74,18 @@ def _reference_linear(x, w, w_scale_inv, block_n, block_k):
     return (xd @ wd.t()).to(x.dtype)
 
 
-def fp8_block_linear(x, w, w_scale_inv, block_n, block_k):
+def fp8_block_linear(x, w, w_scale_inv, block_n, block_k, w_scales_mm=None):
     why = _block_problem(x, w, block_n, block_k)
     if why:
         warn_once("fp8_block_linear", f"surogate::fp8_block_linear runs the fp32 reference GEMM: {why}")
         return _reference_linear(x, w, w_scale_inv, block_n, block_k)
     k = x.shape[-1]
-    y = _block_mm(x.reshape(-1, k), block_k, w, w_scale_inv)
+    ws = w_scales_mm if w_scales_mm is not None else mm_scales(w_scale_inv)
+    y = _block_mm(x.reshape(-1, k), block_k, w, ws)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k):
+def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=None):
     why = _block_problem(dy, w, block_n, block_k)
     if why:
         warn_once("fp8_block_linear_dgrad", f"surogate::fp8_block_linear_dgrad runs the fp32 reference GEMM: {why}")
@@ -93,8 +97,26 @@ def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k):
     # dx = dy @ W: the reduction runs over W's rows, so the GEMM takes W^T [K, N] (blocks transpose
     # with it); one fp8 transpose of the weight per call (1 byte/param), no dense copy.
     wt = TQ.transpose_2d(w)
-    dx = _block_mm(dy.reshape(-1, n), block_n, wt, w_scale_inv.t().contiguous())
+    ws = wt_scales_mm if wt_scales_mm is not None else mm_scales(w_scale_inv.t())
+    dx = _block_mm(dy.reshape(-1, n), block_n, wt, ws)
     return dx.reshape(*dy.shape[:-1], w.shape[1])
+
+
+def _planned_fwd(x, w, w_scale_inv, block_n, block_k, ws_mm, wts_mm):
+    return fp8_block_linear(x, w, w_scale_inv, block_n, block_k, ws_mm)
+
+
+def _planned_dgrad(dy, w, w_scale_inv, block_n, block_k, ws_mm, wts_mm):
+    return fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wts_mm)
+
+
+def plan_block_linear(w, w_scale_inv, block_n, block_k):
+    """(forward, dgrad, args) for a frozen block-scaled weight: both scale layouts cuBLASLt reads
+    are built once here instead of per call (4 bytes per 128x128 block each)."""
+    ws_mm = wts_mm = None
+    if (block_n, block_k) == (128, 128) and w_scale_inv.dim() == 2 and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
+        ws_mm, wts_mm = mm_scales(w_scale_inv), mm_scales(w_scale_inv.t())
+    return _planned_fwd, _planned_dgrad, (w, w_scale_inv, block_n, block_k, ws_mm, wts_mm)
 
 
 def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):

@@ -27,19 +27,28 @@ def _require_triton():
         )
 
 
+_modules: dict[str, object] = {}
+
+
+def _load(name: str):
+    # resolved once: these sit on every GEMM call's path (host time is what small layers pay)
+    mod = _modules.get(name)
+    if mod is None:
+        _require_triton()
+        mod = _modules[name] = importlib.import_module(name, __package__)
+    return mod
+
+
 def _tq():
-    _require_triton()
-    return importlib.import_module(".triton_quant", __package__)
+    return _load(".triton_quant")
 
 
 def _tg():
-    _require_triton()
-    return importlib.import_module(".triton_gemm", __package__)
+    return _load(".triton_gemm")
 
 
 def _fp8():
-    _require_triton()
-    return importlib.import_module(".fp8_gemm", __package__)
+    return _load(".fp8_gemm")
 
 
 # ---------------------------------------------------------------- quantize / dequantize
@@ -112,6 +121,8 @@ def _weight_only(op: str, fwd: bool, fmt_name: str, a, n, k, packed, scale, gsca
     if not ok:
         warn_once(op, f"surogate::{op} dequantizes the weight (reference path): {why}")
         return reference()
+    if tg.use_dense(a):
+        return tg.dense_gemm(fwd, fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
     fn = tg.linear if fwd else tg.linear_dgrad
     return fn(fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
 
@@ -174,6 +185,27 @@ def nf4_linear_dgrad(dy, packed, absmax, code, block_size, out_features, in_feat
         code.float().contiguous(), block_size,
         reference=lambda: _nf4_ref(dy, packed, absmax, code, block_size, out_features, in_features, False),
     )
+
+
+# ---------------------------------------------------------------- GEMM plans (module hot path)
+# A frozen layer's CUDA forward / dgrad with their arguments prepared once: nn.QuantizedLinear calls
+# these directly on CUDA (outside torch.compile), skipping the custom-op dispatch on every call. They
+# are the very functions registered for the ops, so the numerics are the ops'.
+def plan_fp8(w, w_scale_inv, block_n, block_k):
+    return _fp8().plan_block_linear(w, w_scale_inv, block_n, block_k)
+
+
+def plan_nvfp4(packed, block_scale, global_scale):
+    return nvfp4_linear, nvfp4_linear_dgrad, (packed, block_scale, global_scale)
+
+
+def plan_mxfp4(packed, scales):
+    return mxfp4_linear, mxfp4_linear_dgrad, (packed, scales)
+
+
+def plan_nf4(packed, absmax, code, block_size, out_features, in_features):
+    args = (packed, absmax.float().contiguous(), code.float().contiguous(), block_size, out_features, in_features)
+    return nf4_linear, nf4_linear_dgrad, args
 
 
 # ---------------------------------------------------------------- recipe GEMMs

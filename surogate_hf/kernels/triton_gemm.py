@@ -5,17 +5,32 @@ weight tile it needs into registers (never a dense weight in memory) and feeds t
 x's dtype with fp32 accumulation. The decoded weight element is bit-identical to the reference
 dequantization (surogate_hf.formats, rounded to x's dtype), so the products differ from the
 reference op only by the order of the fp32 accumulation.
+
+Large token counts take another route (`dense_gemm`): the weight is decoded once into a transient
+dense buffer in x's dtype (the exact reference decode, ~2.5 TB/s) and the GEMM runs in cuBLAS; the
+buffer is freed when the call returns. See `DENSE_MIN_TOKENS` for why and where the switch is.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import triton_quant as TQ
 from .triton_quant import _e2m1_decode, _e8m0_to_f32
 
 NVFP4, MXFP4, NF4 = 0, 1, 2
+
+# Token count (rows of x / dy) from which the GEMM decodes the weight to a transient dense buffer and
+# runs cuBLAS instead of the fused kernel. Measured on the H100 at 4096x14336 (M = 8192): fused
+# 3.4-3.8 ms (~280 TFLOP/s: decoding in the main loop caps it), cuBLAS bf16 1.25 ms (~770 TFLOP/s),
+# the decode ~0.06 ms (~1 ps/param, 4.5 B/param of traffic). Per weight element the dense route costs
+# ~1 ps + 2M / 770 TFLOP/s and the fused one 2M / 280 TFLOP/s: they cross near M ~ 400, so 512.
+# Below it the GEMM is memory-bound and the fused kernel reads 0.5 B/param instead of 4.5.
+DENSE_MIN_TOKENS = int(os.environ.get("SUROGATE_HF_DENSE_MIN_TOKENS", "512"))
 
 
 @triton.jit
@@ -182,6 +197,40 @@ def supported(fmt: int, x: torch.Tensor, n: int, k: int, nf4_block: int = 64) ->
     if fmt == NF4 and k % nf4_block:
         return False, f"in_features {k} not a multiple of the nf4 block size {nf4_block}"
     return True, ""
+
+
+@triton.jit
+def _nf4_dequant_kernel(p_ptr, a_ptr, code_ptr, out_ptr, K, NF4_BS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Dense [N, K] NF4 decode (the GEMM's own tile decode, exact: fp32 level x fp32 absmax, rounded
+    once to the output dtype). Requires N % R == 0 and K % C == 0 (the `supported` shapes)."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    c0 = tl.program_id(1) * C
+    w = _decode_tile(p_ptr, a_ptr, p_ptr, code_ptr, rows, c0, K, 2, NF4_BS, R, C, out_ptr.dtype.element_ty, False)
+    cols = c0 + tl.arange(0, C)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], w)
+
+
+def dequantize(fmt: int, packed, scale, gscale, code, n: int, k: int, nf4_bs: int, out_dtype) -> torch.Tensor:
+    """The dense [n, k] weight in out_dtype, bit-identical to the reference dequantization."""
+    if fmt == NVFP4:
+        return TQ.dequantize_nvfp4(packed.reshape(n, k // 2), scale, gscale, out_dtype)
+    if fmt == MXFP4:
+        return TQ.dequantize_mxfp4(packed.reshape(n, k // 2), scale, out_dtype)
+    out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
+    _nf4_dequant_kernel[(n // 16, k // 256)](packed, scale, code, out, k, NF4_BS=nf4_bs, R=16, C=256, num_warps=4)
+    return out
+
+
+def dense_gemm(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n: int, k: int, nf4_bs: int):
+    """x @ W^T (fwd) or dy @ W through a transient dense W in a's dtype and cuBLAS (fp32 accumulation;
+    fp32 inputs stay IEEE fp32 unless the user enabled TF32 matmuls). Like bitsandbytes' 4-bit
+    matmul for large inputs: W exists only for this call (allocator-cached, never on the module)."""
+    w = dequantize(fmt, packed, scale, gscale, code, n, k, nf4_bs, a.dtype)
+    return torch.nn.functional.linear(a, w) if fwd else torch.matmul(a, w)
+
+
+def use_dense(a: torch.Tensor) -> bool:
+    return a.numel() >= DENSE_MIN_TOKENS * a.shape[-1] > 0
 
 
 def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n: int, k: int, nf4_bs: int):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .linear import Format, _apply_keep_dtypes, quantized_linear
+from .linear import Format, _apply_keep_dtypes, gemm_plan, planned_linear, quantized_linear, use_cuda_plan
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 
@@ -190,9 +190,20 @@ class QuantizedExperts(nn.Module):
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.slot_names())
 
     # ------------------------------------------------------------------ forward
+    def _unit_linear(self, p: str, e: int, j: int, x: Tensor, rows: int, k: int) -> Tensor:
+        if not use_cuda_plan(x):
+            return quantized_linear(x, self.fmt, self.unit_tensors(p, e, j), rows, k)
+        # one cached plan per (projection, expert, unit), valid while the projection's buffers are
+        cache = self.__dict__.get("_gemm_plans")
+        if cache is None:
+            cache = self.__dict__["_gemm_plans"] = {}
+        sources = tuple(self._buffers[p + s] for s in self.fmt.slots(rows, k, expert=True))
+        plan = gemm_plan(cache, (p, e, j), sources, lambda: self.fmt.cuda_plan(self.unit_tensors(p, e, j), rows, k))
+        return planned_linear(x, plan)
+
     def _project(self, p: str, e: int, x: Tensor) -> Tensor:
         u, rows, k = self.units(p)
-        ys = [quantized_linear(x, self.fmt, self.unit_tensors(p, e, j), rows, k) for j in range(u)]
+        ys = [self._unit_linear(p, e, j, x, rows, k) for j in range(u)]
         y = ys[0] if u == 1 else torch.cat(ys, dim=-1)
         bias = self._parameters.get(p + "_bias")
         if bias is not None:

@@ -20,12 +20,14 @@ linear, dgrad); the experts module reuses them per expert.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import Tensor, nn
 
 from .. import formats as F
 from .. import ops
+from ..kernels import registry as _cuda
 from ..formats.mxfp4 import MXFP4_BLOCK
 from ..formats.nvfp4 import NVFP4_BLOCK
 
@@ -76,6 +78,11 @@ class Format:
         raise NotImplementedError
 
     def dgrad(self, dy: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
+        raise NotImplementedError
+
+    def cuda_plan(self, t: dict[str, Tensor], n: int, k: int):
+        """(forward, dgrad, args) of the registered CUDA implementations with the GEMM's arguments
+        prepared once (see `GemmPlan`): forward(x, *args), dgrad(dy, *args)."""
         raise NotImplementedError
 
     def bytes_per_param(self) -> float:
@@ -130,6 +137,10 @@ class FP8Format(Format):
         bn, bk, s = self._blocks(t, n, k)
         return ops.fp8_block_linear_dgrad(dy, t[""], s, bn, bk)
 
+    def cuda_plan(self, t, n, k):
+        bn, bk, s = self._blocks(t, n, k)
+        return _cuda.plan_fp8(t[""], s, bn, bk)
+
     def bytes_per_param(self):
         if self.block_size is None:
             return 1.0
@@ -173,6 +184,9 @@ class NVFP4Format(Format):
     def dgrad(self, dy, t, n, k):
         return ops.nvfp4_linear_dgrad(dy, t[""], t["_scale"], t["_scale_2"])
 
+    def cuda_plan(self, t, n, k):
+        return _cuda.plan_nvfp4(t[""], t["_scale"], t["_scale_2"])
+
     def bytes_per_param(self):
         return 0.5 + 1.0 / NVFP4_BLOCK
 
@@ -214,6 +228,9 @@ class MXFP4Format(Format):
 
     def dgrad(self, dy, t, n, k):
         return ops.mxfp4_linear_dgrad(dy, *self._canon(t, n, k))
+
+    def cuda_plan(self, t, n, k):
+        return _cuda.plan_mxfp4(*self._canon(t, n, k))
 
     def bytes_per_param(self):
         return 0.5 + 1.0 / MXFP4_BLOCK
@@ -293,6 +310,12 @@ class NF4Format(Format):
     def dgrad(self, dy, t, n, k):
         return ops.nf4_linear_dgrad(dy, t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
 
+    def cuda_plan(self, t, n, k):
+        # The plan holds the de-nested fp32 absmax (4 bytes per block: +0.0625 B/param at block 64,
+        # on the device only, never saved): undoing double quantization per call was a bitsandbytes
+        # call (QuantState + dequantize_blockwise + offset add) on every forward and dgrad.
+        return _cuda.plan_nf4(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
+
     def bytes_per_param(self):
         if not self.double_quant:
             return 0.5 + 4.0 / self.block_size
@@ -322,10 +345,75 @@ class QuantLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # Unpack saved tensors exactly once: non-reentrant activation checkpointing allows a single unpack.
+        saved = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = ctx.fmt.dgrad(dy.contiguous(), dict(zip(ctx.keys, ctx.saved_tensors)), ctx.n, ctx.k)
-        return (dx, None, None, None, None, *([None] * len(ctx.saved_tensors)))
+            dx = ctx.fmt.dgrad(dy.contiguous(), dict(zip(ctx.keys, saved)), ctx.n, ctx.k)
+        return (dx, None, None, None, None, *([None] * len(saved)))
+
+
+class GemmPlan:
+    """A unit's CUDA forward / dgrad and their prepared arguments, cached on the owning module.
+
+    Valid while every source slot is the same tensor object at the same version: replacing a buffer
+    (loading, `.to(device)`) or writing into one in place rebuilds it. Sources are held weakly so a
+    plan never keeps replaced buffers alive."""
+
+    __slots__ = ("refs", "versions", "fwd", "dgrad", "args")
+
+    def valid_for(self, sources: tuple[Tensor, ...]) -> bool:
+        refs = self.refs
+        if len(refs) != len(sources):
+            return False
+        for r, s, v in zip(refs, sources, self.versions):
+            if r() is not s or s._version != v:
+                return False
+        return True
+
+
+def gemm_plan(cache: dict, key, sources: tuple[Tensor, ...], build) -> GemmPlan:
+    """cache[key] if still valid for `sources`, else a new plan from build() -> (fwd, dgrad, args)."""
+    plan = cache.get(key)
+    if plan is not None and plan.valid_for(sources):
+        return plan
+    plan = GemmPlan()
+    plan.refs = tuple(weakref.ref(s) for s in sources)
+    plan.versions = tuple(s._version for s in sources)
+    plan.fwd, plan.dgrad, plan.args = build()
+    cache[key] = plan
+    return plan
+
+
+def use_cuda_plan(x: Tensor) -> bool:
+    """The direct CUDA path: CUDA input, outside torch.compile tracing (which sees the ops)."""
+    return x.is_cuda and not torch.compiler.is_compiling()
+
+
+class PlannedLinearFunction(torch.autograd.Function):
+    """CUDA hot path of QuantLinearFunction: calls the registered CUDA implementations of the
+    forward / dgrad ops directly with a cached plan, skipping the custom-op dispatch (autograd,
+    redispatch and dynamo-disable wrappers) and the per-call derivation of GEMM arguments. The
+    frozen tensors live on the plan (module-owned), so nothing new is saved for backward."""
+
+    @staticmethod
+    def forward(ctx, x, plan):
+        ctx.plan = plan
+        return plan.fwd(x, *plan.args)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = None
+        if ctx.needs_input_grad[0]:
+            plan = ctx.plan
+            dx = plan.dgrad(dy.contiguous(), *plan.args)
+        return dx, None
+
+
+def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return PlannedLinearFunction.apply(x, plan)
+    return plan.fwd(x, *plan.args)
 
 
 def quantized_linear(x: Tensor, fmt: Format, t: dict[str, Tensor], n: int, k: int) -> Tensor:
@@ -336,7 +424,19 @@ def quantized_linear(x: Tensor, fmt: Format, t: dict[str, Tensor], n: int, k: in
 
 
 # ============================================================================ modules
+_KEEP_DTYPE_ATTR = "_surogate_keep_dtype"
+
+
+def keep_buffer_dtype(module: nn.Module, *names: str) -> None:
+    """Mark extra buffers of a quantized module (beyond its own slots, e.g. a loader's carried fp32
+    `input_scale`) whose dtype module-wide casts must preserve like the slots': `.to(bf16)` moves them only."""
+    kept = frozenset(getattr(module, _KEEP_DTYPE_ATTR, frozenset()) | set(names))
+    object.__setattr__(module, _KEEP_DTYPE_ATTR, kept)
+
+
 def _apply_keep_dtypes(module: nn.Module, fn, names: set[str], parent_apply, recurse: bool):
+    names = set(names) | getattr(module, _KEEP_DTYPE_ATTR, frozenset())
+    module.__dict__.pop("_gemm_plans", None)  # cached GPU plans hold device tensors: let them go with the move
     held = {n: module._buffers.pop(n) for n in names if module._buffers.get(n) is not None}
     try:
         out = parent_apply(fn, recurse)
@@ -423,8 +523,25 @@ class QuantizedLinear(nn.Linear):
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         return self.fmt.dequantize(self._tensors(), self.out_features, self.in_features, dtype or self.dtype)
 
+    def _slot_sources(self) -> tuple[Tensor, ...]:
+        names = self.__dict__.get("_slot_name_cache")
+        if names is None:
+            names = self.__dict__["_slot_name_cache"] = tuple(self.slot_names())
+        b = self._buffers
+        return tuple(b[name] for name in names)
+
+    def _cuda_plan(self) -> GemmPlan:
+        cache = self.__dict__.get("_gemm_plans")
+        if cache is None:
+            cache = self.__dict__["_gemm_plans"] = {}
+        n, k = self.out_features, self.in_features
+        return gemm_plan(cache, None, self._slot_sources(), lambda: self.fmt.cuda_plan(self._tensors(), n, k))
+
     def forward(self, x: Tensor) -> Tensor:
-        y = quantized_linear(x, self.fmt, self._tensors(), self.out_features, self.in_features)
+        if use_cuda_plan(x):
+            y = planned_linear(x, self._cuda_plan())
+        else:
+            y = quantized_linear(x, self.fmt, self._tensors(), self.out_features, self.in_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
