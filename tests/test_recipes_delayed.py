@@ -94,3 +94,42 @@ def test_reduce_amax_all_reduces_over_dp_group():
     out = mp.get_context("spawn").Manager().dict()
     mp.spawn(_reduce_worker, args=(2, port, out), nprocs=2, join=True)
     assert out[0] == out[1] == pytest.approx(E4 / 2.0)
+
+
+def _steps():
+    g = torch.Generator().manual_seed(5)
+    for scale in (1.0, 4.0, 0.0, float("nan"), 0.25):
+        x = torch.randn(6, 8, generator=g) * scale
+        w = torch.randn(4, 8, generator=g) * (scale if scale == scale else 1.0)
+        yield x, w
+
+
+def bits(q):
+    """fp8 bit patterns (NaN-safe equality); transposed views made contiguous first."""
+    return q.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_cast_group_and_transpose_match_one_role_casts(algo):
+    """The forward's grouped (x, W) cast with transposes equals one-role casts: same q, scale_inv, state."""
+    kw = dict(history_len=3, algo=algo, margin=1)
+    a, b = DelayedScaling(["e4m3", "e4m3", "e5m2"], **kw), DelayedScaling(["e4m3", "e4m3", "e5m2"], **kw)
+    for x, w in _steps():
+        ((xq, xqt), (wq,)), sinv = a.cast_group(0, (x, w), "train", (True, False))
+        xq1, xs1 = b.cast(0, x)
+        wq1, ws1 = b.cast(1, w)
+        assert torch.equal(bits(xq), bits(xq1)) and torch.equal(bits(wq), bits(wq1))
+        assert xqt.is_contiguous() and torch.equal(bits(xqt), bits(xq1.t()))
+        assert torch.equal(sinv, torch.stack((xs1, ws1)))
+        assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
+    assert a.amax_history[0, 1].item() == 0.0  # the NaN step (two steps back) was recorded as 0
+    q, qt, s = a.cast(2, x, transpose=True)
+    q1, s1 = b.cast(2, x)
+    assert torch.equal(bits(q), bits(q1)) and torch.equal(bits(qt), bits(q1.t())) and torch.equal(s, s1)
+    assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
+
+
+def test_cast_group_refuses_mixed_formats():
+    ds = DelayedScaling(["e4m3", "e4m3", "e5m2"])
+    with pytest.raises(ValueError, match="share one FP8 format"):
+        ds.cast_group(1, (torch.ones(2, 2), torch.ones(2, 2)))

@@ -209,3 +209,32 @@ def test_emulation_warns_once(recwarn):
         mod(torch.randn(4, K))
     msgs = [str(w.message) for w in rec if "emulation" in str(w.message)]
     assert len(msgs) == 1 and "NVFP4" in msgs[0] and "CPU" in msgs[0]
+
+
+@pytest.mark.parametrize("x_grad, w_grad", [(True, True), (True, False), (False, True)])
+def test_fp8_saves_only_the_transposes_the_backward_uses(x_grad, w_grad):
+    """The forward saves x^T [K, M] for wgrad and W^T [K, N] for dgrad (1 byte each, cast once) and
+    nothing for a gradient that is not needed; the gradients equal those of the full backward."""
+    x, dy = data()
+    full, part = make("fp8-hybrid", amax_history_len=4), make("fp8-hybrid", amax_history_len=4)
+    part.weight.requires_grad_(w_grad)
+    for _ in range(2):  # the second step casts with real delayed scales
+        ref = run(full, x, dy)
+        full.weight.grad = full.bias.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            xg = x.clone().requires_grad_(x_grad)
+            y = part(xg)
+        y.backward(dy)
+        fp8 = sorted(tuple(t.shape) for t in saved if t.dtype in (F.E4M3, F.E5M2))
+        want = sorted([(K, M)] * w_grad + [(K, N)] * x_grad)
+        assert fp8 == want
+        assert not any(t.is_floating_point() and t.element_size() > 1 and t.numel() > 1 for t in saved)
+        assert torch.equal(y.detach(), ref[0])
+        if x_grad:
+            assert torch.equal(xg.grad, ref[1])
+        if w_grad:
+            assert torch.equal(part.weight.grad, ref[2])
+            part.weight.grad = None
+        part.bias.grad = None
+    assert torch.equal(part.fp8_meta.amax_history, full.fp8_meta.amax_history)

@@ -11,6 +11,12 @@ One row per role (for a linear: input x, weight w, output gradient dy). For each
 Step 3 differs from TE in one respect: TE stores a NaN amax as is, which freezes the scale for the
 whole window under MAX; recording 0 skips just that step.
 
+Host cost: this runs for every cast of every converted linear, so the update is a fixed, short
+chain of tensor ops with no Python branching on tensor values and no host sync (no .item()).
+Roles of the same format cast together (x and W in a forward: `cast_group`) share one update:
+their amaxes are stacked and pushed, reduced and turned into scales as one [n] tensor, which is
+elementwise the same arithmetic as one role at a time.
+
 `amax_history` and `scale` are persistent buffers: they are in state_dict, so checkpoints carry
 them and a resumed run casts exactly as the uninterrupted one.
 """
@@ -22,12 +28,16 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import formats as F
+from ..kernels import ops as _kernel_ops  # noqa: F401  (declares surogate::quantize_fp8_tensorwise_t)
 from ..ops import quant as _quant_ops  # noqa: F401  (registers surogate::quantize_fp8_tensorwise)
+
+_quantize = torch.ops.surogate.quantize_fp8_tensorwise
+_quantize_t = torch.ops.surogate.quantize_fp8_tensorwise_t
 
 
 def _dp_all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
+    """In place: `amax` is a fresh tensor owned by the caller."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        amax = amax.clone()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     return amax
 
@@ -42,41 +52,79 @@ class DelayedScaling(nn.Module):
         n = len(self.formats)
         self.register_buffer("amax_history", torch.zeros(n, int(history_len), dtype=torch.float32))
         self.register_buffer("scale", torch.ones(n, dtype=torch.float32))
-        self._last_scale = {}  # role -> scale of the last training cast (for checkpoint recomputes)
+        self._last_scale = {}  # (first role, count) -> scales of the last training cast (checkpoint recomputes)
 
     def extra_repr(self) -> str:
         fmts = ", ".join(str(f).replace("torch.float8_", "") for f in self.formats)
         return f"formats=({fmts}), history={self.amax_history.shape[1]}, algo={self.algo}, margin={self.margin}"
 
     @torch.no_grad()
-    def cast(self, role: int, x: torch.Tensor, mode: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-        """Cast `x` for `role`; returns (q, scale_inv).
+    def cast(self, role: int, x: torch.Tensor, mode: str = "train", transpose: bool = False):
+        """Cast `x` for `role`; returns (q, scale_inv), or (q, qt, scale_inv) with `transpose`
+        (qt = the contiguous transpose of q's 2D view, written by the same pass over x).
 
         mode "train": current scale, then the amax updates the state (and the scale used is remembered);
         "eval" (forwards without grad): current scale, state untouched, so evaluation never changes
         the training trajectory; "replay" (an activation-checkpointing recompute): the scale the
         original forward used and no update, so the recomputed operand equals the original one.
         """
-        if mode == "replay" and role in self._last_scale:
-            scale = self._last_scale.pop(role)
-            q, _ = torch.ops.surogate.quantize_fp8_tensorwise(x, scale, self.formats[role])
-            return q, scale.reciprocal()
-        scale = self.scale[role].clone()
-        q, amax = torch.ops.surogate.quantize_fp8_tensorwise(x, scale, self.formats[role])
+        (out,), sinv = self.cast_group(role, (x,), mode, (transpose,))
+        return (*out, sinv[0])
+
+    @torch.no_grad()
+    def cast_group(self, first: int, xs, mode: str = "train", transposes=None):
+        """Cast xs[i] for role first + i (all of one FP8 format) with one shared state update.
+
+        Returns ([(q,) or (q, qt) per tensor], scale_inv [len(xs)]), index scale_inv for each role.
+        """
+        n = len(xs)
+        transposes = transposes or (False,) * n
+        fmt = self.formats[first]
+        if any(f != fmt for f in self.formats[first : first + n]) or first + n > len(self.formats):
+            raise ValueError(f"cast_group: roles {first}..{first + n - 1} must exist and share one FP8 format")
+        key = (first, n)
+        if mode == "replay" and key in self._last_scale:
+            scales = self._last_scale.pop(key)
+            return self._quantize_all(xs, scales, fmt, transposes)[0], scales.reciprocal()
+        live = self.scale[first : first + n]
+        # eval leaves the state alone, so the live scales can be read directly; otherwise snapshot
+        # them: the update below overwrites them, and a replay needs the ones this cast used.
+        scales = live if mode == "eval" else live.clone()
+        outs, amaxes = self._quantize_all(xs, scales, fmt, transposes)
         if mode == "train":
-            self._last_scale[role] = scale
+            self._last_scale[key] = scales
         if mode != "eval":  # a replay with nothing to replay (reentrant checkpoint: first pass ran without grad)
-            self.update(role, amax)
-        return q, scale.reciprocal()
+            self._push(first, amaxes[0].reshape(1) if n == 1 else torch.stack(amaxes))
+        return outs, scales.reciprocal()
+
+    @staticmethod
+    def _quantize_all(xs, scales, fmt, transposes):
+        outs, amaxes = [], []
+        for i, (x, t) in enumerate(zip(xs, transposes)):
+            if t:
+                q, qt, amax = _quantize_t(x, scales[i], fmt)
+                outs.append((q, qt))
+            else:
+                q, amax = _quantize(x, scales[i], fmt)
+                outs.append((q,))
+            amaxes.append(amax)
+        return outs, amaxes
 
     @torch.no_grad()
     def update(self, role: int, amax: torch.Tensor) -> None:
-        amax = amax.detach().float().reshape(())
-        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+        """Push one amax for `role` and compute its next scale (what a training cast does after casting)."""
+        self._push(role, amax.detach().reshape(1))
+
+    def _push(self, first: int, amax: torch.Tensor) -> None:
+        """amax [n] fp32 for roles first..first+n-1: sanitize, all-reduce, push, rescale."""
+        n = amax.shape[0]
+        amax = torch.nan_to_num(amax.float(), nan=0.0, posinf=0.0, neginf=0.0)  # fresh tensor: reduced in place
         if self.reduce_amax:
             amax = _dp_all_reduce_max(amax)
-        hist = self.amax_history[role]
-        hist.copy_(torch.roll(hist, 1))
-        hist[0] = amax
-        window = hist.amax() if self.algo == "max" else hist[0]
-        self.scale[role] = F.fp8_scale_from_amax(window, self.formats[role], self.margin, previous=self.scale[role])
+        hist = self.amax_history[first : first + n]
+        # newest first: [amax, hist[:, :-1]] in one op (no roll + copy + index write)
+        pushed = torch.cat((amax.unsqueeze(1), hist[:, :-1]), dim=1)
+        hist.copy_(pushed)
+        window = pushed.amax(dim=1) if self.algo == "max" else amax
+        live = self.scale[first : first + n]
+        live.copy_(F.fp8_scale_from_amax(window, self.formats[first], self.margin, previous=live))

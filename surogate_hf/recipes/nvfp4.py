@@ -60,7 +60,7 @@ class NVFP4Engine:
     def _q(self, t, block_2d=False, stochastic=False, seed=0):
         return torch.ops.surogate.quantize_nvfp4(t, block_2d, self.fos, self.rule, stochastic, seed, None)
 
-    def forward(self, owner, x, w, bias):
+    def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):
         warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
         xq = self._q(x)
         wq = self._q(w, block_2d=True)
