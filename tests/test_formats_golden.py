@@ -355,3 +355,8 @@ def test_nf4_is_bitsandbytes_bit_for_bit():
     assert torch.equal(raw, F.dequantize_nf4(p, st))
     with pytest.raises(ValueError, match="block_size"):
         F.quantize_nf4(w, 32)
+
+
+def test_packed_decode_table_matches_nibble_decode():
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    assert torch.equal(F.decode_packed_e2m1(every_byte), F.e2m1_decode(F.unpack_e2m1(every_byte)))

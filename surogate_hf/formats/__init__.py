@@ -1,6 +1,14 @@
 """The reference number formats: pure PyTorch, run on CPU, the spec every kernel is tested against."""
 
-from .e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, e2m1_encode_stochastic, pack_e2m1, unpack_e2m1
+from .e2m1 import (
+    E2M1_MAX,
+    decode_packed_e2m1,
+    e2m1_decode,
+    e2m1_encode,
+    e2m1_encode_stochastic,
+    pack_e2m1,
+    unpack_e2m1,
+)
 from .fp8 import (
     E4M3,
     E5M2,

@@ -63,6 +63,18 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return e2m1_table(codes.device)[(codes & 0xF).long()]
 
 
+def decode_packed_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] packed bytes -> [..., K] fp32 values; the same as e2m1_decode(unpack_e2m1(packed)),
+    through one 256 x 2 table lookup (an order of magnitude faster on CPU than decoding nibbles)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"decode_packed_e2m1: expected uint8 packed codes, got {packed.dtype}")
+    b = torch.arange(256, device=packed.device)
+    table = e2m1_table(packed.device)
+    pairs = torch.stack((table[b & 0xF], table[b >> 4]), dim=-1)
+    out = torch.nn.functional.embedding(packed.long(), pairs)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] codes -> [..., K/2] bytes; even index in the low nibble."""
     if codes.shape[-1] % 2:

@@ -48,11 +48,11 @@ def fp8_scale_from_amax(amax: torch.Tensor, dtype=E4M3, margin: int = 0, previou
     zero or inherit a NaN from one bad step.
     """
     dtype = fp8_dtype(dtype)
-    amax = amax.float()
-    scale = (FP8_MAX[dtype] / amax) / (2.0**margin)
-    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
+    # reciprocal-then-multiply is how torch evaluates `max / amax` (two roundings); spelled out so the GPU
+    # kernels can match it. amax 0 -> inf, inf -> 0, NaN -> NaN: all fail the range test and keep `previous`.
+    scale = amax.float().reciprocal().mul_(FP8_MAX[dtype]).div_(2.0**margin)
     fallback = torch.ones_like(scale) if previous is None else previous.float().expand_as(scale)
-    return torch.where(ok, scale, fallback)
+    return torch.where((scale > 0) & (scale < float("inf")), scale, fallback)
 
 
 def quantize_fp8_tensorwise(x: torch.Tensor, dtype=E4M3, scale: torch.Tensor | None = None, margin: int = 0):

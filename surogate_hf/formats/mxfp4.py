@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .e2m1 import e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
+from .e2m1 import decode_packed_e2m1, e2m1_encode, pack_e2m1
 
 MXFP4_BLOCK = 32
 E8M0_BIAS = 127
@@ -62,7 +62,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype=torch
         )
     if scales.dtype != torch.uint8:
         raise TypeError(f"MXFP4 scales must be uint8 E8M0 bytes, got {scales.dtype}")
-    vals = e2m1_decode(unpack_e2m1(packed)).reshape(*packed.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
+    vals = decode_packed_e2m1(packed).reshape(*packed.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
     return (vals * e8m0_to_float(scales).unsqueeze(-1)).reshape(*packed.shape[:-1], k).to(out_dtype)
 
 

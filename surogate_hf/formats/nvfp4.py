@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from .e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, e2m1_encode_stochastic, pack_e2m1, unpack_e2m1
+from .e2m1 import E2M1_MAX, decode_packed_e2m1, e2m1_decode, e2m1_encode, e2m1_encode_stochastic, pack_e2m1
 from .fp8 import E4M3, FP8_MAX
 from .rng import uniform_like
 
@@ -167,7 +167,7 @@ def dequantize_nvfp4(
         )
     if block_scale.dtype != E4M3:
         raise TypeError(f"NVFP4 block scale must be float8_e4m3fn, got {block_scale.dtype}")
-    vals = e2m1_decode(unpack_e2m1(packed))
+    vals = decode_packed_e2m1(packed)
     s = block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
     return ((vals * s) * global_scale.float()).to(out_dtype)
 
