@@ -119,6 +119,13 @@ def plan_block_linear(w, w_scale_inv, block_n, block_k):
     return _planned_fwd, _planned_dgrad, (w, w_scale_inv, block_n, block_k, ws_mm, wts_mm)
 
 
+def _aligned_scale(s):
+    """cuBLASLt rejects (CUBLAS_STATUS_NOT_SUPPORTED) a scale pointer that is not 16-byte aligned, which a
+    view into a grouped scale tensor (the recipes cast x and W together) can be: copy only those."""
+    s = s.float().reshape(())
+    return s if s.data_ptr() % 16 == 0 else s.clone()
+
+
 def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
     m, k = a.shape
     n = b.shape[0]
@@ -134,8 +141,8 @@ def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
         acc = a.float() @ b.float().t()
         out = acc * (scale_a_inv.float() * scale_b_inv.float())
         return (out if bias is None else out + bias.float()).to(out_dtype)
-    sa = scale_a_inv.float().reshape(())
-    sb = scale_b_inv.float().reshape(())
+    sa = _aligned_scale(scale_a_inv)
+    sb = _aligned_scale(scale_b_inv)
     a = a.contiguous()
     bt = b.contiguous().t()
     if bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32):
