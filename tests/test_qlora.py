@@ -246,24 +246,3 @@ def test_merge_to_dense_from_prequantized_checkpoint(tiny_dir, batch, tmp_path, 
     err_q = (out - unmerged).abs().max().item() / unmerged.abs().max().item()
     print(f"prequantized {fmt}: merged dense export max rel err {err:.2e} (vs quantized unmerged {err_q:.2e})")
     assert err <= 1e-5
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_adapter_node_is_bit_identical_to_the_composed_path(dtype):
-    import torch.nn.functional as Fn
-
-    from surogate_hf.integrations.peft import _LoraAdapterFn
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 5, 64, generator=g).to(dtype).requires_grad_()
-    a = torch.randn(8, 64, generator=g).requires_grad_()  # fp32 masters
-    b = torch.randn(32, 8, generator=g).requires_grad_()
-    dy = torch.randn(3, 5, 32, generator=g).to(dtype)
-    y = _LoraAdapterFn.apply(x, a, b, 2.0)
-    y.backward(dy)
-    fused = (y.detach(), x.grad, a.grad, b.grad)
-    x.grad = a.grad = b.grad = None
-    y = Fn.linear(Fn.linear(x, a.to(dtype)), b.to(dtype)) * 2.0
-    y.backward(dy)
-    for got, want in zip(fused, (y.detach(), x.grad, a.grad, b.grad)):
-        assert got.dtype == want.dtype and torch.equal(got, want)

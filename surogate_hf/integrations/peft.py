@@ -83,42 +83,6 @@ def resolve_lora_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _LORA_DTYPES[dtype]
 
 
-class _LoraAdapterFn(torch.autograd.Function):
-    """(x A^T) B^T * scaling with A, B the masters cast to x's dtype, as ONE autograd node.
-
-    The same GEMMs, casts and roundings as composing F.linear over `.to(dtype)` casts, but one node
-    instead of six per layer: a LoRA step is host-bound (hundreds of small layers), so the autograd
-    bookkeeping is what costs. Gradients reach the masters in their own dtype (fp32 by default)."""
-
-    @staticmethod
-    def forward(ctx, x, a, b, scaling):
-        a_c, b_c = a.to(x.dtype), b.to(x.dtype)
-        h = Fn.linear(x, a_c)
-        ctx.save_for_backward(x, h, a_c, b_c)
-        ctx.scaling, ctx.master_dtypes = scaling, (a.dtype, b.dtype)
-        return Fn.linear(h, b_c) * scaling
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, h, a_c, b_c = ctx.saved_tensors
-        dz = dy * ctx.scaling
-        dz2, h2, x2 = dz.reshape(-1, dz.shape[-1]), h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1])
-        db = dz2.t() @ h2 if ctx.needs_input_grad[2] else None
-        dh = dz @ b_c
-        da = dh.reshape(-1, dh.shape[-1]).t() @ x2 if ctx.needs_input_grad[1] else None
-        dx = dh @ a_c if ctx.needs_input_grad[0] else None
-        da = None if da is None else da.to(ctx.master_dtypes[0])
-        db = None if db is None else db.to(ctx.master_dtypes[1])
-        return dx, da, db, None
-
-
-def _fusable(lin_a: nn.Module, lin_b: nn.Module, dropout: nn.Module) -> bool:
-    return (
-        type(lin_a) is nn.Linear and type(lin_b) is nn.Linear and lin_a.bias is None and lin_b.bias is None
-        and isinstance(dropout, nn.Identity)
-    )
-
-
 def _adapter_linear(lin: nn.Module, h: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     if type(lin) is nn.Linear:
         return Fn.linear(h, lin.weight.to(cd), None if lin.bias is None else lin.bias.to(cd))
@@ -198,12 +162,8 @@ class SurogateLoraLinear(lora_layer.Linear):
         for name in self.active_adapters:
             if name not in self.lora_A:
                 continue
-            lin_a, lin_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
-            if _fusable(lin_a, lin_b, dropout):
-                result = result + _LoraAdapterFn.apply(x, lin_a.weight, lin_b.weight, self.scaling[name])
-                continue
-            h = _adapter_linear(lin_a, dropout(x), cd)
-            h = _adapter_linear(lin_b, h, cd)
+            h = _adapter_linear(self.lora_A[name], self.lora_dropout[name](x), cd)
+            h = _adapter_linear(self.lora_B[name], h, cd)
             result = result + h * self.scaling[name]
         return result.to(out_dtype)
 
