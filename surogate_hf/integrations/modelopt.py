@@ -35,7 +35,8 @@ class ModelOptConfig(PrequantizedConfig):
 
 
 class ModelOptHfQuantizer(PrequantizedHfQuantizer):
-    pass
+    """The pre-quantized loader, registered under quant_method "modelopt" (transformers 5.23 has none), so a
+    ModelOpt checkpoint loads with no quantization_config passed once surogate_hf is imported."""
 
 
 def register() -> None:
