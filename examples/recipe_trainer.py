@@ -5,6 +5,7 @@
 """
 
 import argparse
+import os
 
 import torch
 from recipe_loss_curves import synthetic_batch, tiny_llama
@@ -25,7 +26,8 @@ class Synthetic(torch.utils.data.Dataset):
 
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--recipe", default=None, help="bf16 | fp8-hybrid | nvfp4; default: SUROGATE_RECIPE")
+ap.add_argument("--recipe", default=os.environ.get("SUROGATE_RECIPE", "fp8-hybrid"),
+                help="bf16 | fp8-hybrid | nvfp4; default: SUROGATE_RECIPE, else fp8-hybrid")
 ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--output_dir", default="/tmp/surogate_recipe_trainer")
 args = ap.parse_args()
