@@ -53,7 +53,8 @@ def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(s == E8M0_NAN, torch.full_like(v, float("nan")), v)
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+def check_mxfp4_scales(packed: torch.Tensor, scales: torch.Tensor) -> None:
+    """The scales a packed MXFP4 tensor needs: uint8 E8M0, [..., rows, K/32]."""
     k = packed.shape[-1] * 2
     if tuple(scales.shape) != (*packed.shape[:-1], k // MXFP4_BLOCK):
         raise ValueError(
@@ -62,6 +63,11 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype=torch
         )
     if scales.dtype != torch.uint8:
         raise TypeError(f"MXFP4 scales must be uint8 E8M0 bytes, got {scales.dtype}")
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    check_mxfp4_scales(packed, scales)
+    k = packed.shape[-1] * 2
     vals = decode_packed_e2m1(packed).reshape(*packed.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
     return (vals * e8m0_to_float(scales).unsqueeze(-1)).reshape(*packed.shape[:-1], k).to(out_dtype)
 

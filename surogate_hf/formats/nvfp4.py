@@ -155,10 +155,8 @@ def quantize_nvfp4(
     return NVFP4Quantized(packed, s, g_dec.reshape(()))
 
 
-def dequantize_nvfp4(
-    packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor, out_dtype=torch.bfloat16
-) -> torch.Tensor:
-    """Inverse of quantize_nvfp4: packed [..., R, K/2], block_scale [..., R, K/16], global scalar."""
+def check_nvfp4_scales(packed: torch.Tensor, block_scale: torch.Tensor) -> None:
+    """The block scale a packed NVFP4 tensor needs: E4M3, [..., rows, K/16]."""
     k = packed.shape[-1] * 2
     if tuple(block_scale.shape) != (*packed.shape[:-1], k // NVFP4_BLOCK):
         raise ValueError(
@@ -167,6 +165,13 @@ def dequantize_nvfp4(
         )
     if block_scale.dtype != E4M3:
         raise TypeError(f"NVFP4 block scale must be float8_e4m3fn, got {block_scale.dtype}")
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor, out_dtype=torch.bfloat16
+) -> torch.Tensor:
+    """Inverse of quantize_nvfp4: packed [..., R, K/2], block_scale [..., R, K/16], global scalar."""
+    check_nvfp4_scales(packed, block_scale)
     vals = decode_packed_e2m1(packed)
     s = block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
     return ((vals * s) * global_scale.float()).to(out_dtype)

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from ..formats.fp8 import FP8_MAX, fp8_dtype
+from ..formats.mxfp4 import check_mxfp4_scales
+from ..formats.nvfp4 import check_nvfp4_scales
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _GOLDEN = 0x9E3779B9
@@ -536,14 +538,8 @@ def _nvfp4_dequant_kernel(p_ptr, s_ptr, g_ptr, out_ptr, R, C, ROWS: tl.constexpr
 
 
 def dequantize_nvfp4(packed, block_scale, global_scale, out_dtype):
+    check_nvfp4_scales(packed, block_scale)
     k = packed.shape[-1] * 2
-    if tuple(block_scale.shape) != (*packed.shape[:-1], k // 16):
-        raise ValueError(
-            f"NVFP4 block scale has shape {tuple(block_scale.shape)}, expected {(*packed.shape[:-1], k // 16)} "
-            f"for packed data of shape {tuple(packed.shape)}"
-        )
-    if block_scale.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"NVFP4 block scale must be float8_e4m3fn, got {block_scale.dtype}")
     p2 = packed.reshape(-1, k // 2).contiguous()
     r = p2.shape[0]
     out = torch.empty((r, k), dtype=out_dtype, device=packed.device)
@@ -627,14 +623,8 @@ def _mxfp4_dequant_kernel(p_ptr, s_ptr, out_ptr, R, C, ROWS: tl.constexpr, BC: t
 
 
 def dequantize_mxfp4(packed, scales, out_dtype):
+    check_mxfp4_scales(packed, scales)
     k = packed.shape[-1] * 2
-    if tuple(scales.shape) != (*packed.shape[:-1], k // 32):
-        raise ValueError(
-            f"MXFP4 scales have shape {tuple(scales.shape)}, expected {(*packed.shape[:-1], k // 32)} "
-            f"for packed data of shape {tuple(packed.shape)}"
-        )
-    if scales.dtype != torch.uint8:
-        raise TypeError(f"MXFP4 scales must be uint8 E8M0 bytes, got {scales.dtype}")
     p2 = packed.reshape(-1, k // 2).contiguous()
     r = p2.shape[0]
     out = torch.empty((r, k), dtype=out_dtype, device=packed.device)
