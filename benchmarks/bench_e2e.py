@@ -101,11 +101,37 @@ def full(layers, recipe=None, compiled=False, torchao=False):
     return model
 
 
+def compiled(build):
+    """The setup with every decoder layer under torch.compile (inductor fuses the norms, RoPE, SwiGLU and the
+    LoRA glue around the GEMMs; our quantized linears run as custom ops inside the compiled graph)."""
+
+    def make(layers):
+        # one compiled graph serves every layer; raise the recompile limit in case per-layer guards differ
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
+        model = build(layers)
+        for layer in _decoder_layers(model):
+            layer.compile()
+        return model
+
+    return make
+
+
+def _decoder_layers(model):
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model.layers
+
+
 SETUPS = {
     "peft_bf16": ("PEFT LoRA, bf16 base, bf16 adapters", lambda L: peft_bf16(L, True), "lora"),
+    "peft_bf16_compiled": ("PEFT LoRA, bf16 base, bf16 adapters, compiled layers",
+                           compiled(lambda L: peft_bf16(L, True)), "lora"),
     "bnb_nf4": ("PEFT + bitsandbytes NF4 QLoRA (stock, fp32 adapters)", bnb_nf4, "lora"),
     "ours_fp8": ("ours fp8 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "fp8"), "lora"),
+    "ours_fp8_compiled": ("ours fp8 QLoRA, bf16 adapters, compiled layers", compiled(lambda L: ours_qlora(L, "fp8")),
+                          "lora"),
     "ours_nf4": ("ours nf4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nf4"), "lora"),
+    "ours_nf4_compiled": ("ours nf4 QLoRA, bf16 adapters, compiled layers", compiled(lambda L: ours_qlora(L, "nf4")),
+                          "lora"),
     "ours_nvfp4": ("ours nvfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nvfp4"), "lora"),
     "ours_mxfp4": ("ours mxfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "mxfp4"), "lora"),
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
@@ -115,8 +141,16 @@ SETUPS = {
     "full_torchao_compiled": ("full fine-tune torchao float8 tensorwise, compiled layers",
                               lambda L: full(L, compiled=True, torchao=True), "full"),
 }
-TARGETS = {"ours_fp8": ("peft_bf16", 1.3), "ours_nf4": ("bnb_nf4", 1.5), "full_fp8": ("full_bf16", 1.3),
-           "full_fp8_compiled": ("full_torchao_compiled", 1.0)}
+# setup -> [(peer, target ratio), ...]: the first pair measured in the run fills the ratio column, every
+# measured pair goes into the note. The issue's peers are eager; compiled peers are listed for honesty.
+TARGETS = {
+    "ours_fp8": [("peft_bf16", 1.3)],
+    "ours_fp8_compiled": [("peft_bf16", 1.3), ("peft_bf16_compiled", 1.3)],
+    "ours_nf4": [("bnb_nf4", 1.5)],
+    "ours_nf4_compiled": [("bnb_nf4", 1.5)],
+    "full_fp8": [("full_bf16", 1.3)],
+    "full_fp8_compiled": [("full_bf16", 1.3), ("full_bf16_compiled", 1.3), ("full_torchao_compiled", 1.0)],
+}
 
 
 def run_setup(key, layers, batch, seq, warmup, steps):
@@ -175,14 +209,17 @@ def main():
         tps[key] = tok
         print(f"{label}: {tok:,.0f} tok/s, peak {peak:.1f} GiB, loss {loss:.3f} ({time.perf_counter() - t0:.0f}s)",
               flush=True)
-        ratio, target, note = None, None, ""
-        if key in TARGETS:
-            peer, target = TARGETS[key]
-            if peer in tps:
-                ratio = tok / tps[peer]
-                note = f"vs {SETUPS[peer][0]}: " + ("meets" if ratio >= target else f"misses by {target - ratio:.2f}x")
-            else:
-                note = f"peer {peer} not measured in this run"
+        ratio, target, notes = None, None, []
+        for peer, want in TARGETS.get(key, []):
+            if peer not in tps:
+                notes.append(f"peer {peer} not measured in this run")
+                continue
+            r = tok / tps[peer]
+            if ratio is None:
+                ratio, target = r, want
+            verdict = "meets" if r >= want else f"misses by {want - r:.2f}x"
+            notes.append(f"{r:.2f}x {SETUPS[peer][0]} (target {want}): {verdict}")
+        note = "; ".join(notes)
         rows.append([label, tok, peak, ntrain / 1e6, ratio, target, note])
     body = (f"Model: Qwen3-1.7B shape ({args.layers} layers, hidden 2048, intermediate 6144, vocab 151936), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "

@@ -1,28 +1,60 @@
-"""Profile of end-to-end training steps (bench_e2e.py setups): top GPU kernels by CUDA time, GPU busy
-time vs wall time (a large gap means the step is bound by CPU-side launches, not the GPU)."""
+"""Profile of end-to-end training steps (bench_e2e.py and bench_lora_dtype.py setups): wall time, GPU kernel
+time and CPU time per step, GPU time by kernel category, and the top kernels. A wall time well above the GPU
+kernel time means the step is bound by host-side work (Python, dispatch, launches), not by the GPU."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import bench_e2e as E
+import bench_lora_dtype as LD
+
+# (category, regex on the kernel name), first match wins
+CATEGORIES = [
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("fp8 gemm", r"f8|e4m3|fp8|scaled_mm"),
+    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|cublas|splitK|matmul"),
+    ("cross-entropy/softmax", r"softmax|nll|cross_entropy|log_softmax"),
+    ("triton (ours)", r"^_|triton"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("copy/cast", r"copy|cast|convert|to_copy"),
+    ("reduce", r"reduce"),
+    ("elementwise", r"elementwise|vectorized|unrolled"),
+]
+
+EXTRA = {
+    "lora_stock": ("0.6B fp8 base, stock PEFT lora.Linear (fp32)", lambda L: LD.build("fp8", False, L)[0]),
+    "lora_ours": ("0.6B fp8 base, surogate LoRA lora_dtype fp32", lambda L: LD.build("fp8", True, L)[0]),
+}
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for cat, rx in CATEGORIES:
+        if re.search(rx, low):
+            return cat
+    return "other"
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--setups", default="peft_bf16,ours_fp8,full_fp8")
+    ap.add_argument("--setups", default="peft_bf16,ours_fp8")
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
     for key in args.setups.split(","):
-        model = E.SETUPS[key][1](args.layers)
+        label, build = EXTRA[key] if key in EXTRA else E.SETUPS[key][:2]
+        vocab = 151936
+        model = build(args.layers)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
-        ids = torch.randint(0, 151936, (4, 2048), device="cuda")
+        ids = torch.randint(0, vocab, (4, 2048), device="cuda")
 
         def step():
             model(input_ids=ids, labels=ids).loss.backward()
@@ -32,16 +64,34 @@ def main():
         for _ in range(2):
             step()
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        wall_plain = (time.perf_counter() - t0) / 3
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
-            t0 = time.perf_counter()
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / 2
         ka = p.key_averages()
-        gpu = sum(e.self_device_time_total for e in ka) / 2 / 1e3
-        print(f"\n### {E.SETUPS[key][0]}: wall {wall * 1e3:.1f} ms/step, GPU kernel time {gpu:.1f} ms/step\n")
-        print(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+        gpu = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA) / 2e3
+        cpu = sum(e.self_cpu_time_total for e in ka) / 2e3
+        cats, counts = defaultdict(float), defaultdict(int)
+        for e in ka:
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+                c = categorize(e.key)
+                cats[c] += e.self_device_time_total / 2e3
+                counts[c] += e.count // 2
+        print(f"\n### {label}: wall {wall_plain * 1e3:.1f} ms/step (unprofiled), GPU kernels {gpu:.1f} ms/step, "
+              f"CPU self {cpu:.1f} ms/step\n")
+        print("| category | GPU ms/step | kernels/step |\n|---|---|---|")
+        for c, v in sorted(cats.items(), key=lambda kv: -kv[1]):
+            print(f"| {c} | {v:.1f} | {counts[c]} |")
+        n_launch = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                           "cuLaunchKernelEx")) // 2
+        print(f"\nkernel launches/step: {n_launch}\n")
+        print(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
         del model, opt, params
         torch.cuda.empty_cache()
 

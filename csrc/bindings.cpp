@@ -3,9 +3,24 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <ATen/ops/_scaled_mm_v2.h>
+
 namespace surogate {
 void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, bool e4m3, unsigned* amax, int64_t n,
                       int sms, cudaStream_t stream);
+void launch_quantize_tiles(const void* x, int dtype, void* q, float* s_colmajor, int64_t m, int64_t mp, int64_t k,
+                           cudaStream_t stream);
+void launch_transpose_bytes(const void* in, void* out, int64_t rows, int64_t cols, cudaStream_t stream);
+}
+
+static int dtype_code(const torch::Tensor& x, const char* who) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: TORCH_CHECK(false, who, ": x must be fp32, bf16 or fp16, got ", x.scalar_type());
+  }
+  return -1;
 }
 
 // q = sat_rne(x * scale) into the preallocated fp8 tensor q; amax_bits (int32 scalar, zeroed by the caller)
@@ -17,13 +32,7 @@ void fp8_cast_amax(const torch::Tensor& x, const torch::Tensor& scale, torch::Te
   TORCH_CHECK(amax_bits.scalar_type() == at::kInt && amax_bits.numel() == 1, "fp8_cast_amax: amax_bits must be int32[1]");
   const bool e4m3 = q.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(e4m3 || q.scalar_type() == at::kFloat8_e5m2, "fp8_cast_amax: q must be float8_e4m3fn or float8_e5m2");
-  int dtype;
-  switch (x.scalar_type()) {
-    case at::kFloat: dtype = 0; break;
-    case at::kBFloat16: dtype = 1; break;
-    case at::kHalf: dtype = 2; break;
-    default: TORCH_CHECK(false, "fp8_cast_amax: x must be fp32, bf16 or fp16, got ", x.scalar_type());
-  }
+  const int dtype = dtype_code(x, "fp8_cast_amax");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 8 == 0,
               "fp8_cast_amax: x must be 16-byte and q 8-byte aligned");
   const at::cuda::CUDAGuard guard(x.device());
@@ -34,6 +43,63 @@ void fp8_cast_amax(const torch::Tensor& x, const torch::Tensor& scale, torch::Te
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// (q [Mp, K] e4m3, scale_inv [Mp, K/128] as an M-contiguous view): 1x128 tiles of x [M, K], M padded to a
+// multiple of `row_multiple` with zero rows (cuBLASLt's block-scaled GEMM wants M % 16 == 0).
+std::tuple<torch::Tensor, torch::Tensor> fp8_quantize_tiles(const torch::Tensor& x_in, int64_t row_multiple) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "fp8_quantize_tiles: x must be a 2-D CUDA tensor");
+  TORCH_CHECK(row_multiple >= 1, "fp8_quantize_tiles: row_multiple must be >= 1");
+  const int dtype = dtype_code(x_in, "fp8_quantize_tiles");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 128 == 0, "fp8_quantize_tiles: the last dim (", k, ") must be a multiple of 128");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "fp8_quantize_tiles: x must be 16-byte aligned");
+  const int64_t mp = (m + row_multiple - 1) / row_multiple * row_multiple;
+  const at::cuda::CUDAGuard guard(x.device());
+  auto q = torch::empty({mp, k}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto s = torch::empty({k / 128, mp}, x.options().dtype(at::kFloat));
+  surogate::launch_quantize_tiles(x.data_ptr(), dtype, q.data_ptr(), s.data_ptr<float>(), m, mp, k,
+                                  at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, s.t()};
+}
+
+// Contiguous transpose of a 2-D tensor of 1-byte elements (fp8 / uint8).
+torch::Tensor transpose_bytes(const torch::Tensor& x_in) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.element_size() == 1,
+              "transpose_bytes: x must be a 2-D CUDA tensor of 1-byte elements");
+  const torch::Tensor x = x_in.contiguous();
+  const at::cuda::CUDAGuard guard(x.device());
+  auto out = torch::empty({x.size(1), x.size(0)}, x.options());
+  surogate::launch_transpose_bytes(x.data_ptr(), out.data_ptr(), x.size(0), x.size(1), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+// Block-scaled FP8 GEMM of a high-precision x against an e4m3 weight w [N, K] in 128x128 blocks:
+//   transpose_w = false: y [M, N] = x [M, K] @ W^T      (forward)
+//   transpose_w = true:  y [M, K] = x [M, N] @ W        (dgrad; W^T is made here in one byte pass)
+// w_scales_mm holds the scales of the operand actually multiplied (W, or W^T for dgrad) as laid out by
+// surogate_hf.kernels.fp8_gemm.mm_scales. x is quantized in 1x128 tiles, then cuBLASLt's BlockWise1x128 x
+// BlockWise128x128 GEMM runs. One call from Python instead of four.
+torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scales_mm,
+                             bool transpose_w, int64_t recipe_a, int64_t recipe_b) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 2, "fp8_block_gemm: w must be a 2-D e4m3 tensor");
+  TORCH_CHECK(w_scales_mm.scalar_type() == at::kFloat && w_scales_mm.dim() == 2 && w_scales_mm.is_contiguous(),
+              "fp8_block_gemm: w_scales_mm must be a contiguous 2-D fp32 tensor");
+  const torch::Tensor wk = transpose_w ? transpose_bytes(w) : w.contiguous();  // [N, K], K contiguous
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == wk.size(1), "fp8_block_gemm: x [M, ", wk.size(1), "] expected, got ",
+              x.sizes());
+  auto [xq, xs] = fp8_quantize_tiles(x, 16);
+  const int64_t m = x.size(0);
+  std::vector<int64_t> ra{recipe_a}, rb{recipe_b};
+  std::vector<torch::Tensor> sa{xs}, sb{w_scales_mm.t()};
+  auto y = at::_scaled_mm_v2(xq, wk.t(), sa, ra, {}, sb, rb, {}, std::nullopt, x.scalar_type(), {}, false);
+  return y.size(0) == m ? y : y.narrow(0, 0, m);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_cast_amax", &fp8_cast_amax, "per-tensor FP8 cast with fused amax");
+  m.def("fp8_quantize_tiles", &fp8_quantize_tiles, "1x128 FP8 tiles with an M-contiguous scale, rows padded");
+  m.def("transpose_bytes", &transpose_bytes, "contiguous transpose of a 2-D 1-byte tensor");
+  m.def("fp8_block_gemm", &fp8_block_gemm, "1x128-tile activations x 128x128-block weight FP8 GEMM");
 }

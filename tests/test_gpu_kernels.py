@@ -395,6 +395,60 @@ def test_extension_builds_and_matches():
         assert_bits(am.view(torch.float32).reshape(()), amr, "extension amax")
 
 
+def _built_extension():
+    import shutil
+
+    from surogate_hf.kernels import ext
+
+    if shutil.which("nvcc") is None and not __import__("os").environ.get("CUDA_HOME"):
+        pytest.skip("no CUDA toolkit (nvcc) to build csrc/")
+    mod = ext.load(build=True)
+    assert mod is not None, ext.status()[1]
+    return mod
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 16, 333])
+def test_extension_fp8_tiles_and_transpose_bits(dtype, rows):
+    mod = _built_extension()
+    x = _rand((rows, 384), dtype)
+    if rows > 1:
+        x[1, :128] = 0.0  # a zero tile
+        x[-1, 130] = float("nan")  # a NaN tile (inf is left out: x86 and the GPU give inf * 0 different NaN signs)
+    q, s = mod.fp8_quantize_tiles(x.to(DEV), 16)
+    qr, sr = ops.quantize_fp8_tiles(x, 128)
+    mp = -(-rows // 16) * 16
+    assert q.shape == (mp, 384) and s.shape == (mp, 3) and s.stride() == (1, mp)
+    assert_bits(q[:rows], qr, f"native tiles q {dtype}")
+    assert_bits(s[:rows].contiguous(), sr, f"native tiles scale_inv {dtype}")
+    # the padded rows are what quantizing zero rows gives
+    assert not _bits(q[rows:]).any() and bool((s[rows:] == 1).all())
+    w = _rand((130, 70), torch.float32).to(torch.float8_e4m3fn).to(DEV)
+    assert_bits(mod.transpose_bytes(w), w.t().contiguous(), "native transpose")
+
+
+@pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
+@pytest.mark.parametrize("m", [16, 333])
+def test_extension_fp8_block_gemm_equals_the_python_path(m):
+    """One C++ call (tiles + transpose + cuBLASLt) gives the very bits of the Triton + torch binding path."""
+    from surogate_hf.kernels import fp8_gemm as G
+
+    mod = _built_extension()
+    n, k = 384, 512
+    wq, ws = (t.to(DEV) for t in ops.quantize_fp8_blocks(_weight(n, k), 128, 128, False))
+    x = _rand((m, k), torch.bfloat16, seed=1, spread=False).to(DEV)
+    dy = _rand((m, n), torch.bfloat16, seed=2, spread=False).to(DEV)
+    from surogate_hf.kernels import triton_quant as TQ
+
+    ra, rb = G._RECIPE_1X128, G._RECIPE_128X128
+    y = mod.fp8_block_gemm(x, wq, G.mm_scales(ws), False, ra, rb)
+    assert_bits(y, G._block_mm(x, 128, wq, G.mm_scales(ws)), "forward")
+    dx = mod.fp8_block_gemm(dy, wq, G.mm_scales(ws.t()), True, ra, rb)
+    assert_bits(dx, G._block_mm(dy, 128, TQ.transpose_2d(wq), G.mm_scales(ws.t())), "dgrad")
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        mod.fp8_quantize_tiles(x[:, :100], 16)
+
+
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 def test_fp8_scaled_mm_accepts_scale_views_at_any_offset():
     # the recipes cast x and W together and pass views into one [2] scale tensor: the second is only

@@ -129,6 +129,61 @@ def test_lora_dtype_fp32_masters_compute_in_bf16(tiny_dir, batch):
     assert set(rec.dtypes) == {torch.bfloat16}
 
 
+class _FullOutputElementwise(TorchDispatchMode):
+    """Records elementwise mul/add ops whose output has `numel` elements (passes over the layer output)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in ("mul", "add", "mul_", "add_") and getattr(out, "numel", lambda: 0)() == self.numel:
+            self.ops.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("base_kind", ["fp8", "nf4", "dense"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_fused_adapter_path_matches_lora_math(base_kind, dropout):
+    """y = base(x) + s (x A^T) B^T through one addmm per adapter: same output and gradients as the plain
+    formula, and no elementwise pass over the [tokens, out_features] output in forward or backward."""
+    from surogate_hf.nn import FP8Linear, NF4Linear
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(128, 192, bias=False, dtype=torch.bfloat16)
+    base = {"fp8": FP8Linear.from_linear, "nf4": NF4Linear.from_linear, "dense": lambda m: m}[base_kind](dense)
+    model = torch.nn.Sequential(base)
+    model.register_parameter("anchor", torch.nn.Parameter(torch.zeros(1)))  # PEFT wants one parameter
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["0"], lora_dropout=dropout))
+    set_lora_dtype(pm, "fp32")
+    layer = pm.base_model.model[0]
+    assert isinstance(layer, SurogateLoraLinear)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        b.normal_()  # PEFT starts B at zero, which would hide a wrong B gradient path
+    x = torch.randn(2, 5, 128, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 5, 192, dtype=torch.bfloat16)
+
+    torch.manual_seed(1)
+    with _FullOutputElementwise(2 * 5 * 192) as rec:
+        y = pm(x)
+        y.backward(dy)
+    assert y.shape == (2, 5, 192) and y.dtype == torch.bfloat16
+    assert rec.ops == [], rec.ops
+    got = (y.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone())
+
+    x.grad = a.grad = b.grad = None
+    torch.manual_seed(1)  # same dropout mask
+    h = layer.lora_dropout["default"](x) @ a.to(torch.bfloat16).t()
+    ref = layer.get_base_layer()(x) + (h @ b.to(torch.bfloat16).t()) * layer.scaling["default"]
+    ref.backward(dy)
+    want = (ref.detach(), x.grad, a.grad, b.grad)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_set_lora_dtype_bf16_and_bad_values(tiny_dir, batch):
     pm = get_peft_model(load(tiny_dir, "fp8", torch.bfloat16), lora_cfg())
     ids = {id(p) for n, p in pm.named_parameters() if "lora_" in n}

@@ -155,17 +155,41 @@ class SurogateLoraLinear(lora_layer.Linear):
         self._check_forward_args(x, *args, **kwargs)
         for k in lora_layer.VARIANT_KWARG_KEYS:
             kwargs.pop(k, None)
-        result = self.base_layer(x, *args, **kwargs)
-        out_dtype = result.dtype
+        active = [name for name in self.active_adapters if name in self.lora_A]
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        result = self.base_layer(x2d, *args, **kwargs)
         # compute in the activation dtype: masters are cast per call (differentiably), never x upcast to fp32
         cd = x.dtype
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
-            h = _adapter_linear(self.lora_A[name], self.lora_dropout[name](x), cd)
-            h = _adapter_linear(self.lora_B[name], h, cd)
-            result = result + h * self.scaling[name]
-        return result.to(out_dtype)
+        if result.dtype == cd and all(self._fusable(name) for name in active):
+            result = self._add_adapters_fused(result, x2d, active, cd)
+        else:
+            out_dtype = result.dtype
+            for name in active:
+                h = _adapter_linear(self.lora_A[name], self.lora_dropout[name](x2d), cd)
+                h = _adapter_linear(self.lora_B[name], h, cd)
+                result = result + h * self.scaling[name]
+            result = result.to(out_dtype)
+        return result if x.dim() == 2 else result.view(*lead, result.shape[-1])
+
+    def _fusable(self, name: str) -> bool:
+        a, b = self.lora_A[name], self.lora_B[name]
+        return type(a) is nn.Linear and type(b) is nn.Linear and a.bias is None and b.bias is None
+
+    def _add_adapters_fused(self, result, x2d, active, cd):
+        """result + scaling * (x A^T) B^T with the scaling and the add in the epilogue of one addmm: the
+        unfused form spends two full passes over the [tokens, out_features] output (mul, then add) per
+        adapter, which cost more than the rank-r GEMMs themselves."""
+        # in place only on a fresh (non-view) output: our bases and nn.Linear do not save their output for
+        # backward, so accumulating into it skips a copy of it
+        inplace = result._base is None and isinstance(self.get_base_layer(), nn.Linear)
+        for name in active:
+            h = Fn.linear(self.lora_dropout[name](x2d), self.lora_A[name].weight.to(cd))
+            bt = self.lora_B[name].weight.to(cd).t()
+            scale = self.scaling[name]
+            result = result.addmm_(h, bt, alpha=scale) if inplace else torch.addmm(result, h, bt, alpha=scale)
+            inplace = True  # from here on `result` is a fresh addmm output
+        return result
 
     # -------------------------------------------------------------- merge / unmerge / unload
     _merged_weight: torch.Tensor | None = None

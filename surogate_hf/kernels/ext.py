@@ -16,7 +16,7 @@ import torch
 
 NAME = "surogate_hf_ext"
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("bindings.cpp", "fp8/cast_amax.cu")
+SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu")
 
 _module = None
 _error: str | None = None

@@ -67,6 +67,38 @@ def _block_mm(a2: torch.Tensor, a_tile: int, wt_q: torch.Tensor, wt_s_mm: torch.
     return out[:m] if mp != m else out
 
 
+_NATIVE = []  # [module or None], resolved on first use
+
+
+def _native():
+    """The csrc extension when it is built (one C++ call per GEMM: tile quantization, the byte transpose of
+    the dgrad weight and cuBLASLt), else None and the Triton kernels + torch's binding do the same math."""
+    if not _NATIVE:
+        from . import ext
+
+        mod = ext.load(build=False)
+        if mod is not None and not hasattr(mod, "fp8_block_gemm"):
+            mod = None  # an extension built from older sources: rebuild with `python -m surogate_hf.kernels.build`
+        if mod is None:
+            warn_once("fp8_block_gemm_ext", "surogate_hf: the fp8 block-scaled linear runs its tile quantization "
+                      f"with Triton from Python (more host time per call); the CUDA extension is {ext.status()[1]}")
+        _NATIVE.append(mod)
+    return _NATIVE[0]
+
+
+def _block_gemm(a2: torch.Tensor, w: torch.Tensor, ws_mm: torch.Tensor, transpose_w: bool) -> torch.Tensor:
+    """a2 @ w^T (forward, a2 [M, K]) or a2 @ w (transpose_w, the dgrad GEMM, a2 [M, N]) for w [N, K] e4m3;
+    ws_mm: the scales of the operand multiplied (w, or w^T for dgrad) laid out by `mm_scales`."""
+    mod = _native()
+    if mod is not None:
+        return mod.fp8_block_gemm(a2, w, ws_mm, transpose_w, _RECIPE_1X128, _RECIPE_128X128)
+    return _block_mm(a2, 128, TQ.transpose_2d(w) if transpose_w else w, ws_mm)
+
+
+_RECIPE_1X128 = int(Fn.ScalingType.BlockWise1x128.value) if hasattr(Fn, "ScalingType") else -1
+_RECIPE_128X128 = int(Fn.ScalingType.BlockWise128x128.value) if hasattr(Fn, "ScalingType") else -1
+
+
 def _reference_linear(x, w, w_scale_inv, block_n, block_k):
     xq, xs = TQ.quantize_fp8_tiles(x, block_k)
     xd = F.dequantize_fp8_tiles(xq, xs, block_k, torch.float32)
@@ -81,8 +113,9 @@ def fp8_block_linear(x, w, w_scale_inv, block_n, block_k, w_scales_mm=None):
         return _reference_linear(x, w, w_scale_inv, block_n, block_k)
     k = x.shape[-1]
     ws = w_scales_mm if w_scales_mm is not None else mm_scales(w_scale_inv)
-    y = _block_mm(x.reshape(-1, k), block_k, w, ws)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    y = _block_gemm(x.reshape(-1, k), w, ws, transpose_w=False)
+    # a 2-D input gets the GEMM output itself, not a view of it (callers may accumulate into it in place)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=None):
@@ -96,10 +129,9 @@ def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=No
     n = dy.shape[-1]
     # dx = dy @ W: the reduction runs over W's rows, so the GEMM takes W^T [K, N] (blocks transpose
     # with it); one fp8 transpose of the weight per call (1 byte/param), no dense copy.
-    wt = TQ.transpose_2d(w)
     ws = wt_scales_mm if wt_scales_mm is not None else mm_scales(w_scale_inv.t())
-    dx = _block_mm(dy.reshape(-1, n), block_n, wt, ws)
-    return dx.reshape(*dy.shape[:-1], w.shape[1])
+    dx = _block_gemm(dy.reshape(-1, n), w, ws, transpose_w=True)
+    return dx if dy.dim() == 2 else dx.reshape(*dy.shape[:-1], w.shape[1])
 
 
 def _planned_fwd(x, w, w_scale_inv, block_n, block_k, ws_mm, wts_mm):

@@ -251,7 +251,8 @@ def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n
 
     kern[grid](a2, packed.reshape(n, k // 2), scale, g, c, out, m, n, k, FMT=fmt, NF4_BS=nf4_bs,
                IEEE=a.dtype == torch.float32, FAST=a.dtype == torch.bfloat16 and fmt != NF4)
-    return out.reshape(*a.shape[:-1], out_cols)
+    # a 2-D input gets the output itself, not a view of it (callers may accumulate into it in place)
+    return out if a.dim() == 2 else out.reshape(*a.shape[:-1], out_cols)
 
 
 def linear(fmt: int, x, packed, scale, gscale=None, code=None, n: int = 0, k: int = 0, nf4_bs: int = 64):

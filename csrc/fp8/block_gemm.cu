@@ -1,0 +1,108 @@
+// Kernels of the block-scaled FP8 linear (fp8 QLoRA bases): the 1x128 activation-tile quantization that feeds
+// cuBLASLt's BlockWise1x128 x BlockWise128x128 scaled GEMM, and the byte transpose the dgrad GEMM needs.
+//
+// quantize_tiles is bit-exact to surogate_hf.formats.fp8.quantize_fp8_tiles (tile 128, e4m3):
+//   amax = max|x| over the tile (NaN propagates), scale = amax > 0 ? rcp_rn(amax) * 448 : 1 (torch evaluates
+//   `448 / amax` as reciprocal-then-multiply), scale_inv = rcp_rn(scale), q = sat_rne(clamp(x * scale)).
+// It also writes the rows the GEMM pads M up to (zeros, scale_inv 1), exactly what quantizing zero rows gives.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace surogate {
+namespace {
+
+template <typename T> struct Vec4;  // 4 elements per lane: one 8-byte (16-bit types) or 16-byte (fp32) load
+template <> struct Vec4<__nv_bfloat16> { using type = uint2; };
+template <> struct Vec4<__half> { using type = uint2; };
+template <> struct Vec4<float> { using type = uint4; };
+
+template <typename T> __device__ __forceinline__ float f32(T v);
+template <> __device__ __forceinline__ float f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float f32<__half>(__half v) { return __half2float(v); }
+
+__device__ __forceinline__ float clamp_keep_nan(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
+
+// One warp per 128-element tile; WARPS tiles per block. Tiles are numbered row-major over [Mp, kb].
+template <typename T, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) quantize_tiles_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
+                                                                    float* __restrict__ s_colmajor, int64_t m,
+                                                                    int64_t mp, int64_t k) {
+  const int lane = threadIdx.x & 31;
+  const int64_t kb = k / 128;
+  const int64_t tile = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (tile >= mp * kb) return;
+  const int64_t row = tile / kb, tb = tile - row * kb;
+  const int64_t off = row * k + tb * 128 + lane * 4;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  if (row < m) {
+    typename Vec4<T>::type raw = *reinterpret_cast<const typename Vec4<T>::type*>(x + off);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = f32<T>(e[j]);
+  }
+  // |x| bits order like the floats, NaN above inf: an unsigned max is the tile's amax with NaN propagating
+  unsigned bits = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bits = max(bits, __float_as_uint(v[j]) & 0x7fffffffu);
+  bits = __reduce_max_sync(0xffffffffu, bits);
+  const float amax = __uint_as_float(bits);
+  const float scale = amax > 0.f ? __frcp_rn(amax) * 448.0f : 1.0f;  // NaN amax fails the test: scale 1
+  const float scale_inv = __frcp_rn(scale);
+  const __nv_fp8x2_storage_t lo =
+      __nv_cvt_float2_to_fp8x2(make_float2(clamp_keep_nan(v[0] * scale, 448.f), clamp_keep_nan(v[1] * scale, 448.f)),
+                               __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi =
+      __nv_cvt_float2_to_fp8x2(make_float2(clamp_keep_nan(v[2] * scale, 448.f), clamp_keep_nan(v[3] * scale, 448.f)),
+                               __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<uint32_t*>(q + off) = (uint32_t)lo | ((uint32_t)hi << 16);
+  if (lane == 0) s_colmajor[tb * mp + row] = scale_inv;
+}
+
+// out[c, r] = in[r, c] for bytes, through a 64x64 shared tile (rows padded against bank conflicts).
+__global__ void __launch_bounds__(256) transpose_bytes_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out,
+                                                              int64_t rows, int64_t cols) {
+  __shared__ uint8_t tile[64][64 + 4];
+  const int64_t r0 = (int64_t)blockIdx.y * 64, c0 = (int64_t)blockIdx.x * 64;
+  const int tx = threadIdx.x & 63, ty = threadIdx.x >> 6;  // 64 x 4 threads
+  for (int i = ty; i < 64; i += 4) {
+    const int64_t r = r0 + i, c = c0 + tx;
+    if (r < rows && c < cols) tile[i][tx] = in[r * cols + c];
+  }
+  __syncthreads();
+  for (int i = ty; i < 64; i += 4) {
+    const int64_t c = c0 + i, r = r0 + tx;
+    if (c < cols && r < rows) out[c * rows + r] = tile[tx][i];
+  }
+}
+
+}  // namespace
+
+// dtype codes: 0 fp32, 1 bf16, 2 fp16. k must be a multiple of 128 and x 8-byte (16 for fp32) aligned.
+void launch_quantize_tiles(const void* x, int dtype, void* q, float* s_colmajor, int64_t m, int64_t mp, int64_t k,
+                           cudaStream_t stream) {
+  constexpr int WARPS = 8;
+  const int64_t tiles = mp * (k / 128);
+  if (tiles == 0) return;
+  const int64_t blocks = (tiles + WARPS - 1) / WARPS;
+  uint8_t* qb = static_cast<uint8_t*>(q);
+  if (dtype == 0) {
+    quantize_tiles_kernel<float, WARPS><<<blocks, WARPS * 32, 0, stream>>>((const float*)x, qb, s_colmajor, m, mp, k);
+  } else if (dtype == 1) {
+    quantize_tiles_kernel<__nv_bfloat16, WARPS>
+        <<<blocks, WARPS * 32, 0, stream>>>((const __nv_bfloat16*)x, qb, s_colmajor, m, mp, k);
+  } else {
+    quantize_tiles_kernel<__half, WARPS><<<blocks, WARPS * 32, 0, stream>>>((const __half*)x, qb, s_colmajor, m, mp, k);
+  }
+}
+
+void launch_transpose_bytes(const void* in, void* out, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  dim3 grid((unsigned)((cols + 63) / 64), (unsigned)((rows + 63) / 64));
+  transpose_bytes_kernel<<<grid, 256, 0, stream>>>((const uint8_t*)in, (uint8_t*)out, rows, cols);
+}
+
+}  // namespace surogate
