@@ -1,9 +1,10 @@
-// Python bindings of the csrc kernels: argument checks and launches only, no math.
+// Dispatcher bindings of the csrc kernels: argument checks and launches only, no math.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
+#include <torch/torch.h>
 
 #include <ATen/ops/_scaled_mm_v2.h>
+#include <torch/library.h>
 
 namespace surogate {
 void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, bool e4m3, unsigned* amax, int64_t n,
@@ -97,9 +98,19 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
   return y.size(0) == m ? y : y.narrow(0, 0, m);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fp8_cast_amax", &fp8_cast_amax, "per-tensor FP8 cast with fused amax");
-  m.def("fp8_quantize_tiles", &fp8_quantize_tiles, "1x128 FP8 tiles with an M-contiguous scale, rows padded");
-  m.def("transpose_bytes", &transpose_bytes, "contiguous transpose of a 2-D 1-byte tensor");
-  m.def("fp8_block_gemm", &fp8_block_gemm, "1x128-tile activations x 128x128-block weight FP8 GEMM");
+// Everything is a dispatcher op under torch.ops.surogate_ext (no pybind module): errors reach Python as
+// RuntimeError through torch's own translation, and torch.compile graphs call the GEMM with no Python in
+// between (its fake kernel is registered from Python: surogate_hf.kernels.fp8_gemm).
+TORCH_LIBRARY(surogate_ext, m) {
+  m.def("fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()");
+  m.def("fp8_quantize_tiles(Tensor x, int row_multiple) -> (Tensor, Tensor)");
+  m.def("transpose_bytes(Tensor x) -> Tensor");
+  m.def("fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool transpose_w, int recipe_a, int recipe_b) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(surogate_ext, CUDA, m) {
+  m.impl("fp8_cast_amax", &fp8_cast_amax);
+  m.impl("fp8_quantize_tiles", &fp8_quantize_tiles);
+  m.impl("transpose_bytes", &transpose_bytes);
+  m.impl("fp8_block_gemm", &fp8_block_gemm);
 }

@@ -450,6 +450,39 @@ def test_extension_fp8_block_gemm_equals_the_python_path(m):
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
+def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():
+    """Under torch.compile the fp8 base runs `surogate_ext::fp8_block_gemm` inside one graph (no break) and
+    gives the eager plan path's bits, forward and input gradient."""
+    from surogate_hf.nn import FP8Linear
+
+    _built_extension()
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(512, 384, bias=False, dtype=torch.bfloat16)
+    m = FP8Linear.from_linear(lin).to(DEV)
+    x = _rand((3, 37, 512), torch.bfloat16, seed=1, spread=False).to(DEV)
+    dy = _rand((3, 37, 384), torch.bfloat16, seed=2, spread=False).to(DEV)
+    outs = {}
+    for mode, fn in (("eager", m), ("compiled", torch.compile(m, fullgraph=True))):
+        xg = x.clone().requires_grad_(True)
+        y = fn(xg)
+        y.backward(dy)
+        outs[mode] = (y.detach(), xg.grad)
+    assert_bits(outs["compiled"][0], outs["eager"][0], "compiled forward")
+    assert_bits(outs["compiled"][1], outs["eager"][1], "compiled dgrad")
+    gm_ops = []  # the traced graph holds the extension's op itself
+
+    def backend(gm, inputs):  # autograd.Function bodies sit in sub-GraphModules
+        for sub in gm.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                gm_ops.extend(str(n.target) for n in sub.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(m, backend=backend, fullgraph=True)(x)
+    assert any("surogate_ext.fp8_block_gemm" in t for t in gm_ops), gm_ops
+
+
+@pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 def test_fp8_scaled_mm_accepts_scale_views_at_any_offset():
     # the recipes cast x and W together and pass views into one [2] scale tensor: the second is only
     # 4-byte aligned, which cuBLASLt refuses unless the kernel copies it

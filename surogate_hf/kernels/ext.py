@@ -47,7 +47,8 @@ def status() -> tuple[bool, str]:
 
 
 def load(build: bool = False):
-    """The extension module, or None. With build=False only an already built library is loaded."""
+    """The extension's ops (`torch.ops.surogate_ext`), or None. With build=False only an already built library
+    is loaded."""
     global _module, _error
     if _module is not None or _error is not None:
         return _module
@@ -64,15 +65,21 @@ def load(build: bool = False):
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     try:
-        _module = _load(
+        # a plain library (no pybind module): loading it registers the torch.ops.surogate_ext ops
+        _load(
             name=NAME,
             sources=[str(_CSRC / s) for s in SOURCES],
             build_directory=str(d),
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3", "-std=c++17"],  # no fast-math: the casts must round exactly,
             verbose=bool(os.environ.get("SUROGATE_HF_EXT_VERBOSE")),
+            is_python_module=False,
         )
     except Exception as exc:  # a broken toolkit must not break the Triton path: report it
         _error = f"building/loading the extension failed: {type(exc).__name__}: {exc}"
         return None
+    _module = torch.ops.surogate_ext
     return _module
+
+
+OPS = ("fp8_cast_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm")

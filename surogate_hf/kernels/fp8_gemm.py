@@ -17,6 +17,9 @@ import torch.nn.functional as Fn
 from .. import formats as F
 from ._warn import warn_once
 from . import triton_quant as TQ
+from .fp8_layout import RECIPE_1X128 as _RECIPE_1X128
+from .fp8_layout import RECIPE_128X128 as _RECIPE_128X128
+from .fp8_layout import mm_scales
 
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -37,18 +40,6 @@ def _block_problem(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int)
     if not _blockwise_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return "block-scaled scaled_mm needs torch >= 2.10 and an SM90 GPU"
     return None
-
-
-def mm_scales(ws: torch.Tensor) -> torch.Tensor:
-    """Weight block scales [N/128, K/128] -> the buffer cuBLASLt reads (as its transpose view): rows
-    padded to L4 = K/128 rounded up to 4 (padding entries never multiply data)."""
-    kb = ws.shape[1]
-    l4 = -(-kb // 4) * 4
-    if l4 == kb:
-        return ws.float().contiguous()
-    padded = torch.zeros((ws.shape[0], l4), dtype=torch.float32, device=ws.device)
-    padded[:, :kb] = ws
-    return padded
 
 
 def _block_mm(a2: torch.Tensor, a_tile: int, wt_q: torch.Tensor, wt_s_mm: torch.Tensor) -> torch.Tensor:
@@ -95,8 +86,26 @@ def _block_gemm(a2: torch.Tensor, w: torch.Tensor, ws_mm: torch.Tensor, transpos
     return _block_mm(a2, 128, TQ.transpose_2d(w) if transpose_w else w, ws_mm)
 
 
-_RECIPE_1X128 = int(Fn.ScalingType.BlockWise1x128.value) if hasattr(Fn, "ScalingType") else -1
-_RECIPE_128X128 = int(Fn.ScalingType.BlockWise128x128.value) if hasattr(Fn, "ScalingType") else -1
+def native_linear_ok(dtype: torch.dtype, n: int, k: int, block_n: int, block_k: int, device_index: int) -> bool:
+    """Whether the extension's `surogate_ext::fp8_block_gemm` op takes this linear (and its fake is registered)."""
+    if (block_n, block_k) != (128, 128) or n % 128 or k % 128 or dtype != torch.bfloat16:
+        return False
+    return _blockwise_ok(device_index) and _native() is not None and _register_native_fake()
+
+
+_FAKE_REGISTERED = []
+
+
+def _register_native_fake() -> bool:
+    if not _FAKE_REGISTERED:
+        @torch.library.register_fake("surogate_ext::fp8_block_gemm")
+        def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
+            return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[0]))
+
+        _FAKE_REGISTERED.append(True)
+    return True
+
+
 
 
 def _reference_linear(x, w, w_scale_inv, block_n, block_k):

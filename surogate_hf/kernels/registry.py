@@ -13,6 +13,7 @@ import torch
 
 from . import probe
 from ._warn import warn_once
+from .fp8_layout import RECIPE_1X128, RECIPE_128X128, mm_scales
 
 NS = "surogate"
 _registered = False
@@ -206,6 +207,25 @@ def plan_mxfp4(packed, scales):
 def plan_nf4(packed, absmax, code, block_size, out_features, in_features):
     args = (packed, absmax.float().contiguous(), code.float().contiguous(), block_size, out_features, in_features)
     return nf4_linear, nf4_linear_dgrad, args
+
+
+@torch.compiler.assume_constant_result
+def _fp8_native_ok(dtype, n, k, block_n, block_k, device_index) -> bool:
+    # a constant for torch.compile: tracing never enters the checks (or the first import of the kernels)
+    return _fp8().native_linear_ok(dtype, n, k, block_n, block_k, device_index)
+
+
+def fp8_block_linear_native(a, w, w_scale_inv, block_n, block_k, dgrad):
+    """The fp8 block linear (a @ W^T) or its dgrad (a @ W) through the native extension's dispatcher op
+    `surogate_ext::fp8_block_gemm`, which torch.compile graphs call with no Python in between; None where it
+    does not apply (extension not built, shapes or dtype it does not take): the caller runs the surogate:: op."""
+    n, k = w.shape
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if not _fp8_native_ok(a.dtype, n, k, block_n, block_k, dev):
+        return None
+    ws = mm_scales(w_scale_inv.t() if dgrad else w_scale_inv)
+    y = torch.ops.surogate_ext.fp8_block_gemm(a.reshape(-1, a.shape[-1]), w, ws, dgrad, RECIPE_1X128, RECIPE_128X128)
+    return y if a.dim() == 2 else y.view(*a.shape[:-1], y.shape[-1])
 
 
 # ---------------------------------------------------------------- recipe GEMMs

@@ -130,11 +130,19 @@ class FP8Format(Format):
 
     def linear(self, x, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
+        if x.is_cuda:  # torch.compile graphs: the extension's C++ op when it applies
+            y = _cuda.fp8_block_linear_native(x, t[""], s, bn, bk, False)
+            if y is not None:
+                return y
         # activations always use 1x128 tiles (or 1xK) as in the fine-grained recipe
         return ops.fp8_block_linear(x, t[""], s, bn, bk)
 
     def dgrad(self, dy, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
+        if dy.is_cuda:
+            dx = _cuda.fp8_block_linear_native(dy, t[""], s, bn, bk, True)
+            if dx is not None:
+                return dx
         return ops.fp8_block_linear_dgrad(dy, t[""], s, bn, bk)
 
     def cuda_plan(self, t, n, k):

@@ -1,0 +1,22 @@
+"""Layouts the block-scaled FP8 GEMM takes, free of Triton so the module hot path can use them anywhere."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as Fn
+
+# torch's ScalingType codes for the 1x128 activation tiles and the 128x128 weight blocks (torch >= 2.10)
+RECIPE_1X128 = int(Fn.ScalingType.BlockWise1x128.value) if hasattr(Fn, "ScalingType") else -1
+RECIPE_128X128 = int(Fn.ScalingType.BlockWise128x128.value) if hasattr(Fn, "ScalingType") else -1
+
+
+def mm_scales(ws: torch.Tensor) -> torch.Tensor:
+    """Weight block scales [N/128, K/128] -> the buffer cuBLASLt reads (as its transpose view): rows
+    padded to L4 = K/128 rounded up to 4 (padding entries never multiply data)."""
+    kb = ws.shape[1]
+    l4 = -(-kb // 4) * 4
+    if l4 == kb:
+        return ws.float().contiguous()
+    padded = torch.zeros((ws.shape[0], l4), dtype=torch.float32, device=ws.device)
+    padded[:, :kb] = ws
+    return padded
