@@ -14,11 +14,6 @@
 namespace surogate {
 namespace {
 
-template <typename T> struct Vec4;  // 4 elements per lane: one 8-byte (16-bit types) or 16-byte (fp32) load
-template <> struct Vec4<__nv_bfloat16> { using type = uint2; };
-template <> struct Vec4<__half> { using type = uint2; };
-template <> struct Vec4<float> { using type = uint4; };
-
 template <typename T> __device__ __forceinline__ float f32(T v);
 template <> __device__ __forceinline__ float f32<float>(float v) { return v; }
 template <> __device__ __forceinline__ float f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -26,39 +21,51 @@ template <> __device__ __forceinline__ float f32<__half>(__half v) { return __ha
 
 __device__ __forceinline__ float clamp_keep_nan(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
 
-// One warp per 128-element tile; WARPS tiles per block. Tiles are numbered row-major over [Mp, kb].
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+// 16 lanes per 128-element tile, 8 elements (one or two 16-byte loads) per lane; two tiles per warp. Tiles
+// are numbered row-major over [Mp, kb].
 template <typename T, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) quantize_tiles_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
                                                                     float* __restrict__ s_colmajor, int64_t m,
                                                                     int64_t mp, int64_t k) {
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 15;
   const int64_t kb = k / 128;
-  const int64_t tile = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (tile >= mp * kb) return;
-  const int64_t row = tile / kb, tb = tile - row * kb;
-  const int64_t off = row * k + tb * 128 + lane * 4;
-  float v[4] = {0.f, 0.f, 0.f, 0.f};
-  if (row < m) {
-    typename Vec4<T>::type raw = *reinterpret_cast<const typename Vec4<T>::type*>(x + off);
-    const T* e = reinterpret_cast<const T*>(&raw);
+  const int64_t tile = (int64_t)blockIdx.x * (WARPS * 2) + (threadIdx.x >> 4);
+  const bool live = tile < mp * kb;  // no early return: the whole warp takes part in the shuffles
+  const int64_t row = live ? tile / kb : 0, tb = live ? tile - row * kb : 0;
+  const int64_t off = row * k + tb * 128 + lane * 8;
+  float v[8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = f32<T>(e[j]);
+  for (int j = 0; j < 8; ++j) v[j] = 0.f;
+  if (live && row < m) {
+    constexpr int PER16 = 16 / sizeof(T);
+#pragma unroll
+    for (int h = 0; h < 8 / PER16; ++h) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + off + h * PER16);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < PER16; ++j) v[h * PER16 + j] = f32<T>(e[j]);
+    }
   }
   // |x| bits order like the floats, NaN above inf: an unsigned max is the tile's amax with NaN propagating
   unsigned bits = 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) bits = max(bits, __float_as_uint(v[j]) & 0x7fffffffu);
-  bits = __reduce_max_sync(0xffffffffu, bits);
+  for (int j = 0; j < 8; ++j) bits = max(bits, __float_as_uint(v[j]) & 0x7fffffffu);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
+  if (!live) return;
   const float amax = __uint_as_float(bits);
   const float scale = amax > 0.f ? __frcp_rn(amax) * 448.0f : 1.0f;  // NaN amax fails the test: scale 1
   const float scale_inv = __frcp_rn(scale);
-  const __nv_fp8x2_storage_t lo =
-      __nv_cvt_float2_to_fp8x2(make_float2(clamp_keep_nan(v[0] * scale, 448.f), clamp_keep_nan(v[1] * scale, 448.f)),
-                               __NV_SATFINITE, __NV_E4M3);
-  const __nv_fp8x2_storage_t hi =
-      __nv_cvt_float2_to_fp8x2(make_float2(clamp_keep_nan(v[2] * scale, 448.f), clamp_keep_nan(v[3] * scale, 448.f)),
-                               __NV_SATFINITE, __NV_E4M3);
-  *reinterpret_cast<uint32_t*>(q + off) = (uint32_t)lo | ((uint32_t)hi << 16);
+  float y[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) y[j] = clamp_keep_nan(v[j] * scale, 448.f);
+  *reinterpret_cast<uint2*>(q + off) = make_uint2(fp8x4(y[0], y[1], y[2], y[3]), fp8x4(y[4], y[5], y[6], y[7]));
   if (lane == 0) s_colmajor[tb * mp + row] = scale_inv;
 }
 
@@ -81,13 +88,13 @@ __global__ void __launch_bounds__(256) transpose_bytes_kernel(const uint8_t* __r
 
 }  // namespace
 
-// dtype codes: 0 fp32, 1 bf16, 2 fp16. k must be a multiple of 128 and x 8-byte (16 for fp32) aligned.
+// dtype codes: 0 fp32, 1 bf16, 2 fp16. k must be a multiple of 128, x 16-byte and q 8-byte aligned.
 void launch_quantize_tiles(const void* x, int dtype, void* q, float* s_colmajor, int64_t m, int64_t mp, int64_t k,
                            cudaStream_t stream) {
   constexpr int WARPS = 8;
   const int64_t tiles = mp * (k / 128);
   if (tiles == 0) return;
-  const int64_t blocks = (tiles + WARPS - 1) / WARPS;
+  const int64_t blocks = (tiles + 2 * WARPS - 1) / (2 * WARPS);
   uint8_t* qb = static_cast<uint8_t*>(q);
   if (dtype == 0) {
     quantize_tiles_kernel<float, WARPS><<<blocks, WARPS * 32, 0, stream>>>((const float*)x, qb, s_colmajor, m, mp, k);
