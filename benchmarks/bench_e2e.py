@@ -194,21 +194,28 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--name", default="e2e_qwen3_1.7b")
     args = ap.parse_args()
-    rows, errors, tps = [], {}, {}
-    for key in args.setups.split(","):
+    errors, tps, measured = {}, {}, {}
+    keys = args.setups.split(",")
+    for key in keys:
         label = SETUPS[key][0]
         t0 = time.perf_counter()
         res = attempt(label, lambda: run_setup(key, args.layers, args.batch, args.seq, args.warmup, args.steps), errors)
         gc.collect()
         torch.cuda.empty_cache()
         if res is None:
-            rows.append([label, None, None, None, None, None, errors[label]])
             print(f"{label}: FAILED {errors[label]}", flush=True)
             continue
-        tok, peak, ntrain, loss = res
-        tps[key] = tok
-        print(f"{label}: {tok:,.0f} tok/s, peak {peak:.1f} GiB, loss {loss:.3f} ({time.perf_counter() - t0:.0f}s)",
-              flush=True)
+        measured[key] = res
+        tps[key] = res[0]
+        print(f"{label}: {res[0]:,.0f} tok/s, peak {res[1]:.1f} GiB, loss {res[3]:.3f} "
+              f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    rows = []
+    for key in keys:  # ratios once every setup ran, whatever the order
+        label = SETUPS[key][0]
+        if key not in measured:
+            rows.append([label, None, None, None, None, None, errors[label]])
+            continue
+        tok, peak, ntrain, _ = measured[key]
         ratio, target, notes = None, None, []
         for peer, want in TARGETS.get(key, []):
             if peer not in tps:
@@ -219,8 +226,7 @@ def main():
                 ratio, target = r, want
             verdict = "meets" if r >= want else f"misses by {want - r:.2f}x"
             notes.append(f"{r:.2f}x {SETUPS[peer][0]} (target {want}): {verdict}")
-        note = "; ".join(notes)
-        rows.append([label, tok, peak, ntrain / 1e6, ratio, target, note])
+        rows.append([label, tok, peak, ntrain / 1e6, ratio, target, "; ".join(notes)])
     body = (f"Model: Qwen3-1.7B shape ({args.layers} layers, hidden 2048, intermediate 6144, vocab 151936), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
             "no gradient checkpointing.\n\n")

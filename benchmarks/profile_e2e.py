@@ -18,7 +18,8 @@ import bench_lora_dtype as LD
 # (category, regex on the kernel name), first match wins
 CATEGORIES = [
     ("attention", r"flash|fmha|attention|sdpa"),
-    ("fp8 gemm", r"f8|e4m3|fp8|scaled_mm"),
+    ("fp8 gemm", r"qqtst|f8f8|e4m3.*gemm"),  # cuBLASLt's FP8 kernels (nvjet_sm90_qqtst...)
+    ("fp8 quantize", r"quantize|fp8|cast_amax|transpose_bytes"),
     ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|cublas|splitK|matmul"),
     ("cross-entropy/softmax", r"softmax|nll|cross_entropy|log_softmax"),
     ("triton (ours)", r"^_|triton"),
