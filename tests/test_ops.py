@@ -67,3 +67,17 @@ def test_linear_ops_match_dense_reference():
     assert not torch.equal(y, ref)
     sqnr = 10 * torch.log10(ref.pow(2).mean() / (y - ref).pow(2).mean())
     assert sqnr > 28, sqnr  # E4M3 activation tiles: ~31 dB measured
+
+
+def test_dynamo_constant_marker_is_what_the_official_decorator_sets():
+    """kernels.registry marks its native-path check for dynamo by hand (the decorator would import dynamo and
+    triton with surogate_hf); this fails when torch.compiler.assume_constant_result starts doing anything else."""
+    from surogate_hf.kernels import registry
+
+    def probe():
+        return True
+
+    before = dict(probe.__dict__)
+    assert torch.compiler.assume_constant_result(probe) is probe
+    assert {k: v for k, v in probe.__dict__.items() if k not in before} == {"_dynamo_marked_constant": True}
+    assert registry._fp8_native_ok._dynamo_marked_constant is True

@@ -209,10 +209,15 @@ def plan_nf4(packed, absmax, code, block_size, out_features, in_features):
     return nf4_linear, nf4_linear_dgrad, args
 
 
-@torch.compiler.assume_constant_result
 def _fp8_native_ok(dtype, n, k, block_n, block_k, device_index) -> bool:
-    # a constant for torch.compile: tracing never enters the checks (or the first import of the kernels)
     return _fp8().native_linear_ok(dtype, n, k, block_n, block_k, device_index)
+
+
+# torch.compiler.assume_constant_result(_fp8_native_ok), spelled out: dynamo then calls it at trace time and uses
+# the result as a constant, so tracing never enters the checks or the first import of the kernels. The official
+# decorator imports torch._dynamo (and with it triton) at surogate_hf's import, and all it does is set this
+# marker; tests/test_ops.py::test_dynamo_constant_marker_is_what_the_official_decorator_sets fails if that changes.
+_fp8_native_ok._dynamo_marked_constant = True
 
 
 def fp8_block_linear_native(a, w, w_scale_inv, block_n, block_k, dgrad):

@@ -161,10 +161,6 @@ class RecipeLinear(nn.Linear):
             self._work_key = key
         return self._work
 
-    # The recipe keeps per-call Python state (pass mode, delayed-scaling snapshots for checkpoint replays, SR step
-    # counters) that dynamo cannot trace without breaking the graph and recompiling on every state change: under
-    # torch.compile the layer runs as one opaque eager call and inductor fuses the code around it.
-    @torch.compiler.disable
     def forward(self, x: Tensor) -> Tensor:
         if x.device not in self._checked_devices:
             check_device(self.config, x.device)
