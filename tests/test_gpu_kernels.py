@@ -97,7 +97,7 @@ def test_fp8_tensorwise_nan_propagates():
     assert torch.equal(_bits(q)[fin], _bits(qr)[fin])
 
 
-@pytest.mark.parametrize("shape", [(7, 33), (129, 1000), (4, 3, 256), (2048, 1536)])
+@pytest.mark.parametrize("shape", [(7, 33), (33, 1), (129, 1000), (4, 3, 256), (2048, 1536)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_tensorwise_transposed(shape, dtype):
     x = _rand(shape, dtype)
@@ -128,6 +128,24 @@ def test_fp8_blocks_roundtrip(shape, dtype, ue8m0):
     for out_dtype in (torch.bfloat16, torch.float32):
         d, dr = both(ops.dequantize_fp8_blocks, qr, sr, 128, 128, out_dtype)
         assert_bits(d, dr, f"dequantized {out_dtype}")
+
+
+@pytest.mark.parametrize("length", [1, 7, 1024, 1500])
+@pytest.mark.parametrize("fp8,margin,use_max", [(torch.float8_e4m3fn, 0, True), (torch.float8_e5m2, 2, True),
+                                                 (torch.float8_e4m3fn, 0, False)])
+def test_delayed_scaling_update(length, fp8, margin, use_max):
+    g = torch.Generator().manual_seed(length)
+    hist = torch.rand(4, length, generator=g) * torch.tensor([[1e-3], [1.0], [0.0], [300.0]])
+    scale = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for amax in ([0.5, float("nan"), 0.0, float("inf")], [1e-30, 7.0, 0.0, 2.5]):  # two steps: state carries over
+        a = torch.tensor(amax)
+        hc, sc = hist.clone(), scale.clone()
+        ops.delayed_scaling_update(hc, sc, a, fp8, margin, use_max)
+        hg, sg = hist.to(DEV), scale.to(DEV)
+        ops.delayed_scaling_update(hg, sg, a.to(DEV), fp8, margin, use_max)
+        assert_bits(hg, hc, f"history L={length}")
+        assert_bits(sg, sc, f"scale L={length}")
+        hist, scale = hc, sc
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (130, 70), (4096, 1000)])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import surogate_hf.formats as F
+import surogate_hf.kernels  # noqa: F401  (declares surogate::delayed_scaling_update)
 import surogate_hf.ops as O
 
 ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -42,6 +43,8 @@ def _cases():
         ("mxfp4_linear_dgrad", O.mxfp4_linear_dgrad, (dy, mp, ms), ALL),
         ("nf4_linear", O.nf4_linear, (x, p4, absmax, code, 64, 160, 256), ALL),
         ("nf4_linear_dgrad", O.nf4_linear_dgrad, (dy, p4, absmax, code, 64, 160, 256), ALL),
+        ("delayed_scaling_update", torch.ops.surogate.delayed_scaling_update,
+         (torch.rand(3, 16, generator=g), torch.ones(3), torch.tensor([2.0, float("nan"), 0.5]), F.E4M3, 1, True), ALL),
     ]
 
 

@@ -73,6 +73,10 @@ def quantize_fp8_tensorwise_t(x, scale, fp8_dtype):
     return _tq().quantize_fp8_tensorwise_t(x, scale, fp8_dtype)
 
 
+def delayed_scaling_update(history, scale, amax, fp8_dtype, margin, use_max):
+    return _tq().delayed_scaling_update(history, scale, amax.float(), fp8_dtype, margin, use_max)
+
+
 def quantize_fp8_blocks(w, block_n, block_k, ue8m0):
     return _tq().quantize_fp8_blocks(w, block_n, block_k, ue8m0)
 
@@ -239,7 +243,8 @@ def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
 
 
 _QUANT = (
-    "quantize_fp8_tensorwise", "quantize_fp8_tensorwise_t", "quantize_fp8_blocks", "dequantize_fp8_blocks",
+    "quantize_fp8_tensorwise", "quantize_fp8_tensorwise_t", "delayed_scaling_update", "quantize_fp8_blocks",
+    "dequantize_fp8_blocks",
     "quantize_fp8_tiles", "quantize_nvfp4", "dequantize_nvfp4", "quantize_mxfp4", "dequantize_mxfp4", "rht",
 )
 _LINEAR = (
@@ -259,7 +264,7 @@ def register() -> None:
     if _registered:
         return
     from .. import ops  # noqa: F401  (declares the reference ops)
-    from . import ops as _own  # noqa: F401  (declares quantize_fp8_tensorwise_t)
+    from . import ops as _own  # noqa: F401  (declares quantize_fp8_tensorwise_t, delayed_scaling_update)
 
     try:
         from ..ops import recipe  # noqa: F401

@@ -171,9 +171,13 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, amax_ptr, n, FP8: tl.constex
 def _fp8_tensorwise_t_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, R, C, FP8: tl.constexpr, FMAX: tl.constexpr,
                              SW_FP8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Cast [R, C] and write both q [R, C] and q^T [C, R]. The tile is read twice, the second time
-    through transposed pointers (an L1/L2 hit), which avoids an in-register transpose."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    through transposed pointers (an L1/L2 hit), which avoids an in-register transpose. Column tiles of one
+    row band run next to each other (benchmarks/tune_fp8_t.py: 32x128 tiles in this order ~5% faster than
+    64x64 row-tile order on the H100)."""
+    ncb = tl.cdiv(C, BC)
+    pid = tl.program_id(0)
+    rows = (pid // ncb) * BR + tl.arange(0, BR)
+    cols = (pid % ncb) * BC + tl.arange(0, BC)
     m = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
     s = tl.load(scale_ptr)
@@ -217,11 +221,47 @@ def quantize_fp8_tensorwise_t(x: torch.Tensor, scale: torch.Tensor, dtype):
     qt = torch.empty((c, r), dtype=dtype, device=x.device)
     am = torch.zeros((), dtype=torch.int32, device=x.device)
     if r and c:
-        _fp8_tensorwise_t_kernel[(triton.cdiv(r, 64), triton.cdiv(c, 64))](
+        _fp8_tensorwise_t_kernel[(triton.cdiv(r, 32) * triton.cdiv(c, 128),)](
             x2, scale.float().reshape(()).contiguous(), q, qt, am, r, c, FP8=_TL_FP8[dtype], FMAX=FP8_MAX[dtype],
-            SW_FP8=_INTERPRET, BR=64, BC=64, **_EXACT, num_warps=4,
+            SW_FP8=_INTERPRET, BR=32, BC=128, **_EXACT, num_warps=4,
         )
     return q.reshape(x.shape), qt, am.view(torch.float32)
+
+
+# ------------------------------------------------------------------ delayed scaling state update
+@triton.jit
+def _delayed_update_kernel(hist_ptr, scale_ptr, amax_ptr, L, FMAX: tl.constexpr, DIV: tl.constexpr,
+                           USE_MAX: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """One program per role row: sanitize the amax, shift the history right by one (back to front, so every
+    block is read before the block after it overwrites it), write the amax in front, rescale."""
+    r = tl.program_id(0)
+    a = tl.load(amax_ptr + r)
+    a = tl.where((a == a) & (tl.abs(a) < float("inf")), a, 0.0)
+    row = hist_ptr + r.to(tl.int64) * L
+    wmax = a
+    for i in tl.static_range(NB):  # NB = cdiv(L, BLOCK) blocks (1 for the default history of 1024)
+        offs = (NB - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+        m = (offs < L) & (offs >= 1)
+        v = tl.load(row + offs - 1, mask=m, other=0.0)  # entries are sanitized amaxes: >= 0, never NaN
+        wmax = tl.maximum(wmax, tl.max(v, axis=0))
+        tl.store(row + offs, v, mask=m)
+    tl.store(row, a)
+    w = wmax if USE_MAX else a
+    new = tl.math.div_rn(tl.math.div_rn(1.0, w) * FMAX, DIV)  # torch: reciprocal, then * fmax, then / 2^margin
+    prev = tl.load(scale_ptr + r)
+    tl.store(scale_ptr + r, tl.where((new > 0) & (new < float("inf")), new, prev))
+
+
+def delayed_scaling_update(history, scale, amax, dtype, margin: int, use_max: bool) -> None:
+    fmax = FP8_MAX[fp8_dtype(dtype)]
+    n, length = history.shape
+    if not (history.is_contiguous() and scale.is_contiguous() and amax.dtype == torch.float32):
+        raise ValueError("delayed_scaling_update (Triton): contiguous history / scale and fp32 amax expected")
+    if n and length:
+        block = min(1024, triton.next_power_of_2(length))
+        _delayed_update_kernel[(n,)](history, scale, amax.contiguous(), length, FMAX=float(fmax),
+                                     DIV=float(2.0**margin), USE_MAX=bool(use_max), BLOCK=block,
+                                     NB=triton.cdiv(length, block), **_EXACT, num_warps=4)
 
 
 # ------------------------------------------------------------------ FP8 block / tile scaling

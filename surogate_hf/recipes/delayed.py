@@ -35,10 +35,16 @@ _quantize = torch.ops.surogate.quantize_fp8_tensorwise
 _quantize_t = torch.ops.surogate.quantize_fp8_tensorwise_t
 
 
+_update = torch.ops.surogate.delayed_scaling_update
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _dp_all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
     """In place: `amax` is a fresh tensor owned by the caller."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     return amax
 
 
@@ -116,15 +122,11 @@ class DelayedScaling(nn.Module):
         self._push(role, amax.detach().reshape(1))
 
     def _push(self, first: int, amax: torch.Tensor) -> None:
-        """amax [n] fp32 for roles first..first+n-1: sanitize, all-reduce, push, rescale."""
+        """amax [n] fp32 for roles first..first+n-1: sanitize, all-reduce, push, rescale (one fused kernel on
+        CUDA: surogate::delayed_scaling_update, whose reference is the spec of steps 3 and 4 above)."""
         n = amax.shape[0]
-        amax = torch.nan_to_num(amax.float(), nan=0.0, posinf=0.0, neginf=0.0)  # fresh tensor: reduced in place
-        if self.reduce_amax:
-            amax = _dp_all_reduce_max(amax)
-        hist = self.amax_history[first : first + n]
-        # newest first: [amax, hist[:, :-1]] in one op (no roll + copy + index write)
-        pushed = torch.cat((amax.unsqueeze(1), hist[:, :-1]), dim=1)
-        hist.copy_(pushed)
-        window = pushed.amax(dim=1) if self.algo == "max" else amax
-        live = self.scale[first : first + n]
-        live.copy_(F.fp8_scale_from_amax(window, self.formats[first], self.margin, previous=live))
+        if self.reduce_amax and _distributed():
+            # sanitized before the reduction so one rank's NaN cannot poison the others (the op sanitizes again)
+            amax = _dp_all_reduce_max(torch.nan_to_num(amax.float(), nan=0.0, posinf=0.0, neginf=0.0))
+        _update(self.amax_history[first : first + n], self.scale[first : first + n], amax.float(),
+                self.formats[first], self.margin, self.algo == "max")
