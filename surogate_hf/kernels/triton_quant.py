@@ -232,8 +232,8 @@ def quantize_fp8_tensorwise_t(x: torch.Tensor, scale: torch.Tensor, dtype):
 @triton.jit
 def _delayed_update_kernel(hist_ptr, scale_ptr, amax_ptr, L, FMAX: tl.constexpr, DIV: tl.constexpr,
                            USE_MAX: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-    """One program per role row: sanitize the amax, shift the history right by one (back to front, so every
-    block is read before the block after it overwrites it), write the amax in front, rescale."""
+    """One program per role row: sanitize the amax, shift the history right by one (blocks back to front, so a
+    block's entries are read before the block below it is written), write the amax in front, rescale."""
     r = tl.program_id(0)
     a = tl.load(amax_ptr + r)
     a = tl.where((a == a) & (tl.abs(a) < float("inf")), a, 0.0)
@@ -244,6 +244,9 @@ def _delayed_update_kernel(hist_ptr, scale_ptr, amax_ptr, L, FMAX: tl.constexpr,
         m = (offs < L) & (offs >= 1)
         v = tl.load(row + offs - 1, mask=m, other=0.0)  # entries are sanitized amaxes: >= 0, never NaN
         wmax = tl.maximum(wmax, tl.max(v, axis=0))
+        # every thread has read its old entry before any thread overwrites one: thread t reads t-1, which thread
+        # t-1 writes (seen on the H100 without it: 1 of 6000 entries wrong for L=1500, most_recent)
+        tl.debug_barrier()
         tl.store(row + offs, v, mask=m)
     tl.store(row, a)
     w = wmax if USE_MAX else a
