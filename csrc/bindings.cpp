@@ -99,9 +99,10 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
   return y.size(0) == m ? y : y.narrow(0, 0, m);
 }
 
-// Everything is a dispatcher op under torch.ops.surogate_ext (no pybind module): errors reach Python as
-// RuntimeError through torch's own translation, and torch.compile graphs call the GEMM with no Python in
-// between (its fake kernel is registered from Python: surogate_hf.kernels.fp8_gemm).
+// Everything is a dispatcher op under torch.ops.surogate_ext (no pybind module), so torch.compile graphs call the
+// GEMM with no Python in between (its fake kernel is registered from Python: surogate_hf.kernels.fp8_gemm). On
+// the H100 machine a TORCH_CHECK that threw in here ended the process (segfault) instead of raising, through
+// pybind and the dispatcher alike: the Python callers validate all inputs before calling (docs/kernels.md).
 TORCH_LIBRARY(surogate_ext, m) {
   m.def("fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()");
   m.def("fp8_quantize_tiles(Tensor x, int row_multiple) -> (Tensor, Tensor)");

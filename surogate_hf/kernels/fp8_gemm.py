@@ -106,8 +106,6 @@ def _register_native_fake() -> bool:
     return True
 
 
-
-
 def _reference_linear(x, w, w_scale_inv, block_n, block_k):
     xq, xs = TQ.quantize_fp8_tiles(x, block_k)
     xd = F.dequantize_fp8_tiles(xq, xs, block_k, torch.float32)
