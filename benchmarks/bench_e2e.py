@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from common import attempt, table, write_result
+from common import attempt, table, time_train_steps, train_step_fn, write_result
 
 import surogate_hf.kernels  # noqa: F401
 
@@ -158,28 +158,8 @@ def run_setup(key, layers, batch, seq, warmup, steps):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, 151936, (batch, seq), device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    dt, peak, loss = time_train_steps(train_step_fn(model, ids, opt), warmup, steps)
     ntrain = sum(p.numel() for p in params)
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"non-finite loss {loss.item()}")
     del model, opt, params
     return batch * seq * steps / dt, peak, ntrain, float(loss)
 

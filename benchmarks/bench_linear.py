@@ -9,21 +9,12 @@ import copy
 
 import torch
 
-from common import attempt, bench_ms, table, write_result
+from common import attempt, bench_ms, layer_step_fn, table, write_result
 
 import surogate_hf.kernels  # noqa: F401
 
 TARGET = 1.6
 
-
-def step_fn(m, x, dy):
-    def f():
-        for p in m.parameters():
-            p.grad = None
-        x.grad = None
-        m(x).backward(dy)
-
-    return f
 
 
 def ours(lin):
@@ -68,7 +59,7 @@ def main():
         for name, build, is_ours in setups:
             label = f"{name} [{k}->{n}]"
             m = attempt(label, build, errors)
-            ms = None if m is None else attempt(label, lambda: bench_ms(step_fn(m, x, dy)), errors)
+            ms = None if m is None else attempt(label, lambda: bench_ms(layer_step_fn(m, x, dy)), errors)
             if ms is None:
                 rows.append([name, f"{k}->{n}", None, None, None, None, errors.get(label)])
                 continue

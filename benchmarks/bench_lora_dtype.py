@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 
 import torch
 from torch import nn
 
-from common import attempt, table, write_result
+from common import attempt, table, time_train_steps, train_step_fn, write_result
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script itself
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -59,28 +58,8 @@ def run(fmt, ours, layers, batch, seq, warmup, steps):
     dtypes = ",".join(sorted({str(p.dtype).replace("torch.", "") for p in params}))
     opt = torch.optim.AdamW(params, lr=1e-5, fused=DEVICE == "cuda")
     ids = torch.randint(0, 151936, (batch, seq), device=DEVICE)
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    for _ in range(warmup):
-        step()
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
-    sync()
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    sync()
-    tok = batch * seq * steps / (time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"non-finite loss {loss.item()}")
+    seconds, peak, _ = time_train_steps(train_step_fn(model, ids, opt), warmup, steps)
+    tok = batch * seq * steps / seconds
     del model, opt, params
     return tok, peak, kinds, dtypes
 

@@ -11,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from common import attempt, bench_ms, table, write_result
+from common import attempt, bench_ms, layer_step_fn, table, write_result
 
 import surogate_hf.kernels  # noqa: F401
 
@@ -54,15 +54,6 @@ def ours(lin, fmt):
     return m, base.quantized_nbytes() / (lin.in_features * lin.out_features)
 
 
-def step_fn(m, x, dy):
-    def f():
-        for p in m.parameters():
-            p.grad = None
-        x.grad = None
-        m(x).backward(dy)
-
-    return f
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -88,7 +79,7 @@ def main():
                 rows.append([name, f"{k}->{n}", None, None, None, None, None, errors.get(label)])
                 continue
             m, bpp = built
-            ms = attempt(label, lambda: bench_ms(step_fn(m, x, dy)), errors)
+            ms = attempt(label, lambda: bench_ms(layer_step_fn(m, x, dy)), errors)
             if ms is None:
                 rows.append([name, f"{k}->{n}", None, bpp, None, None, None, errors.get(label)])
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -31,6 +32,52 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def layer_step_fn(m, x, dy):
+    """One fwd+bwd of layer m on x with output gradient dy (parameter and input grads cleared first)."""
+
+    def f():
+        for p in m.parameters():
+            p.grad = None
+        x.grad = None
+        m(x).backward(dy)
+
+    return f
+
+
+def train_step_fn(model, ids, opt):
+    """One causal-LM training step on ids (labels = ids): forward, backward, optimizer step; returns the loss."""
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def time_train_steps(step, warmup: int, steps: int) -> tuple[float, float | None, torch.Tensor]:
+    """(seconds for `steps` timed steps after `warmup`, peak GiB over warm-up and timed steps or None off CUDA,
+    the last loss). Raises on a non-finite loss: a broken setup must not report a speed."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    sync()
+    seconds = time.perf_counter() - t0
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"non-finite loss {loss.item()}")
+    return seconds, (torch.cuda.max_memory_allocated() / 2**30 if cuda else None), loss
 
 
 def attempt(label: str, fn, errors: dict):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import time
 from collections import defaultdict
 
 import torch
@@ -14,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import bench_e2e as E
 import bench_lora_dtype as LD
+from common import time_train_steps, train_step_fn
 
 # (category, regex on the kernel name), first match wins
 CATEGORIES = [
@@ -57,19 +57,8 @@ def main():
         opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
         ids = torch.randint(0, vocab, (4, 2048), device="cuda")
 
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        wall_plain = (time.perf_counter() - t0) / 3
+        step = train_step_fn(model, ids, opt)
+        wall_plain = time_train_steps(step, 2, 3)[0] / 3
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
             for _ in range(2):
                 step()

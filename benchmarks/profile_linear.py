@@ -7,13 +7,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import bench_linear
+from common import layer_step_fn
 import bench_qlora
 
 import surogate_hf.kernels  # noqa: F401
 
 
 def prof(name, m, x, dy, rows=14):
-    f = bench_linear.step_fn(m, x, dy)
+    f = layer_step_fn(m, x, dy)
     for _ in range(3):
         f()
     torch.cuda.synchronize()
