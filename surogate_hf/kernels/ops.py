@@ -37,7 +37,7 @@ def _(x, scale, fp8_dtype):
 @torch.library.custom_op(f"{NS}::delayed_scaling_update", mutates_args=("history", "scale"))
 def delayed_scaling_update(history: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, margin: int,
                            use_max: bool) -> None:
-    """One delayed-scaling step for n roles, in place (recipes.delayed.DelayedScaling semantics).
+    """One delayed-scaling step for n roles, in place (recipes.scaling.Fp8ScalingState semantics).
 
     history [n, L] newest first, scale [n], amax [n]: amax is sanitized (NaN/inf -> 0), pushed in front of the
     history (the oldest entry drops out), and scale becomes formats.fp8_scale_from_amax of the max over the new

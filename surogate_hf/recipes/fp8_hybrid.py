@@ -3,13 +3,25 @@
 forward  y  = x  W^T : E4M3(x)  x E4M3(W)   -> activation dtype
 dgrad    dx = dy W   : E5M2(dy) x E4M3(W)   -> activation dtype
 wgrad    dW = dy^T x : E5M2(dy) x E4M3(x)   -> the master weight's dtype (fp32 accumulation, one rounding)
-All three through surogate::fp8_scaled_mm (fp32 accumulation, "TN": both operands K-major). A
-per-tensor cast commutes with transposition, so each operand is cast ONCE by
-surogate::quantize_fp8_tensorwise_t, which writes q and the K-major transpose the backward GEMM
-needs in the same pass (x^T for wgrad, W^T for dgrad, dy^T for wgrad); the forward saves only the
-transposes the backward will use (1 byte per element). Transposes that no gradient needs are not
-written. With a float gradient_dtype (bf16 recipe, matmul_dtype e4m3, gradient_dtype bf16/fp32) the
-backward is the float one of bf16.py instead.
+All three are "TN" scaled GEMMs (fp32 accumulation, both operands K-major: torch._scaled_mm on CUDA,
+surogate::fp8_scaled_mm's reference elsewhere). A per-tensor cast commutes with transposition, so
+each operand is cast ONCE, writing q and the K-major transpose the backward GEMM needs in the same
+pass (x^T for wgrad, W^T for dgrad, dy^T for wgrad); the forward saves only the transposes the
+backward uses (1 byte per element).
+
+Scales and amaxes live in the model's flat state (scaling.Fp8ScalingState): a cast reads its row's
+scale and raises its row's running amax, nothing else; the state is updated once per optimizer step.
+The weight is cast once per optimizer step (eager): the FP8 weight and its transpose are cached and
+reused by gradient-accumulation micro-batches and activation-checkpoint recomputes; an fp32 master is
+cast straight to FP8 (no bf16 work copy in between).
+
+Three executions of the same arithmetic (formats.quantize_fp8_tensorwise is the spec):
+  - eager on CUDA: Triton casts that write into the state directly (kernels.triton_recipe);
+  - under torch.compile: plain torch ops, so inductor fuses the cast (and its amax) into the kernel that
+    produces the operand, and torch._scaled_mm, which inductor lowers natively;
+  - CPU: the same torch ops and the reference GEMM.
+With a float gradient_dtype (bf16 recipe, matmul_dtype e4m3, gradient_dtype bf16/fp32) the backward is
+the float one of bf16.py instead.
 """
 
 from __future__ import annotations
@@ -18,10 +30,10 @@ import warnings
 
 import torch
 
+from .. import formats as F
 from ..ops import recipe as recipe_ops
 from .bf16 import FloatBackward
 
-ROLE_X, ROLE_W, ROLE_DY = 0, 1, 2
 ROLE_FORMATS = ("e4m3", "e4m3", "e5m2")
 
 _warned = set()  # (op, device type) already checked: one check and at most one warning each
@@ -44,44 +56,119 @@ def warn_emulation_once(op_name: str, device: torch.device, what: str) -> None:
     )
 
 
-_mm = torch.ops.surogate.fp8_scaled_mm
-_WGRAD_OUT = (torch.float32, torch.bfloat16)  # dtypes fp8_scaled_mm writes dW in directly
+_triton_recipe = None
 
 
-class FP8Engine:
-    name = "fp8"
+def _tr():
+    global _triton_recipe
+    if _triton_recipe is None:
+        from ..kernels import probe
 
-    def __init__(self, gradient_dtype: str):
-        self.fp8_backward = gradient_dtype == "e5m2"
-        self.float_bwd = None if self.fp8_backward else FloatBackward(gradient_dtype)
+        ok, why = probe.triton_ok()
+        if not ok:
+            raise RuntimeError(f"the fp8 recipe's CUDA casts need Triton: {why}")
+        from ..kernels import triton_recipe
 
-    def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):
-        """need_dx / need_dw: the gradients the backward will compute (decides which transposes to write)."""
-        warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
-        mode = owner.pass_mode
-        fp8_bwd = self.fp8_backward and mode != "eval"
-        ((xq, *xt), (wq, *wt)), sinv = owner.fp8_meta.cast_group(
-            ROLE_X, (x, w), mode, (fp8_bwd and need_dw, fp8_bwd and need_dx)
-        )
-        xs, ws = sinv[0], sinv[1]
-        y = _mm(xq, wq, xs, ws, bias, x.dtype)
-        if not self.fp8_backward:
-            return y, (x, w)
-        # x^T [K, M] and W^T [K, N], K-major for the backward GEMMs; None where no gradient needs it
-        return y, (xt[0] if xt else None, xs, wt[0] if wt else None, ws)
+        _triton_recipe = triton_recipe
+    return _triton_recipe
 
-    def backward(self, owner, dy, saved, need_dx, need_dw):
-        if not self.fp8_backward:
-            x, w = saved
-            return self.float_bwd.backward(dy, x, w, need_dx, need_dw)
-        xqt, xs, wqt, ws = saved
-        # dgrad reads dy [M, N], wgrad dy^T [N, M]; with only the wgrad the q half goes unused.
-        # The cast (and its history push) happens even when neither gradient is needed.
-        out = owner.fp8_meta.cast(ROLE_DY, dy, "train", transpose=need_dw)
-        dyq, dys = out[0], out[-1]
-        dx = _mm(dyq, wqt, dys, ws, None, dy.dtype) if need_dx else None
-        dw = None
-        if need_dw:
-            w_dtype = owner.weight.dtype
-            dw = _mm(out[1], xqt, dys, xs, None, w_dtype if w_dtype in _WGRAD_OUT else torch.float32)
-        return dx, dw
+
+def _eager_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda and not torch.compiler.is_compiling()
+
+
+def cast(x2d, scale, scale_inv, amax, row: int, fmt, transpose: bool, record: bool, current: bool):
+    """Cast x2d [R, C] for state row `row`. Returns (q, q^T contiguous or None, dequant scale 0-dim fp32).
+
+    current: scale by x's own amax (the first step); otherwise by scale[row]. record: raise amax[row] to
+    amax(|x|) (training passes; evaluation leaves the state alone).
+    """
+    if _eager_cuda(x2d):
+        tr = _tr()
+        x2d = x2d.contiguous()
+        bits = amax.view(torch.int32)[row : row + 1] if record else torch.zeros(1, dtype=torch.int32, device=x2d.device)
+        if current:
+            a = torch.zeros(1, dtype=torch.int32, device=x2d.device)
+            tr.amax_into(x2d, a)
+            s = F.fp8_scale_from_amax(a.view(torch.float32), fmt)
+            q, qt = tr.cast_fp8_into(x2d, s, bits, fmt, transpose)
+            return q, qt, s.reciprocal().reshape(())
+        q, qt = tr.cast_fp8_into(x2d, scale[row : row + 1], bits, fmt, transpose)
+        return q, qt, scale_inv[row, 0]
+    a = x2d.detach().abs().amax().float() if (record or current) else None
+    s = F.fp8_scale_from_amax(a, fmt) if current else scale[row]
+    q = F.cast_to_fp8(x2d.float() * s, fmt)
+    qt = q.t().contiguous() if transpose else None
+    if record:
+        amax[row : row + 1].copy_(torch.maximum(amax[row : row + 1], a.reshape(1)))
+    return q, qt, (s.reciprocal() if current else scale_inv[row, 0])
+
+
+_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype):
+    """out [M, N] = (a [M, K] @ b [N, K]^T) * sa_inv * sb_inv (+ bias), fp32 accumulation, one rounding."""
+    if not a.is_cuda:
+        return torch.ops.surogate.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
+    if not torch.compiler.is_compiling():
+        from ..kernels import fp8_gemm  # checks shapes, copies misaligned scales, warns once on a fallback
+
+        return fp8_gemm.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
+    k, n = a.shape[1], b.shape[0]
+    if k % 16 or n % 16 or out_dtype not in _OUT or (a.dtype == b.dtype == torch.float8_e5m2):
+        return recipe_ops.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
+    if bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32):
+        return torch._scaled_mm(a, b.t(), sa_inv, sb_inv, bias=bias, out_dtype=out_dtype)
+    out = torch._scaled_mm(a, b.t(), sa_inv, sb_inv, out_dtype=torch.float32)
+    return (out + bias.float()).to(out_dtype)
+
+
+_WGRAD_OUT = (torch.float32, torch.bfloat16)  # dtypes the scaled GEMM writes dW in directly
+
+
+class Fp8LinearFn(torch.autograd.Function):
+    """y = x W^T + b with FP8 operands. Only tensors and constants cross it, so dynamo traces it whole.
+
+    wq / wqt / w_sinv: the weight's FP8 cast (wqt None when no dgrad will run); scale, scale_inv, amax: the
+    state's flat tensors; spec = (row_x, row_dy, fwd_fmt, bwd_fmt, fp8_backward, record, current), bwd_fmt
+    being the float gradient dtype's name when fp8_backward is false.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wq, wqt, w_sinv, scale, scale_inv, amax, spec):
+        row_x, row_dy, fwd_fmt, bwd_fmt, fp8_backward, record, current = spec
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x2d = x.reshape(-1, x.shape[-1])
+        xq, xqt, x_sinv = cast(x2d, scale, scale_inv, amax, row_x, fwd_fmt, fp8_backward and need_dw, record, current)
+        y = scaled_mm(xq, wq, x_sinv, w_sinv, bias, x.dtype)
+        ctx.spec, ctx.x_shape, ctx.w_dtype = spec, x.shape, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        if fp8_backward:
+            ctx.save_for_backward(xqt, x_sinv, wqt, w_sinv)
+            ctx.scale, ctx.scale_inv, ctx.amax = scale, scale_inv, amax
+        else:
+            ctx.save_for_backward(x2d, weight)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        row_x, row_dy, fwd_fmt, bwd_fmt, fp8_backward, record, current = ctx.spec
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        if fp8_backward:
+            xqt, x_sinv, wqt, w_sinv = ctx.saved_tensors
+            # dgrad reads dy [M, N], wgrad dy^T [N, M]
+            dyq, dyqt, dy_sinv = cast(dy2d, ctx.scale, ctx.scale_inv, ctx.amax, row_dy, bwd_fmt, need_dw, True, current)
+            dx = scaled_mm(dyq, wqt, dy_sinv, w_sinv, None, dy.dtype) if need_dx else None
+            dw = None
+            if need_dw:
+                out = ctx.w_dtype if ctx.w_dtype in _WGRAD_OUT else torch.float32
+                dw = scaled_mm(dyqt, xqt, dy_sinv, x_sinv, None, out).to(ctx.w_dtype)
+        else:
+            x2d, w = ctx.saved_tensors
+            dx, dw = FloatBackward(bwd_fmt).backward(dy2d, x2d, w, need_dx, need_dw)  # bwd_fmt: 'bf16' / 'fp32'
+            dw = dw.to(ctx.w_dtype) if dw is not None else None
+        dx = dx.reshape(ctx.x_shape) if dx is not None else None
+        db = dy2d.float().sum(0).to(ctx.b_dtype) if need_db else None
+        return dx, dw, db, None, None, None, None, None, None, None

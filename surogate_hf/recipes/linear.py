@@ -1,15 +1,17 @@
 """RecipeLinear: an nn.Linear whose three GEMMs run in the recipe's formats, and apply_recipe().
 
-RecipeLinear keeps nn.Linear's `weight` / `bias` Parameters (same objects, same state_dict keys)
-and adds the recipe state as buffers (fp8: `fp8_meta.amax_history`, `fp8_meta.scale`; nvfp4:
-`fp4_sr_step`). Its forward is one autograd Function over an engine (bf16.FloatEngine,
-fp8_hybrid.FP8Engine, nvfp4.NVFP4Engine); the output and the input gradient are in the input's
-dtype, the weight gradient in the weight's (master) dtype.
+RecipeLinear keeps nn.Linear's `weight` / `bias` Parameters (same objects, same state_dict keys).
+FP8 layers keep their delayed-scaling state in the model's one flat Fp8ScalingState
+(`surogate_fp8_state` on the model apply_recipe converted; `fp8_state` on a layer built on its
+own); nvfp4 layers hold `fp4_sr_step`. The fp8 forward is fp8_hybrid.Fp8LinearFn, the others one
+autograd Function over an engine (bf16.FloatEngine, nvfp4.NVFP4Engine); the output and the input
+gradient are in the input's dtype, the weight gradient in the weight's (master) dtype.
 
 Master / work weights: when the weight's dtype (master_dtype) differs from model_dtype, the GEMMs
-use a work copy in model_dtype, cached and refreshed whenever the master changes (its autograd
-version counter moves, i.e. after each optimizer step or load); the gradient still lands on the
-fp32 master.
+use a work copy in model_dtype (fp8: the FP8 cast of the master, no bf16 copy in between), cached
+and rebuilt after each optimizer step (scaling.current_generation, moved by torch.optim's global
+step hook, so fused optimizers that do not bump version counters are seen too) or when the master
+changes otherwise (its version counter or storage); the gradient still lands on the fp32 master.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from torch import Tensor, nn
 
 from .. import formats as F
 from ..ops import recipe as _recipe_ops  # noqa: F401  (registers surogate::fp8_scaled_mm, nvfp4_mm)
-from .bf16 import FloatEngine
+from .bf16 import FloatEngine, float_mm
 from .config import TORCH_DTYPES, RecipeConfig, as_recipe_config, check_device, dtype_name
-from .delayed import DelayedScaling
-from .fp8_hybrid import ROLE_FORMATS, FP8Engine
+from .fp8_hybrid import Fp8LinearFn, cast, warn_emulation_once
 from .nvfp4 import NVFP4Engine
+from .scaling import Fp8ScalingState, current_generation, follow_optimizer_steps
+
+
+FP8_STATE_NAME = "surogate_fp8_state"
 
 
 def _below_autograd():
@@ -74,6 +79,31 @@ class _RecipeLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+class _FloatLinearFn(torch.autograd.Function):
+    """The bf16 recipe's linear (bf16.FloatEngine numerics) with only tensors and constants crossing it, so dynamo
+    traces it whole: spec = (matmul dtype, gradient dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, work, spec):
+        w = weight if work is None else work
+        x2d = x.reshape(-1, x.shape[-1])
+        y2d = float_mm(x2d, w, spec[0], x.dtype, bias)
+        ctx.save_for_backward(x2d, w)
+        ctx.grad_dtype, ctx.x_shape, ctx.w_dtype = spec[1], x.shape, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx = float_mm(dy2d, w.t(), ctx.grad_dtype, dy.dtype).reshape(ctx.x_shape) if need_dx else None
+        dw = float_mm(dy2d.t(), x2d.t(), ctx.grad_dtype, torch.float32).to(ctx.w_dtype) if need_dw else None
+        db = dy2d.float().sum(0).to(ctx.b_dtype) if need_db else None
+        return dx, dw, db, None, None
+
+
 class RecipeLinear(nn.Linear):
     """nn.Linear with recipe GEMMs. `quantize=False` runs the plain model-dtype GEMM (layers the
     recipe leaves in the model dtype but that still need work weights from fp32 masters)."""
@@ -90,6 +120,8 @@ class RecipeLinear(nn.Linear):
         device=None,
         dtype=None,
         state_device=None,
+        fp8_state: Fp8ScalingState | None = None,
+        fp8_layer: int = 0,
     ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         model_dtype = config.resolved_model_dtype()
@@ -111,15 +143,28 @@ class RecipeLinear(nn.Linear):
             self._sr_step = 0
             self.register_load_state_dict_post_hook(lambda m, _keys: m._sync_sr_step())
         elif config.uses_fp8():
-            self.engine = FP8Engine(config.resolved_gradient_dtype())
-            self.fp8_meta = DelayedScaling(
-                ROLE_FORMATS, config.amax_history_len, config.amax_compute_algo, config.margin, config.reduce_amax
-            ).to(state_device)
+            self.engine = None
+            grad = config.resolved_gradient_dtype()
+            self._fp8_backward = grad == "e5m2"
+            self._bwd_fmt = F.E5M2 if self._fp8_backward else grad
+            if fp8_state is None:  # a layer on its own owns a one-layer state (registered: state_dict, .to())
+                self.fp8_state = fp8_state = Fp8ScalingState(
+                    1, config.amax_history_len, config.amax_compute_algo, config.margin, config.reduce_amax,
+                    device=state_device,
+                )
+                fp8_state.attach(self)
+                fp8_layer = 0
+            else:  # shared with the model's other layers, registered once on the model (not here)
+                self.__dict__["_shared_fp8_state"] = fp8_state
+            self.fp8_layer = fp8_layer
+            self.fp8_rows = fp8_state.rows(fp8_layer)
+            self._fp8_w, self._fp8_w_key = None, None
         else:
             self.engine = FloatEngine(config.resolved_matmul_dtype(), config.resolved_gradient_dtype())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: RecipeConfig, quantize: bool = True, recipe_index: int = 0):
+    def from_linear(cls, linear: nn.Linear, config: RecipeConfig, quantize: bool = True, recipe_index: int = 0,
+                    fp8_state: Fp8ScalingState | None = None, fp8_layer: int = 0):
         """Wrap `linear`'s own Parameters (no copy, no reallocation: built on meta, then re-pointed)."""
         new = cls(
             linear.in_features,
@@ -130,15 +175,32 @@ class RecipeLinear(nn.Linear):
             recipe_index=recipe_index,
             device="meta",
             state_device=linear.weight.device,
+            fp8_state=fp8_state,
+            fp8_layer=fp8_layer,
         )
         new.weight = linear.weight
         if linear.bias is not None:
             new.bias = linear.bias
         return new
 
+    @property
+    def scaling_state(self) -> Fp8ScalingState | None:
+        """The delayed-scaling state this FP8 layer casts with (None for non-FP8 layers)."""
+        own = self._modules.get("fp8_state")
+        return own if own is not None else self.__dict__.get("_shared_fp8_state")
+
+    def fp8_history(self) -> Tensor:
+        """[3, H] amax histories of this layer's (x, W, dy) rows, newest first (a copy)."""
+        return self.scaling_state.amax_history[list(self.fp8_rows)]
+
+    def fp8_scale(self) -> Tensor:
+        """[3] scales the next casts of (x, W, dy) use (a copy)."""
+        return self.scaling_state.scale[list(self.fp8_rows)]
+
     def extra_repr(self) -> str:
         mode = f"recipe={self.config.recipe}" if self.quantize else "model dtype (not quantized)"
-        return f"{super().extra_repr()}, {mode}, engine={self.engine.name}"
+        engine = "fp8" if self.engine is None else self.engine.name
+        return f"{super().extra_repr()}, {mode}, engine={engine}"
 
     # ---- nvfp4 stochastic-rounding step counter (buffer for checkpoints, int mirror for seeds)
     def next_sr_step(self) -> int:
@@ -150,21 +212,60 @@ class RecipeLinear(nn.Linear):
     def _sync_sr_step(self):
         self._sr_step = int(self.fp4_sr_step.item())
 
+    def _weight_key(self, *extra):
+        w = self.weight
+        return (current_generation(), w._version, w.data_ptr(), w.device, *extra)
+
     def _work_weight(self):
         w = self.weight
         if w.dtype == self.compute_dtype:
             return None
-        key = (w._version, w.data_ptr(), w.device)
+        if torch.compiler.is_compiling():
+            return w.to(self.compute_dtype)  # traced: inductor fuses the cast into its consumer
+        key = self._weight_key()
         if key != self._work_key:
             with torch.no_grad():
                 self._work = w.detach().to(self.compute_dtype)
             self._work_key = key
         return self._work
 
+    def _fp8_weight(self, st: Fp8ScalingState, record: bool, current: bool, need_t: bool):
+        """(wq, wq^T or None, dequant scale) of the weight: cast once per optimizer step in eager mode (reused
+        by micro-batches and recomputes), in the graph under torch.compile (fused with the master's read)."""
+        row_w = self.fp8_rows[1]
+        if torch.compiler.is_compiling():
+            with torch.no_grad():
+                return cast(self.weight.detach(), st.scale, st.scale_inv, st.amax, row_w, F.E4M3, need_t, record, current)
+        key = self._weight_key(record, current)
+        cached = self._fp8_w
+        if key != self._fp8_w_key or (need_t and cached[1] is None):
+            with torch.no_grad():
+                cached = cast(self.weight.detach(), st.scale, st.scale_inv, st.amax, row_w, F.E4M3, need_t, record,
+                              current)
+            self._fp8_w, self._fp8_w_key = cached, key
+        return cached
+
+    def _fp8_forward(self, x: Tensor) -> Tensor:
+        st = self.scaling_state
+        grad = torch.is_grad_enabled()
+        record, current = grad, not st.initialized
+        need_t = grad and x.requires_grad and self._fp8_backward
+        if not torch.compiler.is_compiling():
+            warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
+        wq, wqt, w_sinv = self._fp8_weight(st, record, current, need_t)
+        row_x, _, row_dy = self.fp8_rows
+        spec = (row_x, row_dy, F.E4M3, self._bwd_fmt, self._fp8_backward, record, current)
+        return Fp8LinearFn.apply(x, self.weight, self.bias, wq, wqt, w_sinv, st.scale, st.scale_inv, st.amax, spec)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.device not in self._checked_devices:
             check_device(self.config, x.device)
             self._checked_devices.add(x.device)
+        if self.engine is None:
+            return self._fp8_forward(x)
+        if isinstance(self.engine, FloatEngine):
+            spec = (self.engine.dtype, self.engine.bwd.dtype)
+            return _FloatLinearFn.apply(x, self.weight, self.bias, self._work_weight(), spec)
         self.pass_mode = _pass_mode()
         if self._has_sr_step:
             # Function.forward runs with grad mode off, so the step is taken here: one per
@@ -318,13 +419,24 @@ def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
                 f"these are not: {bad}. Add them to modules_to_not_convert to keep them in model_dtype"
             )
 
-    # 3. swap
+    # 3. swap; FP8 layers share one flat delayed-scaling state, registered once on the model
+    n_quant = sum(q for _, _, q in targets)
+    state = None
+    if cfg.uses_fp8() and n_quant:
+        device = next(m.weight.device for _, m, q in targets if q)
+        state = Fp8ScalingState(n_quant, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin, cfg.reduce_amax,
+                                device=device)
+        model.add_module(FP8_STATE_NAME, state)
+        state.attach(model)
+    if master_dt != model_dt:
+        follow_optimizer_steps(model)
     index = 0
     mods = dict(model.named_modules())
     for name, m, quantize in targets:
         if not quantize and m.weight.dtype == model_dt:
             continue  # stays a plain nn.Linear in model dtype
-        new = RecipeLinear.from_linear(m, cfg, quantize=quantize, recipe_index=index)
+        new = RecipeLinear.from_linear(m, cfg, quantize=quantize, recipe_index=index,
+                                       fp8_state=state if quantize else None, fp8_layer=index)
         index += int(quantize)
         parent_name, _, child = name.rpartition(".")
         setattr(mods[parent_name] if parent_name else model, child, new)
@@ -342,5 +454,5 @@ def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
 
 def recipe_state(model: nn.Module) -> dict:
     """The recipe buffers of `model` (amax histories, scales, SR step counters) by state_dict key."""
-    keys = ("fp8_meta.amax_history", "fp8_meta.scale", "fp4_sr_step")
+    keys = ("fp8_state.amax_history", "fp8_state.scale", "fp4_sr_step")
     return {k: v for k, v in model.state_dict().items() if k.endswith(keys)}

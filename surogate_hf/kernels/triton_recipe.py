@@ -1,0 +1,50 @@
+"""Triton launches for the FP8 recipe's casts into a model's flat delayed-scaling state.
+
+Same kernels as surogate::quantize_fp8_tensorwise(_t) (triton_quant), launched with pointers into
+the state: the scale is read from its row and the amax is folded into the row's running max by the
+kernel's own atomic max (on the fp32 bits, which order like the values since amaxes are >= 0; NaN
+sorts above inf and so propagates). One launch per cast and no state-update ops on the host path.
+Imported lazily by surogate_hf.recipes on the first CUDA cast (never at package import).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..formats.fp8 import FP8_MAX
+from .triton_quant import _EXACT, _INTERPRET, _TL_FP8, _amax_kernel, _fp8_tensorwise_kernel, _fp8_tensorwise_t_kernel
+
+
+def amax_into(x2d: torch.Tensor, amax_row_bits: torch.Tensor) -> None:
+    """amax_row = max(amax_row, amax(|x|)); amax_row_bits is the int32 view of one fp32 state entry."""
+    n = x2d.numel()
+    if n:
+        _amax_kernel[(triton.cdiv(n, 4096),)](x2d, amax_row_bits, n, BLOCK=4096, **_EXACT, num_warps=8)
+
+
+def cast_fp8_into(x2d: torch.Tensor, scale_row: torch.Tensor, amax_row_bits: torch.Tensor, dtype: torch.dtype,
+                  transpose: bool):
+    """q = sat(x * scale_row) in `dtype` and, with `transpose`, its contiguous transpose from the same pass.
+
+    x2d: contiguous [R, C]; scale_row: a one-element fp32 view (the state row); amax_row_bits: the int32 view of
+    the row's running amax. Bit-exact to formats.quantize_fp8_tensorwise.
+    """
+    r, c = x2d.shape
+    q = torch.empty((r, c), dtype=dtype, device=x2d.device)
+    fmax, tl_fp8 = FP8_MAX[dtype], _TL_FP8[dtype]
+    if not transpose:
+        n = r * c
+        if n:
+            _fp8_tensorwise_kernel[(triton.cdiv(n, 4096),)](
+                x2d, scale_row, q, amax_row_bits, n, FP8=tl_fp8, FMAX=fmax, SW_FP8=_INTERPRET, BLOCK=4096,
+                **_EXACT, num_warps=8,
+            )
+        return q, None
+    qt = torch.empty((c, r), dtype=dtype, device=x2d.device)
+    if r and c:
+        _fp8_tensorwise_t_kernel[(triton.cdiv(r, 32) * triton.cdiv(c, 128),)](
+            x2d, scale_row, q, qt, amax_row_bits, r, c, FP8=tl_fp8, FMAX=fmax, SW_FP8=_INTERPRET, BR=32, BC=128,
+            **_EXACT, num_warps=4,
+        )
+    return q, qt
