@@ -259,3 +259,21 @@ def test_compiled_fullgraph_trains_like_eager(recipe):
     if recipe == "fp8-hybrid":
         torch.testing.assert_close(comp.surogate_fp8_state.amax_history, eager.surogate_fp8_state.amax_history,
                                    rtol=1e-6, atol=0)
+
+
+def test_regional_compile_shares_one_graph_across_layers():
+    """Per-block compile (what users do for big models): the layers' rows are tensors, so every block reuses the
+    same graph; the first step (current scaling) and the later ones (delayed) are the only two variants."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        counters.clear()
+        eager, comp = R.apply_recipe(tiny(layers), "fp8-hybrid"), R.apply_recipe(tiny(layers), "fp8-hybrid")
+        for blk in comp.layers:
+            blk.compile(fullgraph=True, backend="aot_eager")
+        le, lc = _train(eager), _train(comp)
+        assert lc == pytest.approx(le, rel=1e-5, abs=1e-7)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1], f"graphs compiled for 2 and 5 layers: {graphs}"

@@ -242,6 +242,16 @@ def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
     return _fp8().fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype)
 
 
+def nvfp4_mm(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype):
+    # No FP4 tensor cores before SM100: exact bf16 operands on the bf16 tensor cores (triton_recipe says why).
+    # A native SM100 FP4 GEMM is not written yet; say so once.
+    major = torch.cuda.get_device_capability(a_packed.device)[0]
+    warn_once("nvfp4_mm", f"surogate::nvfp4_mm on SM{major}x runs on bf16 tensor cores with exactly decoded FP4 "
+              "operands (no native FP4 GEMM is used; FP4 tensor cores need SM100+ and a kernel this package lacks)")
+    return _load(".triton_recipe").nvfp4_mm_bf16_tensor_cores(a_packed, a_scale, a_global, b_packed, b_scale,
+                                                              b_global, bias, out_dtype)
+
+
 _QUANT = (
     "quantize_fp8_tensorwise", "quantize_fp8_tensorwise_t", "delayed_scaling_update", "quantize_fp8_blocks",
     "dequantize_fp8_blocks",
@@ -251,7 +261,7 @@ _LINEAR = (
     "fp8_block_linear", "fp8_block_linear_dgrad", "nvfp4_linear", "nvfp4_linear_dgrad", "mxfp4_linear",
     "mxfp4_linear_dgrad", "nf4_linear", "nf4_linear_dgrad",
 )
-_RECIPE = ("fp8_scaled_mm",)
+_RECIPE = ("fp8_scaled_mm", "nvfp4_mm")
 
 
 def registered_ops() -> tuple[str, ...]:

@@ -77,16 +77,21 @@ def _eager_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and not torch.compiler.is_compiling()
 
 
-def cast(x2d, scale, scale_inv, amax, row: int, fmt, transpose: bool, record: bool, current: bool):
+def cast(x2d, scale, scale_inv, amax, row, fmt, transpose: bool, record: bool, current: bool, amax_row=None):
     """Cast x2d [R, C] for state row `row`. Returns (q, q^T contiguous or None, dequant scale 0-dim fp32).
 
+    row: an int, or (traced) a 0-dim int64 tensor, so that one compiled graph serves every layer.
+    amax / amax_row: where the running amax goes (default: amax[row]).
     current: scale by x's own amax (the first step); otherwise by scale[row]. record: raise amax[row] to
     amax(|x|) (training passes; evaluation leaves the state alone).
     """
+    if amax_row is None:
+        amax_row = row
     if _eager_cuda(x2d):
         tr = _tr()
         x2d = x2d.contiguous()
-        bits = amax.view(torch.int32)[row : row + 1] if record else torch.zeros(1, dtype=torch.int32, device=x2d.device)
+        bits = (amax.view(torch.int32)[amax_row : amax_row + 1] if record
+                else torch.zeros(1, dtype=torch.int32, device=x2d.device))
         if current:
             a = torch.zeros(1, dtype=torch.int32, device=x2d.device)
             tr.amax_into(x2d, a)
@@ -96,12 +101,20 @@ def cast(x2d, scale, scale_inv, amax, row: int, fmt, transpose: bool, record: bo
         q, qt = tr.cast_fp8_into(x2d, scale[row : row + 1], bits, fmt, transpose)
         return q, qt, scale_inv[row, 0]
     a = x2d.detach().abs().amax().float() if (record or current) else None
-    s = F.fp8_scale_from_amax(a, fmt) if current else scale[row]
+    s = F.fp8_scale_from_amax(a, fmt) if current else _at(scale, row)
     q = F.cast_to_fp8(x2d.float() * s, fmt)
     qt = q.t().contiguous() if transpose else None
     if record:
-        amax[row : row + 1].copy_(torch.maximum(amax[row : row + 1], a.reshape(1)))
-    return q, qt, (s.reciprocal() if current else scale_inv[row, 0])
+        if isinstance(amax_row, int):
+            amax[amax_row] = torch.maximum(amax[amax_row], a)
+        else:  # a traced row: index ops, not t[row] (dynamo would specialize the index to a Python int)
+            amax.index_put_((amax_row.reshape(1),), torch.maximum(_at(amax, amax_row), a).reshape(1))
+    return q, qt, (s.reciprocal() if current else _at(scale_inv, row)[0])
+
+
+def _at(t, row):
+    """t[row]: a view for an int row, a gather for a traced (tensor) row."""
+    return t[row] if isinstance(row, int) else t.index_select(0, row.reshape(1)).squeeze(0)
 
 
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -131,35 +144,41 @@ class Fp8LinearFn(torch.autograd.Function):
     """y = x W^T + b with FP8 operands. Only tensors and constants cross it, so dynamo traces it whole.
 
     wq / wqt / w_sinv: the weight's FP8 cast (wqt None when no dgrad will run); scale, scale_inv, amax: the
-    state's flat tensors; spec = (row_x, row_dy, fwd_fmt, bwd_fmt, fp8_backward, record, current), bwd_fmt
-    being the float gradient dtype's name when fp8_backward is false.
+    state's flat tensors; dy_amax: the layer's own [1] running amax of dy (folded into the flat state at the
+    update; a buffer of its own because a compiled backward checks the version of what it reads, and the
+    flat buffer moves with every other layer's casts); rows: the layer's (x, W, dy) rows (ints, or an int64 tensor when traced);
+    spec = (fwd_fmt, bwd_fmt, fp8_backward, record, current), bwd_fmt being the float gradient dtype's name
+    when fp8_backward is false.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wq, wqt, w_sinv, scale, scale_inv, amax, spec):
-        row_x, row_dy, fwd_fmt, bwd_fmt, fp8_backward, record, current = spec
+    def forward(ctx, x, weight, bias, wq, wqt, w_sinv, scale, scale_inv, amax, dy_amax, rows, spec):
+        fwd_fmt, bwd_fmt, fp8_backward, record, current = spec
+        row_x = rows[0]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x2d = x.reshape(-1, x.shape[-1])
         xq, xqt, x_sinv = cast(x2d, scale, scale_inv, amax, row_x, fwd_fmt, fp8_backward and need_dw, record, current)
         y = scaled_mm(xq, wq, x_sinv, w_sinv, bias, x.dtype)
-        ctx.spec, ctx.x_shape, ctx.w_dtype = spec, x.shape, weight.dtype
+        ctx.spec, ctx.row_dy, ctx.x_shape, ctx.w_dtype = spec, rows[2], x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         if fp8_backward:
             ctx.save_for_backward(xqt, x_sinv, wqt, w_sinv)
-            ctx.scale, ctx.scale_inv, ctx.amax = scale, scale_inv, amax
+            ctx.scale, ctx.scale_inv, ctx.dy_amax = scale, scale_inv, dy_amax
         else:
             ctx.save_for_backward(x2d, weight)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        row_x, row_dy, fwd_fmt, bwd_fmt, fp8_backward, record, current = ctx.spec
+        fwd_fmt, bwd_fmt, fp8_backward, record, current = ctx.spec
+        row_dy = ctx.row_dy
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
         if fp8_backward:
             xqt, x_sinv, wqt, w_sinv = ctx.saved_tensors
             # dgrad reads dy [M, N], wgrad dy^T [N, M]
-            dyq, dyqt, dy_sinv = cast(dy2d, ctx.scale, ctx.scale_inv, ctx.amax, row_dy, bwd_fmt, need_dw, True, current)
+            dyq, dyqt, dy_sinv = cast(dy2d, ctx.scale, ctx.scale_inv, ctx.dy_amax, row_dy, bwd_fmt, need_dw, True, current,
+                                      amax_row=0)
             dx = scaled_mm(dyq, wqt, dy_sinv, w_sinv, None, dy.dtype) if need_dx else None
             dw = None
             if need_dw:
@@ -171,4 +190,4 @@ class Fp8LinearFn(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype) if dw is not None else None
         dx = dx.reshape(ctx.x_shape) if dx is not None else None
         db = dy2d.float().sum(0).to(ctx.b_dtype) if need_db else None
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None

@@ -158,6 +158,10 @@ class RecipeLinear(nn.Linear):
                 self.__dict__["_shared_fp8_state"] = fp8_state
             self.fp8_layer = fp8_layer
             self.fp8_rows = fp8_state.rows(fp8_layer)
+            # the same rows as a tensor: traced graphs index with it, so one graph serves every layer
+            self.register_buffer("fp8_rows_t", torch.tensor(self.fp8_rows, device=state_device), persistent=False)
+            self.register_buffer("fp8_dy_amax", torch.zeros(1, device=state_device), persistent=False)
+            fp8_state.register_layer(fp8_layer, self)
             self._fp8_w, self._fp8_w_key = None, None
         else:
             self.engine = FloatEngine(config.resolved_matmul_dtype(), config.resolved_gradient_dtype())
@@ -232,10 +236,11 @@ class RecipeLinear(nn.Linear):
     def _fp8_weight(self, st: Fp8ScalingState, record: bool, current: bool, need_t: bool):
         """(wq, wq^T or None, dequant scale) of the weight: cast once per optimizer step in eager mode (reused
         by micro-batches and recomputes), in the graph under torch.compile (fused with the master's read)."""
-        row_w = self.fp8_rows[1]
         if torch.compiler.is_compiling():
             with torch.no_grad():
-                return cast(self.weight.detach(), st.scale, st.scale_inv, st.amax, row_w, F.E4M3, need_t, record, current)
+                return cast(self.weight.detach(), st.scale, st.scale_inv, st.amax, self.fp8_rows_t[1], F.E4M3, need_t,
+                            record, current)
+        row_w = self.fp8_rows[1]
         key = self._weight_key(record, current)
         cached = self._fp8_w
         if key != self._fp8_w_key or (need_t and cached[1] is None):
@@ -253,12 +258,13 @@ class RecipeLinear(nn.Linear):
         if not torch.compiler.is_compiling():
             warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
         wq, wqt, w_sinv = self._fp8_weight(st, record, current, need_t)
-        row_x, _, row_dy = self.fp8_rows
-        spec = (row_x, row_dy, F.E4M3, self._bwd_fmt, self._fp8_backward, record, current)
-        return Fp8LinearFn.apply(x, self.weight, self.bias, wq, wqt, w_sinv, st.scale, st.scale_inv, st.amax, spec)
+        rows = self.fp8_rows_t if torch.compiler.is_compiling() else self.fp8_rows
+        spec = (F.E4M3, self._bwd_fmt, self._fp8_backward, record, current)
+        return Fp8LinearFn.apply(x, self.weight, self.bias, wq, wqt, w_sinv, st.scale, st.scale_inv, st.amax,
+                                 self.fp8_dy_amax, rows, spec)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device not in self._checked_devices:
+        if not torch.compiler.is_compiling() and x.device not in self._checked_devices:  # (a set a graph would guard on)
             check_device(self.config, x.device)
             self._checked_devices.add(x.device)
         if self.engine is None:

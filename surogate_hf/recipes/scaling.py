@@ -13,7 +13,8 @@ Buffers:
   scale        [R]     persistent, the scale the next casts use
   amax         [R]     not persistent: the running max of |x| seen by the casts since the last update
                        (casts only ever raise it, so an activation-checkpoint recompute, which casts
-                       the same tensor again, changes nothing)
+                       the same tensor again, changes nothing). The dy rows are filled at the update
+                       from each layer's own `fp8_dy_amax` [1] (fp8_hybrid.Fp8LinearFn says why).
   scale_inv    [R, 4]  not persistent: 1/scale, one 16-byte row per role because cuBLASLt refuses a
                        scale pointer that is not 16-byte aligned
 
@@ -142,6 +143,7 @@ class Fp8ScalingState(nn.Module):
         self.register_buffer("amax", torch.zeros(rows, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("scale_inv", torch.ones(rows, 4, dtype=torch.float32, device=device), persistent=False)
         self.initialized = False
+        self._layers = [lambda: None] * self.n_layers  # weakrefs: layer i's module (its fp8_dy_amax)
         self.root = lambda: None
         self._optimizers = weakref.WeakKeyDictionary()
         self.register_load_state_dict_post_hook(lambda m, _keys: m._after_load())
@@ -151,6 +153,22 @@ class Fp8ScalingState(nn.Module):
     def attach(self, root: nn.Module) -> None:
         """The model (or layer) whose optimizer steps drive `update()`."""
         self.root = weakref.ref(root)
+
+    def register_layer(self, index: int, layer: nn.Module) -> None:
+        self._layers[index] = weakref.ref(layer)
+
+    def _gather_dy(self) -> None:
+        layers = [ref() for ref in self._layers]
+        tail = self.amax[2 * self.n_layers :]
+        if all(m is not None for m in layers):  # the model's layers: one cat, one max
+            dy = [m.fp8_dy_amax for m in layers]
+            torch.maximum(tail, torch.cat(dy), out=tail)
+            torch._foreach_zero_(dy)
+            return
+        for i, m in enumerate(layers):  # a state used without (some of) its layers
+            if m is not None:
+                tail[i : i + 1] = torch.maximum(tail[i : i + 1], m.fp8_dy_amax)
+                m.fp8_dy_amax.zero_()
 
     def rows(self, layer: int) -> tuple[int, int, int]:
         """(x, W, dy) rows of layer `layer`."""
@@ -171,6 +189,7 @@ class Fp8ScalingState(nn.Module):
     @torch.no_grad()
     def update(self) -> None:
         """Push the amaxes of the casts since the last update and recompute every scale (one op per format)."""
+        self._gather_dy()
         amax = self.amax
         if self.reduce_amax and _distributed():
             # sanitized first so one rank's NaN cannot poison the others (the update sanitizes again)
