@@ -20,11 +20,21 @@ import surogate_hf.kernels  # noqa: F401
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+SHAPES = {
+    # name: (hidden, intermediate, heads, kv heads, head_dim, vocab, default layers); shared/notes/shapes.md
+    "qwen3-1.7b": (2048, 6144, 16, 8, 128, 151936, 28),
+    "smollm2-135m": (576, 1536, 9, 3, 64, 49152, 30),
+    "llama-3.1-8b": (4096, 14336, 32, 8, 128, 128256, 32),
+}
+SHAPE = "qwen3-1.7b"
+
+
 def config(layers: int):
     from transformers import Qwen3Config
 
-    return Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+    hidden, inter, heads, kv, head_dim, vocab, _ = SHAPES[SHAPE]
+    return Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=True,
                        max_position_embeddings=4096)
 
 
@@ -96,6 +106,7 @@ def full(layers, recipe=None, compiled=False, torchao=False):
         convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "lm_head" not in fqn,
                                    config=Float8LinearConfig.from_recipe_name("tensorwise"))
     if compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
         for layer in model.model.layers:
             layer.compile()
     return model
@@ -136,6 +147,8 @@ SETUPS = {
     "ours_mxfp4": ("ours mxfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "mxfp4"), "lora"),
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_fp8": ("full fine-tune ours fp8-hybrid, eager", lambda L: full(L, "fp8-hybrid"), "full"),
+    "full_nvfp4": ("full fine-tune ours nvfp4 recipe, eager (Hopper: exact FP4 operands on bf16 tensor cores)",
+                   lambda L: full(L, "nvfp4"), "full"),
     "full_fp8_compiled": ("full fine-tune ours fp8-hybrid, compiled layers", lambda L: full(L, "fp8-hybrid", True), "full"),
     "full_bf16_compiled": ("full fine-tune bf16, compiled layers", lambda L: full(L, compiled=True), "full"),
     "full_torchao_compiled": ("full fine-tune torchao float8 tensorwise, compiled layers",
@@ -148,8 +161,9 @@ TARGETS = {
     "ours_fp8_compiled": [("peft_bf16", 1.3), ("peft_bf16_compiled", 1.3)],
     "ours_nf4": [("bnb_nf4", 1.5)],
     "ours_nf4_compiled": [("bnb_nf4", 1.5)],
-    "full_fp8": [("full_bf16", 1.3)],
-    "full_fp8_compiled": [("full_bf16", 1.3), ("full_bf16_compiled", 1.3), ("full_torchao_compiled", 1.0)],
+    "full_fp8": [("full_bf16", 1.15)],
+    "full_nvfp4": [("full_bf16", 0.8)],
+    "full_fp8_compiled": [("full_bf16_compiled", 1.15), ("full_torchao_compiled", 1.10), ("full_bf16", 1.15)],
 }
 
 
@@ -157,7 +171,7 @@ def run_setup(key, layers, batch, seq, warmup, steps):
     model = SETUPS[key][1](layers)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
-    ids = torch.randint(0, 151936, (batch, seq), device="cuda")
+    ids = torch.randint(0, SHAPES[SHAPE][5], (batch, seq), device="cuda")
     dt, peak, loss = time_train_steps(train_step_fn(model, ids, opt), warmup, steps)
     ntrain = sum(p.numel() for p in params)
     del model, opt, params
@@ -167,13 +181,18 @@ def run_setup(key, layers, batch, seq, warmup, steps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--setups", default="peft_bf16,bnb_nf4,ours_fp8,ours_nf4,full_bf16,full_fp8")
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--name", default="e2e_qwen3_1.7b")
     args = ap.parse_args()
+    global SHAPE
+    SHAPE = args.shape
+    if args.layers is None:
+        args.layers = SHAPES[SHAPE][6]
     errors, tps, measured = {}, {}, {}
     keys = args.setups.split(",")
     for key in keys:
@@ -207,13 +226,14 @@ def main():
             verdict = "meets" if r >= want else f"misses by {want - r:.2f}x"
             notes.append(f"{r:.2f}x {SETUPS[peer][0]} (target {want}): {verdict}")
         rows.append([label, tok, peak, ntrain / 1e6, ratio, target, "; ".join(notes)])
-    body = (f"Model: Qwen3-1.7B shape ({args.layers} layers, hidden 2048, intermediate 6144, vocab 151936), "
+    hidden, inter, *_, vocab, _ = SHAPES[SHAPE]
+    body = (f"Model: {SHAPE} shape ({args.layers} layers, hidden {hidden}, intermediate {inter}, vocab {vocab}), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
             "no gradient checkpointing.\n\n")
     body += table(["setup", "tokens/s", "peak GiB", "trainable M", "ratio", "target", "note"], rows)
     if errors:
         body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())
-    write_result(args.name, "End-to-end training step, Qwen3-1.7B-shaped model", body)
+    write_result(args.name, f"End-to-end training step, {SHAPE}-shaped model", body)
 
 
 if __name__ == "__main__":

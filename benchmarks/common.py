@@ -106,7 +106,8 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 def write_result(name: str, title: str, body: str) -> Path:
     """benchmarks/results/<name>.md (and a copy under $OUT when set); also printed."""
-    text = f"# {title}\n\nDevice: {device_name()}\nDate: {datetime.date.today().isoformat()}\n\n{body}\n"
+    commit = os.environ.get("BENCH_COMMIT", "unknown (set BENCH_COMMIT)")
+    text = f"# {title}\n\nDevice: {device_name()}\nDate: {datetime.date.today().isoformat()}\nCommit: {commit}\n\n{body}\n"
     print(text, flush=True)
     out = ROOT / "benchmarks" / "results" / f"{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
