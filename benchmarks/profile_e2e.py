@@ -46,16 +46,20 @@ def categorize(name: str) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--setups", default="peft_bf16,ours_fp8")
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(E.SHAPES))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
+    E.SHAPE = args.shape
+    layers = args.layers or E.SHAPES[args.shape][6]
     for key in args.setups.split(","):
         label, build = EXTRA[key] if key in EXTRA else E.SETUPS[key][:2]
-        vocab = 151936
-        model = build(args.layers)
+        vocab = E.SHAPES[args.shape][5]
+        model = build(layers)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
-        ids = torch.randint(0, vocab, (4, 2048), device="cuda")
+        ids = torch.randint(0, vocab, (args.batch, 2048), device="cuda")
 
         step = train_step_fn(model, ids, opt)
         wall_plain = time_train_steps(step, 2, 3)[0] / 3

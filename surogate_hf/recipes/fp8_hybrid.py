@@ -18,7 +18,7 @@ cast straight to FP8 (no bf16 work copy in between).
 Three executions of the same arithmetic (formats.quantize_fp8_tensorwise is the spec):
   - eager on CUDA: Triton casts that write into the state directly (kernels.triton_recipe);
   - under torch.compile: plain torch ops, so inductor fuses the cast (and its amax) into the kernel that
-    produces the operand, and torch._scaled_mm, which inductor lowers natively;
+    produces the operand, and the GEMM as the surogate::fp8_scaled_mm op (cuBLASLt);
   - CPU: the same torch ops and the reference GEMM.
 With a float gradient_dtype (bf16 recipe, matmul_dtype e4m3, gradient_dtype bf16/fp32) the backward is
 the float one of bf16.py instead.
@@ -117,24 +117,16 @@ def _at(t, row):
     return t[row] if isinstance(row, int) else t.index_select(0, row.reshape(1)).squeeze(0)
 
 
-_OUT = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype):
     """out [M, N] = (a [M, K] @ b [N, K]^T) * sa_inv * sb_inv (+ bias), fp32 accumulation, one rounding."""
-    if not a.is_cuda:
-        return torch.ops.surogate.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
-    if not torch.compiler.is_compiling():
+    if a.is_cuda and not torch.compiler.is_compiling():
         from ..kernels import fp8_gemm  # checks shapes, copies misaligned scales, warns once on a fallback
 
         return fp8_gemm.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
-    k, n = a.shape[1], b.shape[0]
-    if k % 16 or n % 16 or out_dtype not in _OUT or (a.dtype == b.dtype == torch.float8_e5m2):
-        return recipe_ops.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
-    if bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32):
-        return torch._scaled_mm(a, b.t(), sa_inv, sb_inv, bias=bias, out_dtype=out_dtype)
-    out = torch._scaled_mm(a, b.t(), sa_inv, sb_inv, out_dtype=torch.float32)
-    return (out + bias.float()).to(out_dtype)
+    # CPU: the reference; traced: the op (its CUDA kernel is the function above) as one opaque node. Inductor's own
+    # lowering of torch._scaled_mm asserted on these operands (H100, torch 2.11), and the casts around it, which
+    # are what inductor can fuse, stay plain torch ops either way.
+    return torch.ops.surogate.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
 
 
 _WGRAD_OUT = (torch.float32, torch.bfloat16)  # dtypes the scaled GEMM writes dW in directly
