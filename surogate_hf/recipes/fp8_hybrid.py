@@ -123,10 +123,24 @@ def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype):
         from ..kernels import fp8_gemm  # checks shapes, copies misaligned scales, warns once on a fallback
 
         return fp8_gemm.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
-    # CPU: the reference; traced: the op (its CUDA kernel is the function above) as one opaque node. Inductor's own
-    # lowering of torch._scaled_mm asserted on these operands (H100, torch 2.11), and the casts around it, which
-    # are what inductor can fuse, stay plain torch ops either way.
+    if a.is_cuda and TRACED_GEMM == "aten" and _aten_ok(a, b, out_dtype):
+        # in the graph as aten._scaled_mm: inductor calls cuBLASLt from its generated code (no Python op wrapper
+        # on the host path of every GEMM)
+        if bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32):
+            return torch._scaled_mm(a, b.t(), sa_inv.reshape(()), sb_inv.reshape(()), bias=bias, out_dtype=out_dtype)
+        out = torch._scaled_mm(a, b.t(), sa_inv.reshape(()), sb_inv.reshape(()), out_dtype=torch.float32)
+        return (out + bias.float()).to(out_dtype)
+    # CPU: the reference; traced otherwise: the op (its CUDA kernel is the function above) as one opaque node
     return torch.ops.surogate.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
+
+
+TRACED_GEMM = "aten"  # how a traced CUDA GEMM enters the graph: "aten" (torch._scaled_mm) or "op" (surogate::)
+
+
+def _aten_ok(a, b, out_dtype) -> bool:
+    """Shapes and dtypes cuBLASLt's FP8 GEMM takes (the others go through the op, which warns and emulates)."""
+    return (a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not (a.dtype == b.dtype == torch.float8_e5m2))
 
 
 _WGRAD_OUT = (torch.float32, torch.bfloat16)  # dtypes the scaled GEMM writes dW in directly
