@@ -94,3 +94,24 @@ def test_fp8_padding_is_exact():
     assert not xp[:, k:].any() and not wp[n:].any() and not wp[:, k:].any()
     y = xp @ wp.t()  # differs from the unpadded product only by the order of the fp32 sums
     torch.testing.assert_close(y[:, :n], xr @ wr.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", P.FORMATS)
+def test_gpt_oss_experts_module_plans_the_fast_path(fmt):
+    from conftest import tiny_gpt_oss_config
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from surogate_hf.nn.experts import QuantizedExperts
+    from surogate_hf.nn.linear import make_format
+
+    hidden, _, _, inter = S.MODELS["GPT-OSS-20B"]
+    with torch.device("meta"):
+        template = GptOssExperts(tiny_gpt_oss_config(hidden_size=hidden, intermediate_size=inter))
+    q = QuantizedExperts(template, make_format(fmt), dtype=torch.bfloat16)
+    for m in TOKENS:
+        planned = q.gemm_paths(m, capability=SM90)
+        assert set(planned) == {"gate_up_proj", "down_proj"}
+        for proj, plan in planned.items():
+            _, rows, k = q.units(proj)
+            assert plan == P.plan_gemm(fmt, m, k, rows, torch.bfloat16, SM90, **q.fmt.path_options())
+            assert plan.fast or fmt == "fp8" and not hasattr(torch.nn.functional, "scaled_mm"), (proj, m, plan)
