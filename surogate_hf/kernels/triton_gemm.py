@@ -128,21 +128,46 @@ def _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rows, c0, NW, KW, FMT: tl.conste
     return w.to(OUT)
 
 
+# Tile configs, tuned per (M bucket, N, K, format): few tokens (the memory-bound regime, the fused kernel's
+# job) want narrow tiles so that enough programs stream the weight (a 4096-row weight in 128-wide tiles is
+# 32 programs on 132 SMs); more tokens want the large tensor-core tiles.
+_SMALL_M = ((16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (32, 32, 256, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3),
+            (64, 128, 128, 4, 3))
+_LARGE_M = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+            (64, 128, 128, 4, 3))
+SMALL_M_BUCKET = 64
+
+
 def _configs(fwd: bool):
     from .triton_quant import AUTOTUNE
 
     if not AUTOTUNE:
         return [triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3)]
-    out = []
-    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                                      (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)):
-        out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=warps, num_stages=stages))
+    seen, out = set(), []
+    for bm, bn, bk, warps, stages in _SMALL_M + _LARGE_M:
+        if (bm, bn, bk, warps, stages) not in seen:
+            seen.add((bm, bn, bk, warps, stages))
+            out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=warps, num_stages=stages))
     return out
 
 
-@triton.autotune(configs=_configs(True), key=["M", "N", "K", "FMT", "FAST"])
-@triton.jit
-def _wo_linear_fwd(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, y_ptr, M, N, K, FMT: tl.constexpr, NF4_BS: tl.constexpr,
+def _prune(configs, named_args, **kwargs):
+    """Time only the configs meant for this token count's bucket."""
+    small = named_args["M_BUCKET"] <= SMALL_M_BUCKET
+    keep = [c for c in configs if (c.kwargs["BM"] <= 64) == small or c.kwargs["BM"] == 64]
+    return keep or configs
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning key of a token count: its power-of-two ceiling, so training batches of varying length
+    reuse one tuned config per bucket instead of re-tuning on every new M."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+@triton.autotune(configs=_configs(True), key=["M_BUCKET", "N", "K", "FMT", "FAST"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=["M_BUCKET"])  # a tuning key only: no compiled variant per bucket
+def _wo_linear_fwd(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, y_ptr, M, N, K, M_BUCKET, FMT: tl.constexpr, NF4_BS: tl.constexpr,
                    IEEE: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[M, N] = x[M, K] @ W[N, K]^T; tails of M, N and K masked."""
     pid = tl.program_id(0)
@@ -170,9 +195,10 @@ def _wo_linear_fwd(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, y_ptr, M, N, K, FMT: tl
              mask=mmask[:, None] & (rn[None, :] < N))
 
 
-@triton.autotune(configs=_configs(False), key=["M", "N", "K", "FMT", "FAST"])
-@triton.jit
-def _wo_linear_dgrad(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, dx_ptr, M, N, K, FMT: tl.constexpr,
+@triton.autotune(configs=_configs(False), key=["M_BUCKET", "N", "K", "FMT", "FAST"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=["M_BUCKET"])  # a tuning key only: no compiled variant per bucket
+def _wo_linear_dgrad(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, dx_ptr, M, N, K, M_BUCKET, FMT: tl.constexpr,
                      NF4_BS: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """dx[M, K] = dy[M, N] @ W[N, K]; BN tiles the output (K), BK the reduction (N); tails masked."""
     pid = tl.program_id(0)
@@ -248,7 +274,7 @@ def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n
     def grid(meta):
         return (triton.cdiv(m, meta["BM"]) * triton.cdiv(out_cols, meta["BN"]),)
 
-    kern[grid](a2, packed.reshape(n, k // 2), scale, g, c, out, m, n, k, FMT=fmt, NF4_BS=nf4_bs,
+    kern[grid](a2, packed.reshape(n, k // 2), scale, g, c, out, m, n, k, m_bucket(m), FMT=fmt, NF4_BS=nf4_bs,
                IEEE=a.dtype == torch.float32, FAST=a.dtype == torch.bfloat16 and fmt != NF4)
     # a 2-D input gets the output itself, not a view of it (callers may accumulate into it in place)
     return out if a.dim() == 2 else out.reshape(*a.shape[:-1], out_cols)
