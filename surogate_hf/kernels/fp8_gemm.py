@@ -12,7 +12,6 @@ other than 128x128) the reference math runs, warned once with the why.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as Fn
 

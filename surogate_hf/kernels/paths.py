@@ -71,6 +71,11 @@ def shape_problem(fmt: str, n: int, k: int, nf4_block: int = 64) -> str | None:
     return None
 
 
+def fp8_pads(n: int, k: int) -> tuple[int, int]:
+    """Zero rows / columns the fp8 block GEMM adds to a [n, k] weight (cuBLASLt's 128x128 blocks)."""
+    return -n % 128, -k % 128
+
+
 @functools.lru_cache(maxsize=8192)
 def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: tuple[int, int] | None, *,
               block_size: tuple[int, int] | None = (128, 128), nf4_block: int = 64, triton: bool = True,
@@ -103,7 +108,8 @@ def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: 
         if not blockwise_scaled_mm:
             return GemmPath(REFERENCE, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm "
                                        "(block-scaled FP8 needs torch >= 2.10)")
-        return GemmPath(FP8_BLOCK, "", pad_k=-k % 128, pad_n=-n % 128)
+        pad_n, pad_k = fp8_pads(n, k)
+        return GemmPath(FP8_BLOCK, "", pad_k=pad_k, pad_n=pad_n)
     # nvfp4 / mxfp4 / nf4: Triton kernels
     if not triton:
         return GemmPath(REFERENCE, "triton is not installed (pip install triton)")

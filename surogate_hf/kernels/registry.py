@@ -240,7 +240,7 @@ def fp8_block_linear_native(a, w, w_scale_inv, block_n, block_k, dgrad):
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     if not _fp8_native_ok(a.dtype, n, k, block_n, block_k, dev):
         return None
-    pad_n, pad_k = -n % 128, -k % 128
+    pad_n, pad_k = paths.fp8_pads(n, k)
     ws = mm_scales(w_scale_inv.t() if dgrad else w_scale_inv)
     a2 = pad_columns(a.reshape(-1, a.shape[-1]), pad_n if dgrad else pad_k)
     y = torch.ops.surogate_ext.fp8_block_gemm(a2, pad_weight(w, pad_n, pad_k), ws, dgrad, RECIPE_1X128,
