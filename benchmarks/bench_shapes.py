@@ -193,7 +193,7 @@ def qlora_section(models, layers, batch, seq, warmup, steps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gemm-models", default="SmolLM2-135M,Qwen3-1.7B,Llama-3.1-8B,GPT-OSS-20B",
+    ap.add_argument("--gemm-models", default="SmolLM2-135M,Llama-3.1-8B,GPT-OSS-20B",
                     help=f"comma list from {list(S.MODELS)}")
     ap.add_argument("--tokens", default="16,64,4096,8192")
     ap.add_argument("--qlora-models", default="SmolLM2-135M,Qwen3-1.7B")
