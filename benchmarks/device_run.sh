@@ -13,9 +13,10 @@ cd "$root"
 step() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$log"; ( cd benchmarks; env -u OUT timeout "$t" "$@" ) >>"$log" 2>&1; echo "=== exit $?" | tee -a "$log"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log" 2>&1
 ( env -u OUT timeout 120 python3 -m surogate_hf.kernels.build >>"$log" 2>&1; echo "=== build exit $?" | tee -a "$log" )
-( timeout 150 python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider >>"$log" 2>&1; echo "=== gpu tests exit $?" | tee -a "$log" )
+( timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider >>"$log" 2>&1; echo "=== gpu tests exit $?" | tee -a "$log" )
 tail -1 "$log"
 step 45 python3 bench_overhead.py
+step 200 python3 bench_shapes.py
 step 100 python3 bench_linear.py
 step 90 python3 bench_lora_dtype.py --formats fp8
 step 160 python3 bench_e2e.py --setups "${E2E_SETUPS:-peft_bf16,bnb_nf4,ours_fp8,ours_nf4,full_bf16,full_fp8}"

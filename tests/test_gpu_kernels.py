@@ -288,21 +288,111 @@ def test_nf4_dense_decode_bits(dtype, block):
 
 
 def test_dense_route_threshold():
-    from surogate_hf.kernels import triton_gemm as TG
-
     k = 256
-    assert not TG.use_dense(torch.empty(TG.DENSE_MIN_TOKENS - 1, k))
-    assert TG.use_dense(torch.empty(2, -(-TG.DENSE_MIN_TOKENS // 2), k))
-    assert not TG.use_dense(torch.empty(0, k))
+    assert paths.plan_for("nf4", torch.empty(paths.DENSE_MIN_TOKENS - 1, k, device=DEV, dtype=torch.bfloat16), 64,
+                          k).path == paths.FUSED
+    assert paths.plan_for("nf4", torch.empty(2, -(-paths.DENSE_MIN_TOKENS // 2), k, device=DEV, dtype=torch.bfloat16),
+                          64, k).path == paths.DENSE
 
 
 def test_weight_only_fallback_warns_and_matches():
-    n, k = 48, 96  # not a multiple of the kernel's tiles
-    x = _rand((5, k), torch.bfloat16, spread=False)
+    n, k = 48, 96
+    x = _rand((5, k), torch.float64, spread=False)  # no kernel takes fp64 activations
     args = tuple(ops.quantize_mxfp4(_weight(n, k)))
-    with pytest.warns(RuntimeWarning, match="reference path"):
+    with pytest.warns(RuntimeWarning, match="reference path.*float64"):
         y, yr = both(ops.mxfp4_linear, x, *args)
-    assert sqnr(y, yr) > 38
+    assert sqnr(y, yr) > 100
+
+
+# ---------------------------------------------------------------- the shapes of real models (shapes.md)
+from surogate_hf.kernels import model_shapes as _S  # noqa: E402
+from surogate_hf.kernels import paths  # noqa: E402
+
+SHAPES_NK = _S.unique_linears() + [(2880, 5760)]  # + GPT-OSS' fused expert gate_up unit
+ODD_TOKENS = (1, 7, 33, 1000)
+
+
+def _quantized(fmt, w, dtype=torch.bfloat16):
+    """(forward op, dgrad op, op args, dense reference weight in fp32) of w [n, k], quantized on the GPU."""
+    n, k = w.shape
+    w = w.to(DEV)
+    if fmt == "nvfp4":
+        args = tuple(ops.quantize_nvfp4(w, False, True, "mse", False, 0, None))
+        return ops.nvfp4_linear, ops.nvfp4_linear_dgrad, args, F.dequantize_nvfp4(*args, torch.float32)
+    if fmt == "mxfp4":
+        args = tuple(ops.quantize_mxfp4(w))
+        return ops.mxfp4_linear, ops.mxfp4_linear_dgrad, args, F.dequantize_mxfp4(*args, torch.float32)
+    if fmt == "fp8":
+        q, s = ops.quantize_fp8_blocks(w, 128, 128, False)
+        return (ops.fp8_block_linear, ops.fp8_block_linear_dgrad, (q, s, 128, 128),
+                F.dequantize_fp8_blocks(q, s, (128, 128), torch.float32))
+    packed, state = F.quantize_nf4(w.to(dtype), 64, True)
+    absmax = F.nf4_absmax(state)
+    args = (packed, absmax, state.code, 64, n, k)
+    return ops.nf4_linear, ops.nf4_linear_dgrad, args, F.dequantize_nf4_raw(packed, absmax, state.code, 64, (n, k),
+                                                                             torch.float32)
+
+
+@pytest.mark.parametrize("nk", SHAPES_NK, ids=lambda nk: f"{nk[0]}to{nk[1]}")
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "nf4"])
+def test_shapes_table_quantize_bits(fmt, nk):
+    """Quantize (and dequantize) of every weight shape of the table, bit for bit against the reference."""
+    k, n = nk
+    w = _weight(n, k)
+    if n * k > 2**20:  # the CPU reference of the big ones takes long; a row band keeps every column tail
+        w = w[: max(128, 2**20 // k // 128 * 128) + n % 128]
+    if fmt == "fp8":
+        for out, ref in zip(*both(ops.quantize_fp8_blocks, w, 128, 128, False)):
+            assert_bits(out, ref, f"fp8 blocks {tuple(w.shape)}")
+    elif fmt == "nvfp4":
+        out, ref = both(ops.quantize_nvfp4, w, False, True, "mse", False, 0, None)
+        for o, r in zip(out, ref):
+            assert_bits(o, r, f"nvfp4 {tuple(w.shape)}")
+        assert_bits(*both(ops.dequantize_nvfp4, *ref, torch.bfloat16), f"nvfp4 dequantize {tuple(w.shape)}")
+    elif fmt == "mxfp4":
+        out, ref = both(ops.quantize_mxfp4, w)
+        for o, r in zip(out, ref):
+            assert_bits(o, r, f"mxfp4 {tuple(w.shape)}")
+        assert_bits(*both(ops.dequantize_mxfp4, *ref, torch.bfloat16), f"mxfp4 dequantize {tuple(w.shape)}")
+    else:
+        from surogate_hf.kernels import triton_gemm as TG
+
+        rows = w.shape[0]
+        packed, state = F.quantize_nf4(w.to(torch.bfloat16), 64, True)
+        absmax = F.nf4_absmax(state)
+        ref = F.dequantize_nf4_raw(packed, absmax, state.code, 64, (rows, k), torch.bfloat16)
+        out = TG.dequantize(TG.NF4, packed.to(DEV), absmax.float().to(DEV), None, state.code.float().to(DEV), rows, k,
+                            64, torch.bfloat16)
+        assert_bits(out, ref, f"nf4 dense decode {(rows, k)}")
+
+
+@pytest.mark.parametrize("nk", SHAPES_NK, ids=lambda nk: f"{nk[0]}to{nk[1]}")
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "nf4"])
+def test_shapes_table_gemms(fmt, nk):
+    """Forward and dgrad of every linear shape of the table at odd token counts: the fast path (no warning),
+    against the reference dequantize + fp32 matmul (fp8: of the 1x128-tile-quantized activation)."""
+    k, n = nk
+    fwd, bwd, args, wref = _quantized(fmt, _weight(n, k))
+    for m in ODD_TOKENS:
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        dy = _rand((m, n), torch.bfloat16, seed=m + 1, spread=False).to(DEV)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            y, dx = fwd(x, *args), bwd(dy, *args)
+        slow = [str(w.message) for w in seen if "surogate::" in str(w.message)]
+        assert not slow, f"{fmt} [{n}, {k}] M={m} left the fast path: {slow}"
+        plan = paths.plan_for(fmt, x, n, k)  # what the ops just decided (warnings are once per reason)
+        assert plan.fast, f"{fmt} [{n}, {k}] M={m}: {plan}"
+        assert y.shape == (m, n) and dx.shape == (m, k) and y.dtype == dx.dtype == torch.bfloat16
+        if fmt == "fp8":
+            xq, xs = F.quantize_fp8_tiles(x, 128)
+            dq, ds = F.quantize_fp8_tiles(dy, 128)
+            xr, dyr = F.dequantize_fp8_tiles(xq, xs, 128, torch.float32), F.dequantize_fp8_tiles(dq, ds, 128, torch.float32)
+        else:
+            xr, dyr = x.float(), dy.float()
+        yr, dxr = xr @ wref.t(), dyr @ wref
+        assert sqnr(y, yr) > 40, f"{fmt} [{n}, {k}] M={m} forward SQNR {sqnr(y, yr):.1f} dB"
+        assert sqnr(dx, dxr) > 40, f"{fmt} [{n}, {k}] M={m} dgrad SQNR {sqnr(dx, dxr):.1f} dB"
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])

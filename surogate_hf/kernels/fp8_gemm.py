@@ -4,42 +4,35 @@
   tiles by our Triton kernel, weights in 128x128 blocks, `torch.nn.functional.scaled_mm` with
   BlockWise1x128 x BlockWise128x128 scaling (layout: ../shared/notes/anchors.md).
 - per-tensor (fp8-hybrid recipe): `torch._scaled_mm`.
-Shapes or dtypes cuBLASLt does not take go through the reference math (warned once, with the why).
+Any weight shape: K and N that are not multiples of 128 are zero-padded to them inside the call
+(`fp8_layout.pad_weight`; HF's ceil-div `weight_scale_inv` has the partial blocks' scales). Where no
+kernel exists (kernels.paths.plan_gemm says which: a GPU before SM90, a non-bf16 activation, blocks
+other than 128x128) the reference math runs, warned once with the why.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as Fn
 
 from .. import formats as F
+from . import paths
 from ._warn import warn_once
 from . import triton_quant as TQ
 from .fp8_layout import RECIPE_1X128 as _RECIPE_1X128
 from .fp8_layout import RECIPE_128X128 as _RECIPE_128X128
-from .fp8_layout import mm_scales
+from .fp8_layout import mm_scales, pad_columns, pad_weight
 
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _blockwise_ok(device_index: int) -> bool:
-    return hasattr(Fn, "scaled_mm") and torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
-def _block_problem(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int) -> str | None:
+def _plan(a: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, block_n: int, block_k: int) -> paths.GemmPath:
     n, k = w.shape
-    if (block_n, block_k) != (128, 128):
-        return f"block size {block_n}x{block_k} (cuBLASLt block scaling is 128x128)"
-    if n % 128 or k % 128:
-        return f"weight shape [{n}, {k}] not a multiple of 128"
-    if x.dtype not in (torch.bfloat16,):
-        return f"activation dtype {x.dtype} (block-scaled scaled_mm writes bf16)"
-    if not _blockwise_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()):
-        return "block-scaled scaled_mm needs torch >= 2.10 and an SM90 GPU"
-    return None
+    plan = paths.plan_for("fp8", a, n, k, block_size=(block_n, block_k))
+    if plan.path == paths.FP8_BLOCK and tuple(w_scale_inv.shape) != (-(-n // 128), -(-k // 128)):
+        raise ValueError(f"fp8 weight_scale_inv has shape {tuple(w_scale_inv.shape)}, expected "
+                         f"{(-(-n // 128), -(-k // 128))} (ceil-div 128x128 blocks) for a weight of shape {(n, k)}")
+    return plan
 
 
 def _block_mm(a2: torch.Tensor, a_tile: int, wt_q: torch.Tensor, wt_s_mm: torch.Tensor) -> torch.Tensor:
@@ -87,10 +80,10 @@ def _block_gemm(a2: torch.Tensor, w: torch.Tensor, ws_mm: torch.Tensor, transpos
 
 
 def native_linear_ok(dtype: torch.dtype, n: int, k: int, block_n: int, block_k: int, device_index: int) -> bool:
-    """Whether the extension's `surogate_ext::fp8_block_gemm` op takes this linear (and its fake is registered)."""
-    if (block_n, block_k) != (128, 128) or n % 128 or k % 128 or dtype != torch.bfloat16:
-        return False
-    return _blockwise_ok(device_index) and _native() is not None and _register_native_fake()
+    """Whether the extension's `surogate_ext::fp8_block_gemm` op takes this linear (after padding to 128, which
+    the caller does) and its fake is registered."""
+    plan = paths.plan_gemm("fp8", 1, k, n, dtype, paths.device_capability(device_index), block_size=(block_n, block_k))
+    return plan.path == paths.FP8_BLOCK and _native() is not None and _register_native_fake()
 
 
 _FAKE_REGISTERED = []
@@ -114,31 +107,38 @@ def _reference_linear(x, w, w_scale_inv, block_n, block_k):
 
 
 def fp8_block_linear(x, w, w_scale_inv, block_n, block_k, w_scales_mm=None):
-    why = _block_problem(x, w, block_n, block_k)
-    if why:
-        warn_once("fp8_block_linear", f"surogate::fp8_block_linear runs the fp32 reference GEMM: {why}")
+    plan = _plan(x, w, w_scale_inv, block_n, block_k)
+    if plan.path == paths.REFERENCE:
+        warn_once("fp8_block_linear", f"surogate::fp8_block_linear runs the fp32 reference GEMM: {plan.reason}")
         return _reference_linear(x, w, w_scale_inv, block_n, block_k)
-    k = x.shape[-1]
+    n, k = w.shape
     ws = w_scales_mm if w_scales_mm is not None else mm_scales(w_scale_inv)
-    y = _block_gemm(x.reshape(-1, k), w, ws, transpose_w=False)
+    a2 = pad_columns(x.reshape(-1, k), plan.pad_k)
+    y = _block_gemm(a2, pad_weight(w, plan.pad_n, plan.pad_k), ws, transpose_w=False)
+    if plan.pad_n:
+        y = y[:, :n].contiguous()
     # a 2-D input gets the GEMM output itself, not a view of it (callers may accumulate into it in place)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=None):
-    why = _block_problem(dy, w, block_n, block_k)
-    if why:
-        warn_once("fp8_block_linear_dgrad", f"surogate::fp8_block_linear_dgrad runs the fp32 reference GEMM: {why}")
+    plan = _plan(dy, w, w_scale_inv, block_n, block_k)
+    if plan.path == paths.REFERENCE:
+        warn_once("fp8_block_linear_dgrad",
+                  f"surogate::fp8_block_linear_dgrad runs the fp32 reference GEMM: {plan.reason}")
         dq, ds = TQ.quantize_fp8_tiles(dy, block_n)
         dd = F.dequantize_fp8_tiles(dq, ds, block_n, torch.float32)
         wd = TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
         return (dd @ wd).to(dy.dtype)
-    n = dy.shape[-1]
+    n, k = w.shape
     # dx = dy @ W: the reduction runs over W's rows, so the GEMM takes W^T [K, N] (blocks transpose
     # with it); one fp8 transpose of the weight per call (1 byte/param), no dense copy.
     ws = wt_scales_mm if wt_scales_mm is not None else mm_scales(w_scale_inv.t())
-    dx = _block_gemm(dy.reshape(-1, n), w, ws, transpose_w=True)
-    return dx if dy.dim() == 2 else dx.reshape(*dy.shape[:-1], w.shape[1])
+    a2 = pad_columns(dy.reshape(-1, n), plan.pad_n)
+    dx = _block_gemm(a2, pad_weight(w, plan.pad_n, plan.pad_k), ws, transpose_w=True)
+    if plan.pad_k:
+        dx = dx[:, :k].contiguous()
+    return dx if dy.dim() == 2 else dx.reshape(*dy.shape[:-1], k)
 
 
 def _planned_fwd(x, w, w_scale_inv, block_n, block_k, ws_mm, wts_mm):
@@ -153,7 +153,7 @@ def plan_block_linear(w, w_scale_inv, block_n, block_k):
     """(forward, dgrad, args) for a frozen block-scaled weight: both scale layouts cuBLASLt reads
     are built once here instead of per call (4 bytes per 128x128 block each)."""
     ws_mm = wts_mm = None
-    if (block_n, block_k) == (128, 128) and w_scale_inv.dim() == 2 and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
+    if (block_n, block_k) == (128, 128) and w_scale_inv.dim() == 2:
         ws_mm, wts_mm = mm_scales(w_scale_inv), mm_scales(w_scale_inv.t())
     return _planned_fwd, _planned_dgrad, (w, w_scale_inv, block_n, block_k, ws_mm, wts_mm)
 

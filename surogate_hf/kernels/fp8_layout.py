@@ -20,3 +20,18 @@ def mm_scales(ws: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros((ws.shape[0], l4), dtype=torch.float32, device=ws.device)
     padded[:, :kb] = ws
     return padded
+
+
+def pad_weight(w: torch.Tensor, pad_n: int, pad_k: int) -> torch.Tensor:
+    """e4m3 weight [N, K] -> [N + pad_n, K + pad_k] with zero codes in the new rows / columns: cuBLASLt's
+    128x128 block scaling needs both dims multiples of 128. HF's ceil-div `weight_scale_inv` already has
+    the padded blocks' scales and a zero code contributes exactly 0, so the GEMM's result is unchanged."""
+    if not (pad_n or pad_k):
+        return w
+    return Fn.pad(w.view(torch.uint8), (0, pad_k, 0, pad_n)).view(w.dtype)
+
+
+def pad_columns(a: torch.Tensor, pad: int) -> torch.Tensor:
+    """a [M, C] -> [M, C + pad] with zeros: a zero column neither changes a 1x128 tile's amax (so its scale)
+    nor adds to a product."""
+    return Fn.pad(a, (0, pad)) if pad else a

@@ -11,9 +11,9 @@ import importlib
 
 import torch
 
-from . import probe
+from . import paths, probe
 from ._warn import warn_once
-from .fp8_layout import RECIPE_1X128, RECIPE_128X128, mm_scales
+from .fp8_layout import RECIPE_1X128, RECIPE_128X128, mm_scales, pad_columns, pad_weight
 
 NS = "surogate"
 _registered = False
@@ -118,15 +118,22 @@ def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k):
     return _fp8().fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k)
 
 
+def _formats():
+    # the fallback decodes with the spec itself (pure torch): it must work where Triton does not
+    from .. import formats
+
+    return formats
+
+
 def _weight_only(op: str, fwd: bool, fmt_name: str, a, n, k, packed, scale, gscale=None, code=None, nf4_bs=64,
                  reference=None):
-    tg = _tg()
-    fmt = {"nvfp4": tg.NVFP4, "mxfp4": tg.MXFP4, "nf4": tg.NF4}[fmt_name]
-    ok, why = tg.supported(fmt, a, n, k, nf4_bs)
-    if not ok:
-        warn_once(op, f"surogate::{op} dequantizes the weight (reference path): {why}")
+    plan = paths.plan_for(fmt_name, a, n, k, nf4_block=nf4_bs)
+    if plan.path == paths.REFERENCE:
+        warn_once(op, f"surogate::{op} dequantizes the weight (reference path): {plan.reason}")
         return reference()
-    if tg.use_dense(a):
+    tg = _tg()
+    fmt = tg.FORMAT_IDS[fmt_name]
+    if plan.path == paths.DENSE:
         return tg.dense_gemm(fwd, fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
     fn = tg.linear if fwd else tg.linear_dgrad
     return fn(fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
@@ -136,7 +143,7 @@ def nvfp4_linear(x, packed, block_scale, global_scale):
     n, k = packed.shape[0], packed.shape[1] * 2
 
     def ref():
-        return torch.nn.functional.linear(x, _tq().dequantize_nvfp4(packed, block_scale, global_scale, x.dtype))
+        return torch.nn.functional.linear(x, _formats().dequantize_nvfp4(packed, block_scale, global_scale, x.dtype))
 
     return _weight_only("nvfp4_linear", True, "nvfp4", x, n, k, packed, block_scale, global_scale, reference=ref)
 
@@ -145,7 +152,7 @@ def nvfp4_linear_dgrad(dy, packed, block_scale, global_scale):
     n, k = packed.shape[0], packed.shape[1] * 2
 
     def ref():
-        return dy @ _tq().dequantize_nvfp4(packed, block_scale, global_scale, dy.dtype)
+        return dy @ _formats().dequantize_nvfp4(packed, block_scale, global_scale, dy.dtype)
 
     return _weight_only("nvfp4_linear_dgrad", False, "nvfp4", dy, n, k, packed, block_scale, global_scale,
                         reference=ref)
@@ -155,7 +162,7 @@ def mxfp4_linear(x, packed, scales):
     n, k = packed.shape[0], packed.shape[1] * 2
 
     def ref():
-        return torch.nn.functional.linear(x, _tq().dequantize_mxfp4(packed, scales, x.dtype))
+        return torch.nn.functional.linear(x, _formats().dequantize_mxfp4(packed, scales, x.dtype))
 
     return _weight_only("mxfp4_linear", True, "mxfp4", x, n, k, packed, scales, reference=ref)
 
@@ -164,7 +171,7 @@ def mxfp4_linear_dgrad(dy, packed, scales):
     n, k = packed.shape[0], packed.shape[1] * 2
 
     def ref():
-        return dy @ _tq().dequantize_mxfp4(packed, scales, dy.dtype)
+        return dy @ _formats().dequantize_mxfp4(packed, scales, dy.dtype)
 
     return _weight_only("mxfp4_linear_dgrad", False, "mxfp4", dy, n, k, packed, scales, reference=ref)
 
@@ -227,14 +234,21 @@ _fp8_native_ok._dynamo_marked_constant = True
 def fp8_block_linear_native(a, w, w_scale_inv, block_n, block_k, dgrad):
     """The fp8 block linear (a @ W^T) or its dgrad (a @ W) through the native extension's dispatcher op
     `surogate_ext::fp8_block_gemm`, which torch.compile graphs call with no Python in between; None where it
-    does not apply (extension not built, shapes or dtype it does not take): the caller runs the surogate:: op."""
+    does not apply (extension not built, a dtype or GPU paths.plan_gemm sends elsewhere): the caller runs the
+    surogate:: op. Dims that are not multiples of 128 are zero-padded here (see fp8_layout.pad_weight)."""
     n, k = w.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     if not _fp8_native_ok(a.dtype, n, k, block_n, block_k, dev):
         return None
+    pad_n, pad_k = paths.fp8_pads(n, k)
     ws = mm_scales(w_scale_inv.t() if dgrad else w_scale_inv)
-    y = torch.ops.surogate_ext.fp8_block_gemm(a.reshape(-1, a.shape[-1]), w, ws, dgrad, RECIPE_1X128, RECIPE_128X128)
-    return y if a.dim() == 2 else y.view(*a.shape[:-1], y.shape[-1])
+    a2 = pad_columns(a.reshape(-1, a.shape[-1]), pad_n if dgrad else pad_k)
+    y = torch.ops.surogate_ext.fp8_block_gemm(a2, pad_weight(w, pad_n, pad_k), ws, dgrad, RECIPE_1X128,
+                                              RECIPE_128X128)
+    out = k if dgrad else n
+    if y.shape[1] != out:
+        y = y[:, :out].contiguous()
+    return y if a.dim() == 2 else y.view(*a.shape[:-1], out)
 
 
 # ---------------------------------------------------------------- recipe GEMMs

@@ -8,12 +8,15 @@ reference op only by the order of the fp32 accumulation.
 
 Large token counts take another route (`dense_gemm`): the weight is decoded once into a transient
 dense buffer in x's dtype (the exact reference decode, ~2.5 TB/s) and the GEMM runs in cuBLAS; the
-buffer is freed when the call returns. See `DENSE_MIN_TOKENS` for why and where the switch is.
+buffer is freed when the call returns. Which route, and whether a kernel applies at all, is decided
+by kernels.paths.plan_gemm (see `DENSE_MIN_TOKENS` there for where the switch is).
+
+Any shape the format allows: K a multiple of the element block (16 nvfp4, 32 mxfp4, the NF4 block),
+any N and M. Tiles past the edges are masked (packed bytes and scales load as zero codes, which decode
+to 0; x / dy load as 0), so a tail never changes a product.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -23,14 +26,7 @@ from . import triton_quant as TQ
 from .triton_quant import _e2m1_decode, _e8m0_to_f32
 
 NVFP4, MXFP4, NF4 = 0, 1, 2
-
-# Token count (rows of x / dy) from which the GEMM decodes the weight to a transient dense buffer and
-# runs cuBLAS instead of the fused kernel. Measured on the H100 at 4096x14336 (M = 8192): fused
-# 3.4-3.8 ms (~280 TFLOP/s: decoding in the main loop caps it), cuBLAS bf16 1.25 ms (~770 TFLOP/s),
-# the decode ~0.06 ms (~1 ps/param, 4.5 B/param of traffic). Per weight element the dense route costs
-# ~1 ps + 2M / 770 TFLOP/s and the fused one 2M / 280 TFLOP/s: they cross near M ~ 400, so 512.
-# Below it the GEMM is memory-bound and the fused kernel reads 0.5 B/param instead of 4.5.
-DENSE_MIN_TOKENS = int(os.environ.get("SUROGATE_HF_DENSE_MIN_TOKENS", "512"))
+FORMAT_IDS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "nf4": NF4}
 
 
 @triton.jit
@@ -78,17 +74,20 @@ def _nf4_value(c, code_ptr):
 
 
 @triton.jit
-def _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rows, c0, KW, FMT: tl.constexpr, NF4_BS: tl.constexpr,
+def _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rows, c0, NW, KW, FMT: tl.constexpr, NF4_BS: tl.constexpr,
                  R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, FAST: tl.constexpr):
-    """Dense [R, C] tile (in OUT dtype) of the packed weight at rows x [c0, c0 + C); W has KW columns.
+    """Dense [R, C] tile (in OUT dtype) of the packed weight at rows x [c0, c0 + C); W is [NW, KW].
 
+    Rows >= NW and columns >= KW read as zero bytes / zero scales and decode to 0 (KW is a multiple of
+    the format's scale block, so a block is either wholly inside or wholly outside).
     Exact paths: the element equals the reference dequantization rounded to OUT. FAST (bf16 out,
     nvfp4 / mxfp4): e2m1 x block scale is exact in bf16 and built from bit patterns; for nvfp4 the
     global scale is then applied to the fp32 accumulator by the caller instead of per element.
     """
     r64 = rows[:, None].to(tl.int64)
+    rmask = rows[:, None] < NW
     pcols = c0 // 2 + tl.arange(0, C // 2)
-    p = tl.load(p_ptr + r64 * (KW // 2) + pcols[None, :])
+    p = tl.load(p_ptr + r64 * (KW // 2) + pcols[None, :], mask=rmask & (pcols[None, :] < KW // 2), other=0)
     if FMT == 2:
         # bitsandbytes: the even element sits in the HIGH nibble
         codes = tl.reshape(tl.join(p >> 4, p & 0xF), (R, C))
@@ -96,31 +95,47 @@ def _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rows, c0, KW, FMT: tl.constexpr,
         codes = tl.reshape(tl.join(p & 0xF, p >> 4), (R, C))
     if FMT == 0:
         scols = c0 // 16 + tl.arange(0, C // 16)
-        s8 = tl.load(s_ptr + r64 * (KW // 16) + scols[None, :])
+        smask = rmask & (scols[None, :] < KW // 16)
+        # no `other` for an fp8 load (the interpreter cannot cast one): masked scales are zeroed after the cast
+        s8 = tl.load(s_ptr + r64 * (KW // 16) + scols[None, :], mask=smask)
         if FAST:
-            v = tl.reshape(_e2m1_bf16(codes), (R, C // 16, 16)) * s8.to(tl.bfloat16)[:, :, None]
+            sb16 = tl.where(smask, s8.to(tl.bfloat16), 0.0).to(tl.bfloat16)
+            v = tl.reshape(_e2m1_bf16(codes), (R, C // 16, 16)) * sb16[:, :, None]
             w = tl.reshape(v, (R, C))
         else:
             g = tl.load(g_ptr)
-            v = tl.reshape(_e2m1_decode(codes), (R, C // 16, 16)) * s8.to(tl.float32)[:, :, None]
+            v = tl.reshape(_e2m1_decode(codes), (R, C // 16, 16)) * tl.where(smask, s8.to(tl.float32), 0.0)[:, :, None]
             w = tl.reshape(v, (R, C)) * g
     elif FMT == 1:
         scols = c0 // 32 + tl.arange(0, C // 32)
-        sb = tl.load(s_ptr + r64 * (KW // 32) + scols[None, :])
+        sb = tl.load(s_ptr + r64 * (KW // 32) + scols[None, :], mask=rmask & (scols[None, :] < KW // 32), other=127)
         if FAST:
             w = tl.reshape(tl.reshape(_e2m1_bf16(codes), (R, C // 32, 32)) * _e8m0_bf16(sb)[:, :, None], (R, C))
         else:
             w = tl.reshape(tl.reshape(_e2m1_decode(codes), (R, C // 32, 32)) * _e8m0_to_f32(sb)[:, :, None], (R, C))
     else:
+        # masked bytes decode to NF4 level 0 (-1.0): the masked absmax (0) zeroes them
         vals = _nf4_value(codes, code_ptr)
         if C >= NF4_BS:
             bcols = c0 // NF4_BS + tl.arange(0, C // NF4_BS)
-            a = tl.load(s_ptr + r64 * (KW // NF4_BS) + bcols[None, :])
+            a = tl.load(s_ptr + r64 * (KW // NF4_BS) + bcols[None, :], mask=rmask & (bcols[None, :] < KW // NF4_BS),
+                        other=0.0)
             w = tl.reshape(tl.reshape(vals, (R, C // NF4_BS, NF4_BS)) * a[:, :, None], (R, C))
         else:
-            a = tl.load(s_ptr + r64 * (KW // NF4_BS) + c0 // NF4_BS)  # [R, 1]
+            # C < NF4_BS: the tile lies inside one block (c0 < KW, KW % NF4_BS == 0)
+            a = tl.load(s_ptr + r64 * (KW // NF4_BS) + c0 // NF4_BS, mask=rmask, other=0.0)  # [R, 1]
             w = vals * a
     return w.to(OUT)
+
+
+# Tile configs, tuned per (M bucket, N, K, format): few tokens (the memory-bound regime, the fused kernel's
+# job) want narrow tiles so that enough programs stream the weight (a 4096-row weight in 128-wide tiles is
+# 32 programs on 132 SMs); more tokens want the large tensor-core tiles.
+_SMALL_M = ((16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (32, 32, 256, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3),
+            (64, 128, 128, 4, 3))
+_LARGE_M = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+            (64, 128, 128, 4, 3))
+SMALL_M_BUCKET = 64
 
 
 def _configs(fwd: bool):
@@ -128,18 +143,33 @@ def _configs(fwd: bool):
 
     if not AUTOTUNE:
         return [triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3)]
-    out = []
-    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                                      (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)):
-        out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=warps, num_stages=stages))
+    seen, out = set(), []
+    for bm, bn, bk, warps, stages in _SMALL_M + _LARGE_M:
+        if (bm, bn, bk, warps, stages) not in seen:
+            seen.add((bm, bn, bk, warps, stages))
+            out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=warps, num_stages=stages))
     return out
 
 
-@triton.autotune(configs=_configs(True), key=["M", "N", "K", "FMT", "FAST"])
-@triton.jit
-def _wo_linear_fwd(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, y_ptr, M, N, K, FMT: tl.constexpr, NF4_BS: tl.constexpr,
+def _prune(configs, named_args, **kwargs):
+    """Time only the configs meant for this token count's bucket."""
+    small = named_args["M_BUCKET"] <= SMALL_M_BUCKET
+    keep = [c for c in configs if (c.kwargs["BM"] <= 64) == small or c.kwargs["BM"] == 64]
+    return keep or configs
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning key of a token count: its power-of-two ceiling, so training batches of varying length
+    reuse one tuned config per bucket instead of re-tuning on every new M."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+@triton.autotune(configs=_configs(True), key=["M_BUCKET", "N", "K", "FMT", "FAST"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=["M_BUCKET"])  # a tuning key only: no compiled variant per bucket
+def _wo_linear_fwd(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, y_ptr, M, N, K, M_BUCKET, FMT: tl.constexpr, NF4_BS: tl.constexpr,
                    IEEE: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[M, N] = x[M, K] @ W[N, K]^T. Requires N % BN == 0 and K % BK == 0 (checked by the wrapper)."""
+    """y[M, N] = x[M, K] @ W[N, K]^T; tails of M, N and K masked."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     # column-major over M inside groups of N tiles: consecutive programs share the weight tile
@@ -151,22 +181,26 @@ def _wo_linear_fwd(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, y_ptr, M, N, K, FMT: tl
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        xt = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mmask[:, None], other=0.0)
-        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, k0, K, FMT, NF4_BS, BN, BK, x_ptr.dtype.element_ty, FAST)
+        xt = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mmask[:, None] & (rk[None, :] < K),
+                     other=0.0)
+        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, k0, N, K, FMT, NF4_BS, BN, BK, x_ptr.dtype.element_ty,
+                          FAST)
         if IEEE:
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(wt), acc)
     if FAST and FMT == 0:
         acc = acc * tl.load(g_ptr)
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None])
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & (rn[None, :] < N))
 
 
-@triton.autotune(configs=_configs(False), key=["M", "N", "K", "FMT", "FAST"])
-@triton.jit
-def _wo_linear_dgrad(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, dx_ptr, M, N, K, FMT: tl.constexpr,
+@triton.autotune(configs=_configs(False), key=["M_BUCKET", "N", "K", "FMT", "FAST"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=["M_BUCKET"])  # a tuning key only: no compiled variant per bucket
+def _wo_linear_dgrad(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, dx_ptr, M, N, K, M_BUCKET, FMT: tl.constexpr,
                      NF4_BS: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """dx[M, K] = dy[M, N] @ W[N, K]; BN tiles the output (K), BK the reduction (N)."""
+    """dx[M, K] = dy[M, N] @ W[N, K]; BN tiles the output (K), BK the reduction (N); tails masked."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     pid_k = pid // n_m
@@ -177,37 +211,30 @@ def _wo_linear_dgrad(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, dx_ptr, M, N, K, FMT
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for n0 in tl.range(0, N, BK):
         rn = n0 + tl.arange(0, BK)
-        dyt = tl.load(dy_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mmask[:, None], other=0.0)
-        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, pid_k * BN, K, FMT, NF4_BS, BK, BN, dy_ptr.dtype.element_ty, FAST)
+        dyt = tl.load(dy_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mmask[:, None] & (rn[None, :] < N),
+                      other=0.0)
+        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, pid_k * BN, N, K, FMT, NF4_BS, BK, BN,
+                          dy_ptr.dtype.element_ty, FAST)
         if IEEE:
             acc = tl.dot(dyt, wt, acc, input_precision="ieee")
         else:
             acc = tl.dot(dyt, wt, acc)
     if FAST and FMT == 0:
         acc = acc * tl.load(g_ptr)
-    tl.store(dx_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mmask[:, None])
-
-
-def supported(fmt: int, x: torch.Tensor, n: int, k: int, nf4_block: int = 64) -> tuple[bool, str]:
-    """Whether the fused kernel takes this problem; the reason when it does not."""
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False, f"activation dtype {x.dtype} (needs bf16, fp16 or fp32)"
-    if n % 256 or k % 256:
-        return False, f"weight shape [{n}, {k}] (the fused kernel needs both dims multiples of 256)"
-    if fmt == NF4 and k % nf4_block:
-        return False, f"in_features {k} not a multiple of the nf4 block size {nf4_block}"
-    return True, ""
+    tl.store(dx_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=mmask[:, None] & (rk[None, :] < K))
 
 
 @triton.jit
-def _nf4_dequant_kernel(p_ptr, a_ptr, code_ptr, out_ptr, K, NF4_BS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def _nf4_dequant_kernel(p_ptr, a_ptr, code_ptr, out_ptr, N, K, NF4_BS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """Dense [N, K] NF4 decode (the GEMM's own tile decode, exact: fp32 level x fp32 absmax, rounded
-    once to the output dtype). Requires N % R == 0 and K % C == 0 (the `supported` shapes)."""
+    once to the output dtype); edge tiles masked."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     c0 = tl.program_id(1) * C
-    w = _decode_tile(p_ptr, a_ptr, p_ptr, code_ptr, rows, c0, K, 2, NF4_BS, R, C, out_ptr.dtype.element_ty, False)
+    w = _decode_tile(p_ptr, a_ptr, p_ptr, code_ptr, rows, c0, N, K, 2, NF4_BS, R, C, out_ptr.dtype.element_ty, False)
     cols = c0 + tl.arange(0, C)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], w)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], w,
+             mask=(rows[:, None] < N) & (cols[None, :] < K))
 
 
 def dequantize(fmt: int, packed, scale, gscale, code, n: int, k: int, nf4_bs: int, out_dtype) -> torch.Tensor:
@@ -217,7 +244,9 @@ def dequantize(fmt: int, packed, scale, gscale, code, n: int, k: int, nf4_bs: in
     if fmt == MXFP4:
         return TQ.dequantize_mxfp4(packed.reshape(n, k // 2), scale, out_dtype)
     out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
-    _nf4_dequant_kernel[(n // 16, k // 256)](packed, scale, code, out, k, NF4_BS=nf4_bs, R=16, C=256, num_warps=4)
+    if n and k:
+        _nf4_dequant_kernel[(triton.cdiv(n, 16), triton.cdiv(k, 256))](packed, scale, code, out, n, k, NF4_BS=nf4_bs,
+                                                                       R=16, C=256, num_warps=4)
     return out
 
 
@@ -227,10 +256,6 @@ def dense_gemm(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code
     matmul for large inputs: W exists only for this call (allocator-cached, never on the module)."""
     w = dequantize(fmt, packed, scale, gscale, code, n, k, nf4_bs, a.dtype)
     return torch.nn.functional.linear(a, w) if fwd else torch.matmul(a, w)
-
-
-def use_dense(a: torch.Tensor) -> bool:
-    return a.numel() >= DENSE_MIN_TOKENS * a.shape[-1] > 0
 
 
 def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n: int, k: int, nf4_bs: int):
@@ -249,7 +274,7 @@ def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n
     def grid(meta):
         return (triton.cdiv(m, meta["BM"]) * triton.cdiv(out_cols, meta["BN"]),)
 
-    kern[grid](a2, packed.reshape(n, k // 2), scale, g, c, out, m, n, k, FMT=fmt, NF4_BS=nf4_bs,
+    kern[grid](a2, packed.reshape(n, k // 2), scale, g, c, out, m, n, k, m_bucket(m), FMT=fmt, NF4_BS=nf4_bs,
                IEEE=a.dtype == torch.float32, FAST=a.dtype == torch.bfloat16 and fmt != NF4)
     # a 2-D input gets the output itself, not a view of it (callers may accumulate into it in place)
     return out if a.dim() == 2 else out.reshape(*a.shape[:-1], out_cols)

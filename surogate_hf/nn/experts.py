@@ -186,6 +186,19 @@ class QuantizedExperts(nn.Module):
                 dense._parameters[p + "_bias"] = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         return dense
 
+    def gemm_paths(self, tokens: int, dtype: torch.dtype | None = None, capability="current") -> dict:
+        """{projection: kernels.paths.GemmPath} for `tokens` rows routed to one expert (see
+        QuantizedLinear.gemm_path): each expert unit's GEMM takes the path the kernels pick for its [rows, K]."""
+        from ..kernels import paths
+
+        if capability == "current":
+            capability = paths.device_capability(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        out = {}
+        for p in self.projections:
+            _, rows, k = self.units(p)
+            out[p] = self.fmt.gemm_path(tokens, rows, k, dtype or self.dtype, capability)
+        return out
+
     def quantized_nbytes(self) -> int:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.slot_names())
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .. import formats as F
 from .. import ops
+from ..kernels import paths as _paths
 from ..kernels import registry as _cuda
 from ..formats.mxfp4 import MXFP4_BLOCK
 from ..formats.nvfp4 import NVFP4_BLOCK
@@ -87,6 +88,16 @@ class Format:
 
     def bytes_per_param(self) -> float:
         raise NotImplementedError
+
+    def path_options(self) -> dict:
+        """This format's options that kernels.paths.plan_gemm takes (fp8 block size, NF4 block size)."""
+        return {}
+
+    def gemm_path(self, m: int, n: int, k: int, dtype: torch.dtype, capability, **device) -> "_paths.GemmPath":
+        """The CUDA path an [n, k] unit of this format takes for m tokens of `dtype` on a GPU of compute
+        capability `capability` (None: no GPU): the very decision the kernels make (kernels.paths.plan_gemm)."""
+        return _paths.plan_gemm(self.name, m, k, n, dtype, None if capability is None else tuple(capability),
+                                **self.path_options(), **device)
 
 
 class FP8Format(Format):
@@ -153,6 +164,9 @@ class FP8Format(Format):
         if self.block_size is None:
             return 1.0
         return 1.0 + 4.0 / (self.block_size[0] * self.block_size[1])
+
+    def path_options(self):
+        return {"block_size": self.block_size}
 
 
 class NVFP4Format(Format):
@@ -323,6 +337,9 @@ class NF4Format(Format):
         # on the device only, never saved): undoing double quantization per call was a bitsandbytes
         # call (QuantState + dequantize_blockwise + offset add) on every forward and dgrad.
         return _cuda.plan_nf4(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
+
+    def path_options(self):
+        return {"nf4_block": self.block_size}
 
     def bytes_per_param(self):
         if not self.double_quant:
@@ -553,6 +570,14 @@ class QuantizedLinear(nn.Linear):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def gemm_path(self, tokens: int, dtype: torch.dtype | None = None, capability="current") -> "_paths.GemmPath":
+        """The CUDA path this layer's forward and dgrad take for `tokens` rows of `dtype` (default: the layer's
+        dtype) on the current GPU (capability="current"), on a GPU of the given (major, minor), or with no
+        GPU (None). Callable on CPU; the kernels decide with the same function."""
+        if capability == "current":
+            capability = _paths.device_capability(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return self.fmt.gemm_path(tokens, self.out_features, self.in_features, dtype or self.dtype, capability)
 
     def to_dense(self, dtype: torch.dtype | None = None) -> nn.Linear:
         """A plain nn.Linear holding the dequantized weight (and this layer's bias)."""

@@ -1,0 +1,146 @@
+"""Which GEMM path a frozen quantized linear takes on CUDA: one decision, callable on CPU.
+
+`plan_gemm(format, m, k, n, dtype, capability)` returns the path the kernels will run for an activation of
+m rows times a weight [n, k] (n = out_features, k = in_features), and the reason when it is not a fast one.
+The CUDA implementations in registry.py / fp8_gemm.py call exactly this function to choose what they run
+(and warn once with its reason when the answer is the reference path); the nn modules reach the kernels
+through them, and `Format.gemm_path` / `QuantizedLinear.gemm_path` ask the same question for a layer.
+Free of Triton and of any CUDA call, so tests walk the shapes of real models on a CPU machine.
+
+Paths:
+  fp8_block_cublaslt   fp8 128x128-block base: 1x128 activation tiles x 128x128 weight blocks through
+                       cuBLASLt's block-scaled GEMM; K / N that are not multiples of 128 are zero-padded to
+                       them inside the call (HF's ceil-div `weight_scale_inv` already covers the padded
+                       blocks, zero codes add nothing, so the result equals the unpadded reference math)
+  fused_dequant_gemm   nvfp4 / mxfp4 / nf4 with few tokens: Triton GEMM decoding the packed weight tile by
+                       tile into registers (memory-bound regime: reads ~0.5 B/param), masked tails
+  dense_decode_cublas  nvfp4 / mxfp4 / nf4 with many tokens: the weight decoded once into a transient dense
+                       buffer (exact reference decode, masked tails) and cuBLAS
+  reference            the fp32 / dequantize reference math: only where no kernel exists (no CUDA device,
+                       a GPU or dtype the kernels do not support)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+FP8_BLOCK = "fp8_block_cublaslt"
+FUSED = "fused_dequant_gemm"
+DENSE = "dense_decode_cublas"
+REFERENCE = "reference"
+FAST_PATHS = (FP8_BLOCK, FUSED, DENSE)
+
+FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
+WEIGHT_ONLY = ("nvfp4", "mxfp4", "nf4")
+
+# Token count (rows of x / dy) from which the weight-only GEMMs decode the weight to a transient dense
+# buffer and run cuBLAS instead of the fused kernel. Measured on the H100 at 4096x14336 (M = 8192): fused
+# 3.4-3.8 ms (~280 TFLOP/s: decoding in the main loop caps it), cuBLAS bf16 1.25 ms (~770 TFLOP/s), the
+# decode ~0.06 ms (~1 ps/param, 4.5 B/param of traffic). Per weight element the dense route costs
+# ~1 ps + 2M / 770 TFLOP/s and the fused one 2M / 280 TFLOP/s: they cross near M ~ 400, so 512.
+# Below it the GEMM is memory-bound and the fused kernel reads 0.5 B/param instead of 4.5.
+DENSE_MIN_TOKENS = int(os.environ.get("SUROGATE_HF_DENSE_MIN_TOKENS", "512"))
+
+_ELEMENT_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+_WEIGHT_ONLY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class GemmPath(NamedTuple):
+    path: str  # one of FP8_BLOCK, FUSED, DENSE, REFERENCE
+    reason: str  # why the reference path, "" on a fast path
+    pad_k: int = 0  # fp8: zero columns added to K (in_features) inside the call
+    pad_n: int = 0  # fp8: zero rows added to N (out_features)
+
+    @property
+    def fast(self) -> bool:
+        return self.path != REFERENCE
+
+
+def shape_problem(fmt: str, n: int, k: int, nf4_block: int = 64) -> str | None:
+    """Why `fmt` cannot hold an [n, k] weight at all (no path, fast or slow, exists), or None."""
+    if n < 0 or k < 0:
+        return f"weight shape [{n}, {k}]"
+    if fmt in _ELEMENT_BLOCK and k % _ELEMENT_BLOCK[fmt]:
+        return f"{fmt.upper()} needs in_features % {_ELEMENT_BLOCK[fmt]} == 0, got {k}"
+    if fmt == "nf4" and k % nf4_block:
+        return f"NF4 needs in_features % {nf4_block} == 0 (its block size), got {k}"
+    return None
+
+
+def fp8_pads(n: int, k: int) -> tuple[int, int]:
+    """Zero rows / columns the fp8 block GEMM adds to a [n, k] weight (cuBLASLt's 128x128 blocks)."""
+    return -n % 128, -k % 128
+
+
+@functools.lru_cache(maxsize=8192)
+def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: tuple[int, int] | None, *,
+              block_size: tuple[int, int] | None = (128, 128), nf4_block: int = 64, triton: bool = True,
+              blockwise_scaled_mm: bool | None = None, dense_min_tokens: int | None = None) -> GemmPath:
+    """The path of y = x W^T (and of its input gradient dy W, which takes the same one) for x [m, k] in
+    `dtype`, W [n, k] of format `fmt` on a CUDA device of compute capability `capability` (None: no CUDA
+    device). block_size: the fp8 weight blocks (None = one per-tensor scale); nf4_block: NF4 block size;
+    triton: whether Triton is importable; blockwise_scaled_mm: whether torch has the block-scaled
+    `torch.nn.functional.scaled_mm` (default: this torch). Raises ValueError for a weight the format cannot
+    hold. Cached: the kernels call it on every GEMM."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+    problem = shape_problem(fmt, n, k, nf4_block)
+    if problem:
+        raise ValueError(problem)
+    if capability is None:
+        return GemmPath(REFERENCE, "no CUDA device: the reference ops run on CPU tensors")
+    cap = tuple(capability)
+    if fmt == "fp8":
+        if blockwise_scaled_mm is None:
+            blockwise_scaled_mm = hasattr(torch.nn.functional, "scaled_mm")
+        if block_size is None or tuple(block_size) != (128, 128):
+            what = "per-tensor scaling" if block_size is None else f"block size {block_size[0]}x{block_size[1]}"
+            return GemmPath(REFERENCE, f"{what} (cuBLASLt block scaling is 128x128)")
+        if dtype != torch.bfloat16:
+            return GemmPath(REFERENCE, f"activation dtype {dtype} (block-scaled scaled_mm writes bf16)")
+        if cap < (9, 0):
+            return GemmPath(REFERENCE, f"block-scaled FP8 GEMMs need compute capability >= 9.0, this GPU has "
+                                       f"{cap[0]}.{cap[1]}")
+        if not blockwise_scaled_mm:
+            return GemmPath(REFERENCE, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm "
+                                       "(block-scaled FP8 needs torch >= 2.10)")
+        pad_n, pad_k = fp8_pads(n, k)
+        return GemmPath(FP8_BLOCK, "", pad_k=pad_k, pad_n=pad_n)
+    # nvfp4 / mxfp4 / nf4: Triton kernels
+    if not triton:
+        return GemmPath(REFERENCE, "triton is not installed (pip install triton)")
+    if dtype not in _WEIGHT_ONLY_DTYPES:
+        return GemmPath(REFERENCE, f"activation dtype {dtype} (needs bf16, fp16 or fp32)")
+    need = (8, 0) if dtype == torch.bfloat16 else (7, 0)
+    if cap < need:
+        return GemmPath(REFERENCE, f"the Triton GEMMs in {dtype} need compute capability >= {need[0]}.{need[1]}, "
+                                   f"this GPU has {cap[0]}.{cap[1]}")
+    threshold = DENSE_MIN_TOKENS if dense_min_tokens is None else dense_min_tokens
+    return GemmPath(DENSE if m >= threshold and m > 0 else FUSED, "")
+
+
+@functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def plan_for(fmt: str, a: torch.Tensor, n: int, k: int, **options) -> GemmPath:
+    """plan_gemm for a live activation (x for the forward, dy for the dgrad: m = its rows)."""
+    if a.is_cuda:
+        dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        cap = device_capability(dev)
+    else:
+        cap = None
+    m = a.numel() // a.shape[-1] if a.dim() and a.shape[-1] else 0
+    return plan_gemm(fmt, m, k, n, a.dtype, cap, triton=_triton_importable(), **options)

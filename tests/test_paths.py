@@ -1,0 +1,117 @@
+"""The GEMM path decision (kernels.paths.plan_gemm), on CPU: every linear of the real models' shapes takes a
+fast path on an SM90 GPU for every format and token count; the reference path only where no kernel exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from surogate_hf import formats as F
+from surogate_hf.kernels import model_shapes as S
+from surogate_hf.kernels import paths as P
+from surogate_hf.kernels.fp8_layout import pad_columns, pad_weight
+
+SM90 = (9, 0)
+TOKENS = (1, 7, 64, 1000, 8192)
+
+
+@pytest.mark.parametrize("fmt", P.FORMATS)
+def test_every_shapes_table_linear_is_planned_fast_on_sm90(fmt):
+    for model, proj, k, n in S.all_linears():
+        for m in TOKENS:
+            plan = P.plan_gemm(fmt, m, k, n, torch.bfloat16, SM90, blockwise_scaled_mm=True)
+            assert plan.fast, f"{model} {proj} [{n}, {k}] {fmt} M={m}: {plan.path} ({plan.reason})"
+            if fmt == "fp8":
+                assert plan.path == P.FP8_BLOCK
+                assert (k + plan.pad_k) % 128 == 0 and (n + plan.pad_n) % 128 == 0
+                assert plan.pad_k < 128 and plan.pad_n < 128
+            else:
+                assert plan.path == (P.DENSE if m >= P.DENSE_MIN_TOKENS else P.FUSED)
+
+
+@pytest.mark.parametrize("fmt", P.FORMATS)
+def test_gpt_oss_expert_units_are_planned_fast(fmt):
+    hidden, _, _, inter = S.MODELS["GPT-OSS-20B"]
+    # fused gate_up (one unit for nvfp4 / mxfp4, per component for fp8 / nf4) and down
+    for k, n in ((hidden, 2 * inter), (hidden, inter), (inter, hidden)):
+        for m in TOKENS:
+            assert P.plan_gemm(fmt, m, k, n, torch.bfloat16, SM90, blockwise_scaled_mm=True).fast
+
+
+def test_modules_ask_the_same_function():
+    from surogate_hf.nn.linear import LINEAR_CLASSES
+
+    for fmt, cls in LINEAR_CLASSES.items():
+        layer = cls(576, 192, bias=False, dtype=torch.bfloat16)  # on meta: nothing allocated
+        plan = layer.gemm_path(7, capability=SM90)
+        assert plan == P.plan_gemm(fmt, 7, 576, 192, torch.bfloat16, SM90, **layer.fmt.path_options())
+        assert plan.fast or fmt == "fp8" and not hasattr(torch.nn.functional, "scaled_mm")
+        assert layer.gemm_path(7, capability=None).path == P.REFERENCE
+
+
+def test_reference_only_where_no_kernel_exists():
+    bf16 = torch.bfloat16
+    assert P.plan_gemm("nvfp4", 7, 576, 192, bf16, None).reason.startswith("no CUDA device")
+    why = P.plan_gemm("fp8", 7, 576, 192, bf16, (8, 0), blockwise_scaled_mm=True).reason
+    assert "9.0" in why and "8.0" in why
+    assert "dtype" in P.plan_gemm("fp8", 7, 576, 192, torch.float16, SM90, blockwise_scaled_mm=True).reason
+    assert "scaled_mm" in P.plan_gemm("fp8", 7, 576, 192, bf16, SM90, blockwise_scaled_mm=False).reason
+    assert "64x64" in P.plan_gemm("fp8", 7, 576, 192, bf16, SM90, block_size=(64, 64), blockwise_scaled_mm=True).reason
+    assert "per-tensor" in P.plan_gemm("fp8", 7, 576, 192, bf16, SM90, block_size=None).reason
+    assert "triton" in P.plan_gemm("mxfp4", 7, 576, 192, bf16, SM90, triton=False).reason
+    assert "float64" in P.plan_gemm("nf4", 7, 576, 192, torch.float64, SM90).reason
+    assert "7.5" in P.plan_gemm("mxfp4", 7, 576, 192, bf16, (7, 5)).reason
+    assert P.plan_gemm("mxfp4", 7, 576, 192, torch.float16, (7, 5)).fast
+
+
+@pytest.mark.parametrize("fmt,k", [("nvfp4", 40), ("mxfp4", 48), ("nf4", 96)])
+def test_a_weight_the_format_cannot_hold_is_an_error(fmt, k):
+    with pytest.raises(ValueError, match=str(k)):
+        P.plan_gemm(fmt, 7, k, 64, torch.bfloat16, SM90)
+
+
+def test_fp8_padding_is_exact():
+    """The fp8 fast path pads K and N to 128 with zero codes: the block-scaled product of the padded operands
+    (1x128 activation tiles, 128x128 weight blocks of HF's ceil-div layout) equals the unpadded reference."""
+    m, n, k = 5, 192, 576
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02
+    x = (torch.randn(m, k, generator=g) * torch.exp(torch.randn(k, generator=g))).to(torch.bfloat16)
+    q, s = F.quantize_fp8_blocks(w, (128, 128))
+    assert tuple(s.shape) == (2, 5)  # ceil-div: partial blocks
+
+    def operands(xx, qq):
+        xq, xs = F.quantize_fp8_tiles(xx, 128)
+        xd = F.dequantize_fp8_tiles(xq, xs, 128, torch.float32)
+        return xd, F.dequantize_fp8_blocks(qq, s, (128, 128), torch.float32)
+
+    plan = P.plan_gemm("fp8", m, k, n, torch.bfloat16, SM90, blockwise_scaled_mm=True)
+    xp, wp = operands(pad_columns(x, plan.pad_k), pad_weight(q, plan.pad_n, plan.pad_k))
+    xr, wr = operands(x, q)
+    assert xp.shape == (m, k + plan.pad_k) and wp.shape == (n + plan.pad_n, k + plan.pad_k)
+    # the real entries decode bit for bit as without padding (same tile and block scales), the pads to 0
+    assert torch.equal(xp[:, :k], xr) and torch.equal(wp[:n, :k], wr)
+    assert not xp[:, k:].any() and not wp[n:].any() and not wp[:, k:].any()
+    y = xp @ wp.t()  # differs from the unpadded product only by the order of the fp32 sums
+    torch.testing.assert_close(y[:, :n], xr @ wr.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", P.FORMATS)
+def test_gpt_oss_experts_module_plans_the_fast_path(fmt):
+    from conftest import tiny_gpt_oss_config
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from surogate_hf.nn.experts import QuantizedExperts
+    from surogate_hf.nn.linear import make_format
+
+    hidden, _, _, inter = S.MODELS["GPT-OSS-20B"]
+    with torch.device("meta"):
+        template = GptOssExperts(tiny_gpt_oss_config(hidden_size=hidden, intermediate_size=inter))
+    q = QuantizedExperts(template, make_format(fmt), dtype=torch.bfloat16)
+    for m in TOKENS:
+        planned = q.gemm_paths(m, capability=SM90)
+        assert set(planned) == {"gate_up_proj", "down_proj"}
+        for proj, plan in planned.items():
+            _, rows, k = q.units(proj)
+            assert plan == P.plan_gemm(fmt, m, k, rows, torch.bfloat16, SM90, **q.fmt.path_options())
+            assert plan.fast or fmt == "fp8" and not hasattr(torch.nn.functional, "scaled_mm"), (proj, m, plan)
