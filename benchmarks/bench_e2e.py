@@ -182,6 +182,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--setups", default="peft_bf16,bnb_nf4,ours_fp8,ours_nf4,full_bf16,full_fp8")
     ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
+    ap.add_argument("--traced-gemm", default=None, choices=["aten", "op"],
+                    help="how the fp8 recipe's GEMM enters a compiled graph (recipes.fp8_hybrid.TRACED_GEMM)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
@@ -191,6 +193,10 @@ def main():
     args = ap.parse_args()
     global SHAPE
     SHAPE = args.shape
+    if args.traced_gemm:
+        import surogate_hf.recipes.fp8_hybrid as fh
+
+        fh.TRACED_GEMM = args.traced_gemm
     if args.layers is None:
         args.layers = SHAPES[SHAPE][6]
     errors, tps, measured = {}, {}, {}

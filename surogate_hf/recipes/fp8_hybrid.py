@@ -109,7 +109,11 @@ def cast(x2d, scale, scale_inv, amax, row, fmt, transpose: bool, record: bool, c
             amax[amax_row] = torch.maximum(amax[amax_row], a)
         else:  # a traced row: index ops, not t[row] (dynamo would specialize the index to a Python int)
             amax.index_put_((amax_row.reshape(1),), torch.maximum(_at(amax, amax_row), a).reshape(1))
-    return q, qt, (s.reciprocal() if current else _at(scale_inv, row)[0])
+    if current or not isinstance(row, int):
+        # traced: a fresh 0-dim reciprocal (what update() stores in scale_inv, bit for bit); inductor's scaled-GEMM
+        # lowering failed on a gathered view of the padded scale_inv rows (H100, torch 2.11)
+        return q, qt, s.reciprocal()
+    return q, qt, scale_inv[row, 0]
 
 
 def _at(t, row):
