@@ -154,7 +154,7 @@ def test_one_update_per_optimizer_step_with_grad_accumulation():
     assert ((st.amax_history[:, :2] > 0).all() and (st.amax_history[:, 2:] == 0).all()), "one push per step"
 
 
-@pytest.mark.parametrize("recipe, knobs", [("bf16", {}), ("fp8-hybrid", {})])
+@pytest.mark.parametrize("recipe, knobs", [("bf16", {}), ("fp8-hybrid", {}), ("nvfp4", {})])
 @pytest.mark.parametrize("opt_kw", [{"fused": True}, {"foreach": True}, {"foreach": False}])
 def test_work_weights_follow_every_optimizer(recipe, knobs, opt_kw):
     """fp32 masters with bf16 compute: after an optimizer step the layers compute with the new weights, also

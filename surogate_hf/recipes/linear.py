@@ -29,7 +29,7 @@ from .bf16 import FloatEngine, float_mm
 from .config import TORCH_DTYPES, RecipeConfig, as_recipe_config, check_device, dtype_name
 from .fp8_hybrid import Fp8LinearFn, cast, warn_emulation_once
 from .nvfp4 import NVFP4Engine
-from .scaling import Fp8ScalingState, current_generation, follow_optimizer_steps
+from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
 
 FP8_STATE_NAME = "surogate_fp8_state"
@@ -129,6 +129,7 @@ class RecipeLinear(nn.Linear):
         self.compute_dtype = TORCH_DTYPES[model_dtype]
         state_device = device if state_device is None else state_device
         self._work, self._work_key, self._checked_devices = None, None, set()
+        install_step_hook()  # weight caches are keyed on the optimizer-step generation
         self.pass_mode, self.fwd_sr_step = "train", -1
         self._has_sr_step = quantize and config.recipe == "nvfp4"
         if not quantize:
@@ -434,8 +435,6 @@ def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
                                 device=device)
         model.add_module(FP8_STATE_NAME, state)
         state.attach(model)
-    if master_dt != model_dt:
-        follow_optimizer_steps(model)
     index = 0
     mods = dict(model.named_modules())
     for name, m, quantize in targets:

@@ -60,20 +60,35 @@ class NVFP4Engine:
     def _q(self, t, block_2d=False, stochastic=False, seed=0):
         return torch.ops.surogate.quantize_nvfp4(t, block_2d, self.fos, self.rule, stochastic, seed, None)
 
+    def _weight(self, owner, w, need_t: bool):
+        """The 2D-block quantized weight (packed, scales, global) and, with need_t, its transpose: built once per
+        optimizer step (the layer's weight key) and reused by micro-batches, recomputes and the dgrad."""
+        if torch.compiler.is_compiling():
+            wq = self._q(w, block_2d=True)
+            return wq, (transpose_nvfp4_2d(*wq) if need_t else None)
+        key = owner._weight_key()
+        cached = getattr(owner, "_nvfp4_w", None)
+        if cached is None or cached[0] != key:
+            cached = (key, self._q(w, block_2d=True), None)
+        if need_t and cached[2] is None:
+            cached = (key, cached[1], transpose_nvfp4_2d(*cached[1]))
+        owner._nvfp4_w = cached
+        return cached[1], cached[2]
+
     def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):
         warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
         xq = self._q(x)
-        wq = self._q(w, block_2d=True)
+        wq, wt = self._weight(owner, w, need_dx)
         y = torch.ops.surogate.nvfp4_mm(*xq, *wq, bias, x.dtype)
-        return y, (x, *wq, owner.fwd_sr_step)
+        return y, (x, *(wt if wt is not None else (None, None, None)), owner.fwd_sr_step)
 
     def backward(self, owner, dy, saved, need_dx, need_dw):
-        x, wp, ws, wg, step = saved
+        x, wtp, wts, wtg, step = saved
         seed = lambda role: sr_seed(self.seed, owner.recipe_index, step, role) if self.sr else 0  # noqa: E731
         dx = dw = None
         if need_dx:
             dyq = self._q(dy, stochastic=self.sr, seed=seed(ROLE_DGRAD))
-            dx = torch.ops.surogate.nvfp4_mm(*dyq, *transpose_nvfp4_2d(wp, ws, wg), None, dy.dtype)
+            dx = torch.ops.surogate.nvfp4_mm(*dyq, wtp, wts, wtg, None, dy.dtype)
         if need_dw:
             a, b = _pad_tokens(dy.t()), _pad_tokens(x.t())
             if self.rht:

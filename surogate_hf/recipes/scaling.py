@@ -53,7 +53,6 @@ _update_op = torch.ops.surogate.delayed_scaling_update
 _generation = itertools.count(1)
 _current_generation = 0
 _states: "weakref.WeakSet[Fp8ScalingState]" = weakref.WeakSet()
-_work_owners: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # roots whose weight caches follow steps
 _hook_handle = None
 
 
@@ -80,35 +79,23 @@ def _trains(optimizer, root: nn.Module, cache: "weakref.WeakKeyDictionary") -> b
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    stepped = False
     for state in list(_states):
         root = state.root()
         if root is not None and _trains(optimizer, root, state._optimizers):
             state.update()
-            stepped = True
-    if not stepped:
-        stepped = any(r is not None and _trains(optimizer, r, _work_cache) for r in list(_work_owners))
-    if stepped:
-        _bump_generation()
-
-
-_work_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    # every step of every optimizer moves the generation: a cache rebuilt once too often costs one cast per layer,
+    # one kept too long trains on stale weights
+    _bump_generation()
 
 
 def install_step_hook() -> None:
-    """Register the global optimizer step post-hook once (torch.optim public API)."""
+    """Register the global optimizer step post-hook once (torch.optim public API). Every RecipeLinear does this
+    on creation: its weight caches are keyed on the generation it moves."""
     global _hook_handle
     if _hook_handle is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _hook_handle = register_optimizer_step_post_hook(_after_optimizer_step)
-
-
-def follow_optimizer_steps(root: nn.Module) -> None:
-    """Make weight caches under `root` (work copies of fp32 masters) refresh after each step of an optimizer
-    that trains `root`, also when the recipe keeps no FP8 state (bf16 recipe with fp32 masters)."""
-    install_step_hook()
-    _work_owners.add(root)
 
 
 def recipe_step(model: nn.Module) -> None:
