@@ -532,11 +532,29 @@ def _nan_first(t):
     return t
 
 
+def _zero_at(t, i):
+    """`t` with its i-th element (flat) set to zero, bytes kept for 1-byte dtypes."""
+    t = t.clone()
+    (t.view(torch.uint8) if t.element_size() == 1 else t).view(-1)[i] = 0
+    return t
+
+
 BAD_TENSORS = [
     ("llama_fp8", _drop(f"{Q}.weight_scale_inv"), rf"missing scale: {Q}\.weight_scale_inv"),
     ("llama_fp8", _set(f"{Q}.weight_scale_inv", lambda t: torch.ones(2, 2)), rf"{Q}\.weight_scale_inv has shape \[2, 2\], expected \[1, 1\]"),
     ("llama_fp8", _set(f"{Q}.weight_scale_inv", lambda t: t.bfloat16()), rf"{Q}\.weight_scale_inv has dtype BF16, expected F32"),
     ("llama_fp8", _set(f"{Q}.weight_scale_inv", _nan_first), rf"{Q}\.weight_scale_inv: 1 NaN/inf"),
+    # zero scales over non-zero codes decode to zeros: all zero, one zero block, per-tensor, fused experts
+    ("llama_fp8", _set(f"{Q}.weight_scale_inv", torch.zeros_like), rf"{Q}\.weight_scale_inv: 1 zero scale\(s\) over blocks of non-zero codes"),
+    ("llama_fp8", _set(f"{M}.weight_scale_inv", lambda t: _zero_at(t, 1)), rf"{M}\.weight_scale_inv: 1 zero scale\(s\) over"),
+    ("llama_fp8tensor", _set(f"{Q}.weight_scale_inv", torch.zeros_like), rf"{Q}\.weight_scale_inv: 1 zero scale\(s\) over"),
+    ("qwen3_mofp8", _set(f"{Q}.weight_scale", torch.zeros_like), rf"{Q}\.weight_scale: 1 zero scale\(s\) over"),
+    ("llama_nvfp4", _set(f"{Q}.weight_scale", lambda t: _zero_at(t, 0)), rf"{Q}\.weight_scale: 1 zero scale\(s\) over"),
+    (
+        "qwen3_moe_fp8",
+        _set("model.layers.1.mlp.experts.3.down_proj.weight_scale_inv", torch.zeros_like),
+        r"model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight_scale_inv: \d+ zero scale\(s\) over",
+    ),
     ("llama_nvfp4", _set(f"{Q}.weight_scale_2", lambda t: torch.tensor(float("inf"))), rf"{Q}\.weight_scale_2: 1 NaN/inf"),
     ("llama_nvfp4", _set(f"{Q}.weight_scale", lambda t: torch.full_like(t.float(), float("nan")).to(t.dtype)), rf"{Q}\.weight_scale: \d+ NaN/inf"),
     ("llama_nvfp4", _drop(f"{Q}.weight_scale_2"), rf"missing NVFP4 global scale weight_scale_2: {Q}\.weight_scale_2"),
@@ -589,6 +607,21 @@ def test_bad_tensors_raise_naming_the_key(ckpt, tmp_path, name, edit, message):
     with pytest.raises(PQ.PrequantizedCheckpointError, match=message) as err:
         load(path, quantization_config=SurogateConfig())
     assert "nothing was loaded" in str(err.value)
+
+
+def test_zero_scale_over_a_block_of_zero_codes_loads(ckpt, tmp_path):
+    # A zero block scale is how a quantizer stores an all-zero block: that is valid and decodes exactly.
+    path = copy_ckpt(ckpt("llama_fp8"), tmp_path / "zero_block")
+
+    def zero_second_block(sd):
+        w, s = sd[f"{M}.weight"].clone(), sd[f"{M}.weight_scale_inv"].clone()
+        w[128:] = 0
+        s[1] = 0
+        return {**sd, f"{M}.weight": w, f"{M}.weight_scale_inv": s}
+
+    P.rewrite_tensors(path, zero_second_block)
+    w = load(path, quantization_config=SurogateConfig()).get_submodule(M).dequantize(torch.float32)
+    assert torch.all(w[128:] == 0) and torch.any(w[:128] != 0)
 
 
 BAD_CONFIGS = [
