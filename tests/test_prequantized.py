@@ -509,6 +509,14 @@ def test_no_quantization_anywhere_is_an_error(tmp_path):
         load(str(tmp_path / "dense"), quantization_config=SurogateConfig())
 
 
+def test_unknown_quant_method_is_named_with_the_supported_ones(ckpt, tmp_path):
+    path = copy_ckpt(ckpt("llama_fp8"), tmp_path / "fp9")
+    P.rewrite_quant_config(path, lambda c: {**c, "quant_method": "fp9"})
+    with pytest.raises(PQ.PrequantizedCheckpointError, match=r"config\.json quantization_config: quant_method 'fp9' "
+                       r"is not a pre-quantized layout surogate_hf loads; supported: 'fp8' .*'modelopt'.*'mxfp4'.*'bitsandbytes'"):
+        load(path, quantization_config=SurogateConfig())
+
+
 Q = "model.layers.0.self_attn.q_proj"
 M = "model.layers.0.mlp.up_proj"  # [256, 128]
 

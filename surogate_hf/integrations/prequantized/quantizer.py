@@ -99,6 +99,19 @@ def install_merge_patch() -> None:
 install_merge_patch()
 
 
+def _config_json_quantization(directory: str) -> dict | None:
+    """The quantization_config dict of `directory`/config.json (top level or text_config), None when absent."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        cfg = json.load(f)
+    for d in (cfg, cfg.get("text_config") or {}):
+        if isinstance(d.get("quantization_config"), dict):
+            return d["quantization_config"]
+    return None
+
+
 # ---------------------------------------------------------------- the quantizer
 class PrequantizedHfQuantizer(HfQuantizer):
     """Loads a checkpoint's stored quantized tensors into surogate_hf modules (frozen bases for LoRA)."""
@@ -137,6 +150,11 @@ class PrequantizedHfQuantizer(HfQuantizer):
         if self.scheme is not None:
             return self.scheme
         directory = os.path.dirname(os.path.abspath(checkpoint_files[0])) if checkpoint_files else None
+        unknown = _config_json_quantization(directory) if directory else None
+        if unknown is not None:
+            # transformers drops a quantization_config whose quant_method it does not know (with a warning) and
+            # hands us SurogateConfig() alone; say what the checkpoint declares instead of "no quantization_config"
+            CheckpointScheme.from_dict(unknown, f"{directory}/config.json quantization_config")
         legacy = read_legacy_modelopt_config(directory) if directory else None
         if legacy is None:
             raise ValueError(
