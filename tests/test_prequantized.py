@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -515,6 +516,22 @@ def test_unknown_quant_method_is_named_with_the_supported_ones(ckpt, tmp_path):
     with pytest.raises(PQ.PrequantizedCheckpointError, match=r"config\.json quantization_config: quant_method 'fp9' "
                        r"is not a pre-quantized layout surogate_hf loads; supported: 'fp8' .*'modelopt'.*'mxfp4'.*'bitsandbytes'"):
         load(path, quantization_config=SurogateConfig())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage_header"])
+def test_corrupt_safetensors_is_named_and_nothing_loads(ckpt, tmp_path, damage):
+    from surogate_hf.integrations.checkpoint_files import CheckpointFileError
+
+    path = copy_ckpt(ckpt("llama_nvfp4"), tmp_path / damage)
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(os.path.getsize(file) // 2)
+        else:
+            f.write(b"\xff" * 64)
+    for kw in ({}, {"quantization_config": SurogateConfig()}):  # ModelOpt: our quantizer with or without the config
+        with pytest.raises(CheckpointFileError, match=rf"{re.escape(file)}: not a readable safetensors file.*nothing was loaded"):
+            load(path, **kw)
 
 
 Q = "model.layers.0.self_attn.q_proj"

@@ -90,6 +90,17 @@ def test_options_at_their_defaults_are_accepted_for_every_format():
         SurogateConfig(format=fmt, block_size=[128, 128], ue8m0=False, four_over_six=True, nf4_block_size=64)
 
 
+def test_corrupt_safetensors_is_named_and_nothing_loads(tmp_path):
+    from surogate_hf.integrations.checkpoint_files import CheckpointFileError
+
+    build_tiny_model("llama").save_pretrained(str(tmp_path))
+    file = os.path.join(tmp_path, "model.safetensors")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) - 100)
+    with pytest.raises(CheckpointFileError, match=r"model\.safetensors: not a readable safetensors file.*nothing was loaded"):
+        _load(str(tmp_path), format="fp8")
+
+
 def test_config_round_trip_and_registration():
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoQuantizationConfig
 

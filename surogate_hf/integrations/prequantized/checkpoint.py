@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from ...nn.experts import experts_projections, is_experts_module
+from ..checkpoint_files import open_safetensors
 from .scheme import (
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -76,8 +77,6 @@ class CheckpointIndex:
     """Names, dtypes and shapes of every tensor (from the safetensors headers; no weight is read)."""
 
     def __init__(self, files):
-        from safetensors import safe_open
-
         self.files = [f for f in files or [] if f.endswith(".safetensors")]
         if not self.files:
             raise PrequantizedCheckpointError(
@@ -85,7 +84,7 @@ class CheckpointIndex:
             )
         self.tensors: dict[str, TensorInfo] = {}
         for path in self.files:
-            with safe_open(path, "pt") as f:
+            with open_safetensors(path) as f:
                 for k in f.keys():
                     s = f.get_slice(k)
                     self.tensors[k] = TensorInfo(path, s.get_dtype(), tuple(s.get_shape()))
@@ -98,9 +97,7 @@ class CheckpointIndex:
 
     def read(self, key: str) -> torch.Tensor:
         """One tensor's values (used for small metadata such as bitsandbytes' QuantState JSON)."""
-        from safetensors import safe_open
-
-        with safe_open(self.tensors[key].file, "pt") as f:
+        with open_safetensors(self.tensors[key].file) as f:
             return f.get_tensor(key)
 
 
@@ -449,8 +446,6 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
 # ---------------------------------------------------------------- scale values
 def check_scale_values(plans: list[ModulePlan], index: CheckpointIndex) -> list[str]:
     """NaN / inf / negative scales, read once before loading (scales are <= 1/16 of the checkpoint's bytes)."""
-    from safetensors import safe_open
-
     by_file: dict[str, list[tuple[ModulePlan, str]]] = {}
     for p in plans:
         for slot in p.slots:
@@ -459,7 +454,7 @@ def check_scale_values(plans: list[ModulePlan], index: CheckpointIndex) -> list[
                 by_file.setdefault(index.get(f"{p.key}.{p.stored_names[slot]}").file, []).append((p, slot))
     errors = []
     for path, entries in by_file.items():
-        with safe_open(path, "pt") as f:
+        with open_safetensors(path) as f:
             for p, slot in entries:
                 key, leaf = f"{p.key}.{p.stored_names[slot]}", slot.rsplit(".", 1)[-1]
                 scale = f.get_tensor(key)
