@@ -100,6 +100,12 @@ class SurogateConfig(QuantizationConfigMixin):
         self.skip_quant_first_layers = skip_quant_first_layers
         self.skip_quant_last_layers = skip_quant_last_layers
         self.post_init()
+        # The entry point of the one transformers patch (see integrations/prequantized/quantizer.py): creating a
+        # SurogateConfig, not importing surogate_hf. from_pretrained merges a checkpoint's quantization_config with
+        # this object before any quantizer hook runs, so the quantizer itself would be too late.
+        from .integrations.prequantized import install_merge_patch
+
+        install_merge_patch()
 
     def post_init(self):
         """Validate and normalise every option; raise ValueError naming the offending one."""

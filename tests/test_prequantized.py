@@ -455,9 +455,10 @@ def test_without_surogate_config_fp8_and_mxfp4_stay_transformers(ckpt):
     assert hf_auto.AUTO_QUANTIZER_MAPPING["mxfp4"].__module__.startswith("transformers.")
 
 
-def test_importing_surogate_hf_registers_modelopt_and_the_merge_seam():
-    # In a fresh interpreter: `import surogate_hf` alone must make ModelOpt checkpoints and SurogateConfig() on
-    # fp8 / mxfp4 / modelopt checkpoints work.
+def test_importing_surogate_hf_registers_modelopt_and_creating_a_config_installs_the_merge_seam():
+    # In a fresh interpreter: `import surogate_hf` registers ModelOpt through transformers' public registries and
+    # patches nothing; creating a SurogateConfig installs the merge seam, so SurogateConfig() on fp8 / mxfp4 /
+    # modelopt checkpoints works as the README shows.
     import subprocess
     import sys
 
@@ -466,7 +467,11 @@ def test_importing_surogate_hf_registers_modelopt_and_the_merge_seam():
         "from transformers.quantizers import auto as a\n"
         "from surogate_hf.integrations import prequantized as pq\n"
         "assert 'modelopt' in a.AUTO_QUANTIZER_MAPPING and 'modelopt' in a.AUTO_QUANTIZATION_CONFIG_MAPPING\n"
+        "assert a.AutoHfQuantizer.merge_quantization_configs.__func__ is pq._original_merge\n"
+        "surogate_hf.SurogateConfig()\n"
         "assert a.AutoHfQuantizer.merge_quantization_configs.__func__ is pq._merge_quantization_configs\n"
+        "pq.uninstall_merge_patch()\n"
+        "assert a.AutoHfQuantizer.merge_quantization_configs.__func__ is pq._original_merge\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
