@@ -232,21 +232,6 @@ def run_sft(cfg: dict) -> dict:
     return metrics
 
 
-def _summary(m: dict) -> str:
-    lines = [f"surogate-hf sft: {m['steps']} steps on {m['device']} in {m['train_seconds']:.1f}s "
-             f"(total {m['total_seconds']:.1f}s)"]
-    if m["train_loss_first"] is not None:
-        lines.append(f"  train loss {m['train_loss_first']:.4f} -> {m['train_loss_last']:.4f}")
-    for name, after in m["task_metrics_after"].items():
-        b = m["task_metrics_before"][name]
-        lines.append(f"  task {name}: exact match {b['exact_match']:.3f} -> {after['exact_match']:.3f}, "
-                     f"token accuracy {b['token_accuracy']:.3f} -> {after['token_accuracy']:.3f}")
-    if m["eval_loss_after"] is not None:
-        lines.append(f"  eval loss {m['eval_loss_before']:.4f} -> {m['eval_loss_after']:.4f}")
-    lines.append(f"  wrote {m['adapter_dir']}, metrics.json and loss_curve.png in {os.path.dirname(m['adapter_dir'])}")
-    return "\n".join(lines)
-
-
 def summary(m: dict) -> str:
     lines = [f"surogate-hf sft: {m['steps']} steps on {m['device']} in {m['train_seconds']:.1f}s "
              f"(total {m['total_seconds']:.1f}s)"]

@@ -15,7 +15,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .checkpoint import NF4_STORED, CheckpointIndex, ModulePlan, check_scale_values, plan_modules, raise_if_errors
 from .modules import _FUSED_ATTR, _STORED_ATTR, FuseStoredExperts, _build_module, adopt_stored, export_fused, export_stored
-from .scheme import CheckpointScheme, PrequantizedCheckpointError, read_legacy_modelopt_config
+from .scheme import CheckpointScheme, PrequantizedCheckpointError, read_config_json_quantization, read_legacy_modelopt_config
 
 logger = logging.get_logger(__name__)
 
@@ -111,19 +111,6 @@ def uninstall_merge_patch() -> None:
         AutoHfQuantizer.merge_quantization_configs = classmethod(_original_merge)
 
 
-def _config_json_quantization(directory: str) -> dict | None:
-    """The quantization_config dict of `directory`/config.json (top level or text_config), None when absent."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        cfg = json.load(f)
-    for d in (cfg, cfg.get("text_config") or {}):
-        if isinstance(d.get("quantization_config"), dict):
-            return d["quantization_config"]
-    return None
-
-
 # ---------------------------------------------------------------- the quantizer
 class PrequantizedHfQuantizer(HfQuantizer):
     """Loads a checkpoint's stored quantized tensors into surogate_hf modules (frozen bases for LoRA)."""
@@ -162,7 +149,7 @@ class PrequantizedHfQuantizer(HfQuantizer):
         if self.scheme is not None:
             return self.scheme
         directory = os.path.dirname(os.path.abspath(checkpoint_files[0])) if checkpoint_files else None
-        unknown = _config_json_quantization(directory) if directory else None
+        unknown = read_config_json_quantization(directory) if directory else None
         if unknown is not None:
             # transformers drops a quantization_config whose quant_method it does not know (with a warning) and
             # hands us SurogateConfig() alone; say what the checkpoint declares instead of "no quantization_config"
