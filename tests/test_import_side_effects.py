@@ -35,6 +35,8 @@ before = snapshot()
 import surogate_hf
 skipped = []
 for info in pkgutil.walk_packages(surogate_hf.__path__, "surogate_hf."):
+    if info.name.endswith(".__main__"):
+        continue  # `python -m` entry scripts run their command when imported
     try:
         importlib.import_module(info.name)
     except ModuleNotFoundError as e:  # GPU-only modules on a machine without triton
