@@ -59,7 +59,7 @@ def main():
         for name, build, is_ours in setups:
             label = f"{name} [{k}->{n}]"
             m = attempt(label, build, errors)
-            ms = None if m is None else attempt(label, lambda: bench_ms(layer_step_fn(m, x, dy)), errors)
+            ms = None if m is None else attempt(label, lambda m=m: bench_ms(layer_step_fn(m, x, dy)), errors)
             if ms is None:
                 rows.append([name, f"{k}->{n}", None, None, None, None, errors.get(label)])
                 continue

@@ -79,7 +79,7 @@ def main():
                 rows.append([name, f"{k}->{n}", None, None, None, None, None, errors.get(label)])
                 continue
             m, bpp = built
-            ms = attempt(label, lambda: bench_ms(layer_step_fn(m, x, dy)), errors)
+            ms = attempt(label, lambda m=m: bench_ms(layer_step_fn(m, x, dy)), errors)
             if ms is None:
                 rows.append([name, f"{k}->{n}", None, bpp, None, None, None, errors.get(label)])
                 continue

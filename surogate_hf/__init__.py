@@ -1,14 +1,19 @@
 """surogate_hf: low-precision training for the Hugging Face stack.
 
-Importing the package registers `SurogateConfig` (quant_method "surogate") and its HfQuantizer with
-transformers. It never imports triton or a native extension.
+Importing the package registers `SurogateConfig` (quant_method "surogate"), its HfQuantizer and the "modelopt"
+quantizer through transformers' public registries, and changes no library object (tests/test_import_side_effects.py).
+It never imports triton or a native extension. The two patches of library code have explicit entry points:
+- transformers' quantization-config merge (pre-quantized checkpoints with `SurogateConfig()`): creating a
+  SurogateConfig; `surogate_hf.integrations.prequantized.install_merge_patch()` / `uninstall_merge_patch()`;
+- PEFT's LoRA dispatch (SurogateLoraLinear on quantized bases): `prepare_for_training`, and our quantizers when
+  they load a model; `surogate_hf.integrations.peft.install_peft_dispatch()` / `uninstall_peft_dispatch()`.
 """
 
 __version__ = "0.1.0"
 
 from .config import SurogateConfig
 from .integrations import transformers as _transformers_integration  # noqa: F401  (registers the quantizer)
-from .integrations import modelopt as _modelopt_integration  # noqa: F401  (quant_method "modelopt" + the SurogateConfig() seam for pre-quantized checkpoints)
+from .integrations import modelopt as _modelopt_integration  # noqa: F401  (registers quant_method "modelopt")
 
 
 # Loaded on first use: the Trainer callback pulls in transformers' Trainer machinery (and with it triton),

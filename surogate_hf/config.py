@@ -17,12 +17,13 @@ Options (validated on creation; a bad value raises ValueError naming the option)
                            prefix up to a module boundary, regex, or suffix)
     skip_quant_first_layers / skip_quant_last_layers   number of decoder layers kept in the model dtype
 
-The options of one format are accepted (and kept at their defaults) for another, so one config dict
-can be switched between formats by changing `format` alone.
+The options of one format must stay at their defaults under another format (and under format=None, where
+the checkpoint fixes everything): a value there would be ignored, so it is an error naming the option.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from transformers.quantizers.auto import register_quantization_config
@@ -33,6 +34,16 @@ FOUR_OVER_SIX_RULES = ("mse", "mae", "abs_max")
 NF4_BLOCK_SIZES = (64, 128)
 FP8_BLOCK_SIDES = (16, 32, 64, 128, 256, 512)
 QUANT_METHOD = "surogate"
+
+# Options that only mean something for one format; a non-default value under another format is an error.
+_FORMAT_OPTIONS = {
+    "block_size": "fp8",
+    "ue8m0": "fp8",
+    "four_over_six": "nvfp4",
+    "four_over_six_rule": "nvfp4",
+    "nf4_block_size": "nf4",
+    "nf4_double_quant": "nf4",
+}
 
 _FIELDS = (
     "format",
@@ -89,6 +100,12 @@ class SurogateConfig(QuantizationConfigMixin):
         self.skip_quant_first_layers = skip_quant_first_layers
         self.skip_quant_last_layers = skip_quant_last_layers
         self.post_init()
+        # The entry point of the one transformers patch (see integrations/prequantized/quantizer.py): creating a
+        # SurogateConfig, not importing surogate_hf. from_pretrained merges a checkpoint's quantization_config with
+        # this object before any quantizer hook runs, so the quantizer itself would be too late.
+        from .integrations.prequantized import install_merge_patch
+
+        install_merge_patch()
 
     def post_init(self):
         """Validate and normalise every option; raise ValueError naming the offending one."""
@@ -129,6 +146,13 @@ class SurogateConfig(QuantizationConfigMixin):
             raise ValueError(
                 f"SurogateConfig: unsupported nf4_block_size {self.nf4_block_size!r}; expected one of {NF4_BLOCK_SIZES}"
             )
+
+        for name, owner in _FORMAT_OPTIONS.items():
+            if self.format != owner and getattr(self, name) != _DEFAULTS[name]:
+                raise ValueError(
+                    f"SurogateConfig: {name}={getattr(self, name)!r} is an option of format={owner!r} and would be "
+                    f"ignored with format={self.format!r}; drop {name} or use format={owner!r}"
+                )
 
         mtc = self.modules_to_not_convert
         if mtc is not None:
@@ -180,3 +204,6 @@ class SurogateConfig(QuantizationConfigMixin):
         if self.format == "nf4":
             return {"block_size": self.nf4_block_size, "double_quant": self.nf4_double_quant}
         return {}
+
+
+_DEFAULTS = {name: inspect.signature(SurogateConfig.__init__).parameters[name].default for name in _FORMAT_OPTIONS}

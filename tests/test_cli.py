@@ -80,6 +80,9 @@ def test_prequantized_model_with_a_qlora_flag_stops_before_loading(tmp_path, cap
         (BASE + "sample_packing: true\n", "sample_packing: true is not supported"),
         (BASE + "qlora_bnb: true\nqlora_bnb_block_size: 256\n", "qlora_bnb_block_size: 256"),
         (BASE + "recipe: fp9\n", "recipe:"),
+        (BASE + "qlora_fp4: true\nqlora_block_size: 64\n", "qlora_block_size: 64 only applies with qlora_fp8: true"),
+        (BASE + "qlora_fp8: true\nqlora_four_over_six: false\n", "qlora_four_over_six: False only applies with qlora_fp4"),
+        (BASE + "qlora_bnb_double_quant: false\n", "qlora_bnb_double_quant: False only applies with qlora_bnb"),
         ("model: builtin:tiny-llama\ndatasets: [{type: text, path: a.jsonl}]\n", "only trains on type: synthetic"),
         ("model: builtin:tiny-llama\ndatasets: [{type: synthetic, task: unscramble}]\n", "task must be one of"),
         ("datasets: [{type: synthetic}]\n", "model is required"),
@@ -133,3 +136,22 @@ def test_instruction_and_text_datasets_from_local_files(tmp_path):
         n_prompt = it["labels"].count(-100)
         assert it["labels"][n_prompt:] == it["input_ids"][n_prompt:] and it["input_ids"][-1] == 2
     assert all(len(it["input_ids"]) == 16 for it in items if -100 not in it["labels"])  # truncated text
+
+
+def test_missing_cli_extra_is_named(monkeypatch, capsys, tmp_path):
+    from surogate_hf.cli.run import plot_loss
+
+    monkeypatch.setitem(sys.modules, "yaml", None)  # as if pyyaml were not installed
+    assert main(["sft", "--print-config"]) == 2
+    assert "pip install 'surogate_hf[cli]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"loss-curve plot needs the 'matplotlib' package: pip install 'surogate_hf\[cli\]'"):
+        plot_loss([], str(tmp_path / "x.png"), "t")
+
+
+def test_importing_the_cli_needs_no_matplotlib():
+    # (pyyaml cannot be checked the same way: huggingface_hub, under transformers, imports it too)
+    code = ("import sys\nsys.modules['matplotlib'] = None\n"
+            "import surogate_hf.cli, surogate_hf.cli.run, surogate_hf.cli.data\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -6,7 +6,7 @@ from torch import nn
 
 from conftest import sqnr_db
 from surogate_hf import formats as F
-from surogate_hf.nn import LINEAR_CLASSES, QuantizedExperts, QuantizedLinear, make_format
+from surogate_hf.nn import LINEAR_CLASSES, QuantizedExperts, make_format
 from surogate_hf.nn import linear as L
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -454,9 +455,10 @@ def test_without_surogate_config_fp8_and_mxfp4_stay_transformers(ckpt):
     assert hf_auto.AUTO_QUANTIZER_MAPPING["mxfp4"].__module__.startswith("transformers.")
 
 
-def test_importing_surogate_hf_registers_modelopt_and_the_merge_seam():
-    # In a fresh interpreter: `import surogate_hf` alone must make ModelOpt checkpoints and SurogateConfig() on
-    # fp8 / mxfp4 / modelopt checkpoints work.
+def test_importing_surogate_hf_registers_modelopt_and_creating_a_config_installs_the_merge_seam():
+    # In a fresh interpreter: `import surogate_hf` registers ModelOpt through transformers' public registries and
+    # patches nothing; creating a SurogateConfig installs the merge seam, so SurogateConfig() on fp8 / mxfp4 /
+    # modelopt checkpoints works as the README shows.
     import subprocess
     import sys
 
@@ -465,7 +467,11 @@ def test_importing_surogate_hf_registers_modelopt_and_the_merge_seam():
         "from transformers.quantizers import auto as a\n"
         "from surogate_hf.integrations import prequantized as pq\n"
         "assert 'modelopt' in a.AUTO_QUANTIZER_MAPPING and 'modelopt' in a.AUTO_QUANTIZATION_CONFIG_MAPPING\n"
+        "assert a.AutoHfQuantizer.merge_quantization_configs.__func__ is pq._original_merge\n"
+        "surogate_hf.SurogateConfig()\n"
         "assert a.AutoHfQuantizer.merge_quantization_configs.__func__ is pq._merge_quantization_configs\n"
+        "pq.uninstall_merge_patch()\n"
+        "assert a.AutoHfQuantizer.merge_quantization_configs.__func__ is pq._original_merge\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -509,6 +515,30 @@ def test_no_quantization_anywhere_is_an_error(tmp_path):
         load(str(tmp_path / "dense"), quantization_config=SurogateConfig())
 
 
+def test_unknown_quant_method_is_named_with_the_supported_ones(ckpt, tmp_path):
+    path = copy_ckpt(ckpt("llama_fp8"), tmp_path / "fp9")
+    P.rewrite_quant_config(path, lambda c: {**c, "quant_method": "fp9"})
+    with pytest.raises(PQ.PrequantizedCheckpointError, match=r"config\.json quantization_config: quant_method 'fp9' "
+                       r"is not a pre-quantized layout surogate_hf loads; supported: 'fp8' .*'modelopt'.*'mxfp4'.*'bitsandbytes'"):
+        load(path, quantization_config=SurogateConfig())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage_header"])
+def test_corrupt_safetensors_is_named_and_nothing_loads(ckpt, tmp_path, damage):
+    from surogate_hf.integrations.checkpoint_files import CheckpointFileError
+
+    path = copy_ckpt(ckpt("llama_nvfp4"), tmp_path / damage)
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(os.path.getsize(file) // 2)
+        else:
+            f.write(b"\xff" * 64)
+    for kw in ({}, {"quantization_config": SurogateConfig()}):  # ModelOpt: our quantizer with or without the config
+        with pytest.raises(CheckpointFileError, match=rf"{re.escape(file)}: not a readable safetensors file.*nothing was loaded"):
+            load(path, **kw)
+
+
 Q = "model.layers.0.self_attn.q_proj"
 M = "model.layers.0.mlp.up_proj"  # [256, 128]
 
@@ -532,11 +562,29 @@ def _nan_first(t):
     return t
 
 
+def _zero_at(t, i):
+    """`t` with its i-th element (flat) set to zero, bytes kept for 1-byte dtypes."""
+    t = t.clone()
+    (t.view(torch.uint8) if t.element_size() == 1 else t).view(-1)[i] = 0
+    return t
+
+
 BAD_TENSORS = [
     ("llama_fp8", _drop(f"{Q}.weight_scale_inv"), rf"missing scale: {Q}\.weight_scale_inv"),
     ("llama_fp8", _set(f"{Q}.weight_scale_inv", lambda t: torch.ones(2, 2)), rf"{Q}\.weight_scale_inv has shape \[2, 2\], expected \[1, 1\]"),
     ("llama_fp8", _set(f"{Q}.weight_scale_inv", lambda t: t.bfloat16()), rf"{Q}\.weight_scale_inv has dtype BF16, expected F32"),
     ("llama_fp8", _set(f"{Q}.weight_scale_inv", _nan_first), rf"{Q}\.weight_scale_inv: 1 NaN/inf"),
+    # zero scales over non-zero codes decode to zeros: all zero, one zero block, per-tensor, fused experts
+    ("llama_fp8", _set(f"{Q}.weight_scale_inv", torch.zeros_like), rf"{Q}\.weight_scale_inv: 1 zero scale\(s\) over blocks of non-zero codes"),
+    ("llama_fp8", _set(f"{M}.weight_scale_inv", lambda t: _zero_at(t, 1)), rf"{M}\.weight_scale_inv: 1 zero scale\(s\) over"),
+    ("llama_fp8tensor", _set(f"{Q}.weight_scale_inv", torch.zeros_like), rf"{Q}\.weight_scale_inv: 1 zero scale\(s\) over"),
+    ("qwen3_mofp8", _set(f"{Q}.weight_scale", torch.zeros_like), rf"{Q}\.weight_scale: 1 zero scale\(s\) over"),
+    ("llama_nvfp4", _set(f"{Q}.weight_scale", lambda t: _zero_at(t, 0)), rf"{Q}\.weight_scale: 1 zero scale\(s\) over"),
+    (
+        "qwen3_moe_fp8",
+        _set("model.layers.1.mlp.experts.3.down_proj.weight_scale_inv", torch.zeros_like),
+        r"model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight_scale_inv: \d+ zero scale\(s\) over",
+    ),
     ("llama_nvfp4", _set(f"{Q}.weight_scale_2", lambda t: torch.tensor(float("inf"))), rf"{Q}\.weight_scale_2: 1 NaN/inf"),
     ("llama_nvfp4", _set(f"{Q}.weight_scale", lambda t: torch.full_like(t.float(), float("nan")).to(t.dtype)), rf"{Q}\.weight_scale: \d+ NaN/inf"),
     ("llama_nvfp4", _drop(f"{Q}.weight_scale_2"), rf"missing NVFP4 global scale weight_scale_2: {Q}\.weight_scale_2"),
@@ -589,6 +637,21 @@ def test_bad_tensors_raise_naming_the_key(ckpt, tmp_path, name, edit, message):
     with pytest.raises(PQ.PrequantizedCheckpointError, match=message) as err:
         load(path, quantization_config=SurogateConfig())
     assert "nothing was loaded" in str(err.value)
+
+
+def test_zero_scale_over_a_block_of_zero_codes_loads(ckpt, tmp_path):
+    # A zero block scale is how a quantizer stores an all-zero block: that is valid and decodes exactly.
+    path = copy_ckpt(ckpt("llama_fp8"), tmp_path / "zero_block")
+
+    def zero_second_block(sd):
+        w, s = sd[f"{M}.weight"].clone(), sd[f"{M}.weight_scale_inv"].clone()
+        w[128:] = 0
+        s[1] = 0
+        return {**sd, f"{M}.weight": w, f"{M}.weight_scale_inv": s}
+
+    P.rewrite_tensors(path, zero_second_block)
+    w = load(path, quantization_config=SurogateConfig()).get_submodule(M).dequantize(torch.float32)
+    assert torch.all(w[128:] == 0) and torch.any(w[:128] != 0)
 
 
 BAD_CONFIGS = [

@@ -49,7 +49,9 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+# fp8 in the default run; the other formats' gradients are checked against dense in test_qlora.py, their Trainer
+# runs (~2-5 s each alone on 2 cores) with -m slow
+@pytest.mark.parametrize("fmt", [f if f == "fp8" else pytest.param(f, marks=pytest.mark.slow) for f in FORMATS])
 def test_trainer_lowers_loss(tiny_dir, train_set, tmp_path, fmt):
     model = peft_model(tiny_dir, fmt)
     trainer = Trainer(model=model, args=args(tmp_path, max_steps=24, lr_scheduler_type="constant"),
@@ -111,6 +113,7 @@ def test_grad_accumulation_and_checkpoint_resume_match_uninterrupted_run(tiny_di
         torch.testing.assert_close(sd_res[n], sd_full[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
+@pytest.mark.slow  # 20 Trainer steps with bitsandbytes' optimizer (~7 s alone on 2 cores)
 def test_adamw_bnb_8bit_trains_quantized_model(tiny_dir, train_set, tmp_path):
     # r=16: down_proj's lora_A is 16 x 256 = 4096 elements, the size from which bitsandbytes keeps 8-bit state
     model = peft_model(tiny_dir, "fp8", r=16)

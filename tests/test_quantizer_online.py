@@ -66,6 +66,41 @@ def test_config_validation_names_the_option():
         SurogateConfig(format="fp8", block_size=None, ue8m0=True)
 
 
+@pytest.mark.parametrize(
+    "fmt,option,value",
+    [
+        ("mxfp4", "block_size", (16, 16)),
+        ("nvfp4", "block_size", (64, 64)),
+        ("nf4", "block_size", None),
+        (None, "block_size", (64, 64)),
+        ("nvfp4", "ue8m0", True),
+        ("fp8", "four_over_six", False),
+        ("mxfp4", "four_over_six_rule", "mae"),
+        ("fp8", "nf4_block_size", 128),
+        ("nvfp4", "nf4_double_quant", False),
+    ],
+)
+def test_option_of_another_format_is_an_error_not_ignored(fmt, option, value):
+    with pytest.raises(ValueError, match=rf"{option}=.* is an option of format=.* ignored with format={fmt!r}"):
+        SurogateConfig(format=fmt, **{option: value})
+
+
+def test_options_at_their_defaults_are_accepted_for_every_format():
+    for fmt in (None, *FORMATS):
+        SurogateConfig(format=fmt, block_size=[128, 128], ue8m0=False, four_over_six=True, nf4_block_size=64)
+
+
+def test_corrupt_safetensors_is_named_and_nothing_loads(tmp_path):
+    from surogate_hf.integrations.checkpoint_files import CheckpointFileError
+
+    build_tiny_model("llama").save_pretrained(str(tmp_path))
+    file = os.path.join(tmp_path, "model.safetensors")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) - 100)
+    with pytest.raises(CheckpointFileError, match=r"model\.safetensors: not a readable safetensors file.*nothing was loaded"):
+        _load(str(tmp_path), format="fp8")
+
+
 def test_config_round_trip_and_registration():
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoQuantizationConfig
 
@@ -79,7 +114,7 @@ def test_config_round_trip_and_registration():
     assert d["quant_method"] == "surogate"
     back = AutoQuantizationConfig.from_dict(d)
     assert isinstance(back, SurogateConfig) and back == cfg and back.to_dict() == cfg.to_dict()
-    cfg2 = SurogateConfig(format="nvfp4", four_over_six=False, four_over_six_rule="mae", nf4_block_size=128)
+    cfg2 = SurogateConfig(format="nvfp4", four_over_six=False, four_over_six_rule="mae")
     assert SurogateConfig.from_dict(cfg2.to_dict()) == cfg2
     q = SurogateHfQuantizer(SurogateConfig(format="nf4"), pre_quantized=False)
     assert q.is_trainable and q.is_serializable() and not q.is_qat_trainable

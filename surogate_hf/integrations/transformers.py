@@ -52,6 +52,7 @@ from ..nn.convert import (
 )
 from ..nn.experts import QuantizedExperts, is_experts_module
 from ..nn.linear import NF4Format, QuantizedLinear, make_format
+from .checkpoint_files import open_safetensors
 
 _FLOAT_SAFETENSORS_DTYPES = {"F64", "F32", "F16", "BF16"}
 
@@ -88,14 +89,12 @@ def _checkpoint_dtype_check(model, checkpoint_files, quantized_names: list[str])
     would silently become a float one), so the check reads the safetensors headers instead."""
     if not checkpoint_files or not quantized_names:
         return
-    from safetensors import safe_open
-
     prefixes = tuple(n + "." for n in quantized_names)
     base = getattr(model, "base_model_prefix", "")
     for path in checkpoint_files:
         if not str(path).endswith(".safetensors"):
             continue
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 if key.endswith(".bias"):
                     continue

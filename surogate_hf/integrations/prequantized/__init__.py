@@ -19,7 +19,8 @@ Flow (`PrequantizedHfQuantizer`, hooks in transformers' call order):
    config keeps the checkpoint's own quantization_config, so stock transformers / vLLM read the result.
 
 Combining a pre-quantized checkpoint with an online `SurogateConfig(format=...)` is an error, raised where
-transformers merges the two configs (see `_merge_quantization_configs`, the one patch of library code here).
+transformers merges the two configs (see `_merge_quantization_configs`, the one patch of library code here,
+installed when a SurogateConfig is created, never by importing surogate_hf).
 """
 
 from .checkpoint import CheckpointIndex, ModulePlan, plan_modules
@@ -30,6 +31,8 @@ from .quantizer import (
     _merge_quantization_configs,  # noqa: F401  (tests check the seam is installed)
     _original_merge,  # noqa: F401
     install_merge_patch,
+    is_merge_patch_installed,
+    uninstall_merge_patch,
 )
 from .scheme import CheckpointScheme, LayerFormat, PrequantizedCheckpointError, read_legacy_modelopt_config
 
@@ -43,6 +46,8 @@ __all__ = [
     "PrequantizedConfig",
     "PrequantizedHfQuantizer",
     "install_merge_patch",
+    "is_merge_patch_installed",
     "plan_modules",
     "read_legacy_modelopt_config",
+    "uninstall_merge_patch",
 ]

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from ...nn.experts import experts_projections, is_experts_module
+from ..checkpoint_files import open_safetensors
 from .scheme import (
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -76,8 +77,6 @@ class CheckpointIndex:
     """Names, dtypes and shapes of every tensor (from the safetensors headers; no weight is read)."""
 
     def __init__(self, files):
-        from safetensors import safe_open
-
         self.files = [f for f in files or [] if f.endswith(".safetensors")]
         if not self.files:
             raise PrequantizedCheckpointError(
@@ -85,7 +84,7 @@ class CheckpointIndex:
             )
         self.tensors: dict[str, TensorInfo] = {}
         for path in self.files:
-            with safe_open(path, "pt") as f:
+            with open_safetensors(path) as f:
                 for k in f.keys():
                     s = f.get_slice(k)
                     self.tensors[k] = TensorInfo(path, s.get_dtype(), tuple(s.get_shape()))
@@ -98,9 +97,7 @@ class CheckpointIndex:
 
     def read(self, key: str) -> torch.Tensor:
         """One tensor's values (used for small metadata such as bitsandbytes' QuantState JSON)."""
-        from safetensors import safe_open
-
-        with safe_open(self.tensors[key].file, "pt") as f:
+        with open_safetensors(self.tensors[key].file) as f:
             return f.get_tensor(key)
 
 
@@ -449,21 +446,50 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
 # ---------------------------------------------------------------- scale values
 def check_scale_values(plans: list[ModulePlan], index: CheckpointIndex) -> list[str]:
     """NaN / inf / negative scales, read once before loading (scales are <= 1/16 of the checkpoint's bytes)."""
-    from safetensors import safe_open
-
-    by_file: dict[str, list[tuple[str, str, str]]] = {}
+    by_file: dict[str, list[tuple[ModulePlan, str]]] = {}
     for p in plans:
         for slot in p.slots:
             leaf = slot.rsplit(".", 1)[-1]
             if leaf != "weight" and not leaf.endswith("_blocks") and leaf != NF4_STATE_SLOT:
-                key = f"{p.key}.{p.stored_names[slot]}"
-                by_file.setdefault(index.get(key).file, []).append((key, leaf, p.fmt.kind))
+                by_file.setdefault(index.get(f"{p.key}.{p.stored_names[slot]}").file, []).append((p, slot))
     errors = []
-    for path, keys in by_file.items():
-        with safe_open(path, "pt") as f:
-            for key, leaf, kind in keys:
-                errors.extend(_scale_problems(key, leaf, f.get_tensor(key), kind))
+    for path, entries in by_file.items():
+        with open_safetensors(path) as f:
+            for p, slot in entries:
+                key, leaf = f"{p.key}.{p.stored_names[slot]}", slot.rsplit(".", 1)[-1]
+                scale = f.get_tensor(key)
+                problems = _scale_problems(key, leaf, scale, p.fmt.kind)
+                if not problems and (p.fmt.kind, leaf) in _BLOCK_SCALES and bool((scale.float() == 0).any()):
+                    problems = _zero_scale_problems(p, slot, key, scale, index)
+                errors.extend(problems)
     return errors
+
+
+# (kind, scale leaf) -> mask of the stored code bits that make an element non-zero (E4M3 bytes: all but the sign;
+# packed E2M1 bytes: all but each nibble's sign). A zero scale over such codes decodes them to zero.
+_BLOCK_SCALES = {("fp8_block", "weight_scale_inv"): 0x7F, ("fp8_tensor", "weight_scale"): 0x7F, ("nvfp4", "weight_scale"): 0x77}
+
+
+def _zero_scale_problems(p: ModulePlan, slot: str, key: str, scale: torch.Tensor, index: CheckpointIndex) -> list[str]:
+    """A zero scale is only right over a block of zero codes; over non-zero codes it silently zeroes the weights."""
+    stem = slot.rpartition(".")[0]
+    codes = index.read(f"{p.key}.{p.stored_names[stem + '.weight' if stem else 'weight']}")
+    nonzero = (codes.contiguous().view(torch.uint8) & _BLOCK_SCALES[(p.fmt.kind, slot.rsplit('.', 1)[-1])]) != 0
+    n, kb = nonzero.shape
+    if p.fmt.kind == "nvfp4":
+        bn, bk = 1, NVFP4_GROUP // 2  # one E4M3 scale per 16 elements = 8 packed bytes of a row
+    elif p.fmt.kind == "fp8_block" and p.fmt.block is not None and scale.numel() > 1:
+        bn, bk = p.fmt.block
+    else:
+        bn, bk = n, kb  # one scale for the whole tensor
+    gn, gk = math.ceil(n / bn), math.ceil(kb / bk)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.bool, device=nonzero.device)  # not the meta default of loading
+    padded[:n, :kb] = nonzero
+    blocks_nonzero = padded.reshape(gn, bn, gk, bk).any(dim=3).any(dim=1)
+    bad = int(((scale.float().reshape(gn, gk) == 0) & blocks_nonzero).sum())
+    if not bad:
+        return []
+    return [f"{key}: {bad} zero scale(s) over blocks of non-zero codes (they would decode to zeros)"]
 
 
 def _scale_problems(key: str, leaf: str, t: torch.Tensor, kind: str = "") -> list[str]:

@@ -15,7 +15,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .checkpoint import NF4_STORED, CheckpointIndex, ModulePlan, check_scale_values, plan_modules, raise_if_errors
 from .modules import _FUSED_ATTR, _STORED_ATTR, FuseStoredExperts, _build_module, adopt_stored, export_fused, export_stored
-from .scheme import CheckpointScheme, PrequantizedCheckpointError, read_legacy_modelopt_config
+from .scheme import CheckpointScheme, PrequantizedCheckpointError, read_config_json_quantization, read_legacy_modelopt_config
 
 logger = logging.get_logger(__name__)
 
@@ -67,8 +67,11 @@ def _checkpoint_dict(cfg) -> dict:
 # ("The model is quantized with FineGrainedFP8Config but you are passing a SurogateConfig"), before any quantizer
 # hook runs, so no public hook lets SurogateConfig() load an fp8 / mxfp4 / modelopt checkpoint. The wrapper below
 # acts only when the passed config is a SurogateConfig and defers to the original otherwise, so loading without
-# SurogateConfig keeps transformers' behaviour. tests/test_prequantized.py::test_merge_patch_still_needed fails
-# when upstream stops raising (the patch can go) or stops calling this method (the patch no longer applies).
+# SurogateConfig keeps transformers' behaviour.
+# Entry point: not importing surogate_hf, but creating a SurogateConfig (SurogateConfig.__init__ calls
+# install_merge_patch(); the merge runs before any quantizer exists, and it only acts on such a config anyway).
+# tests/test_prequantized.py::test_merge_patch_still_needed fails when upstream stops raising (the patch can go)
+# or stops calling this method (the patch no longer applies).
 _original_merge = AutoHfQuantizer.merge_quantization_configs.__func__
 
 
@@ -91,12 +94,21 @@ def _merge_quantization_configs(cls, quantization_config, quantization_config_fr
     return PrequantizedConfig(stored, "config.json quantization_config", user_config=quantization_config_from_args)
 
 
+def is_merge_patch_installed() -> bool:
+    return getattr(AutoHfQuantizer.merge_quantization_configs, "__func__", None) is _merge_quantization_configs
+
+
 def install_merge_patch() -> None:
-    if getattr(AutoHfQuantizer.merge_quantization_configs, "__func__", None) is not _merge_quantization_configs:
+    """Let `from_pretrained(..., quantization_config=SurogateConfig())` load a checkpoint whose config.json already
+    names a quantization (fp8, mxfp4, bitsandbytes, modelopt). Idempotent; called by SurogateConfig()."""
+    if not is_merge_patch_installed():
         AutoHfQuantizer.merge_quantization_configs = classmethod(_merge_quantization_configs)
 
 
-install_merge_patch()
+def uninstall_merge_patch() -> None:
+    """Restore transformers' own merge_quantization_configs."""
+    if is_merge_patch_installed():
+        AutoHfQuantizer.merge_quantization_configs = classmethod(_original_merge)
 
 
 # ---------------------------------------------------------------- the quantizer
@@ -137,6 +149,11 @@ class PrequantizedHfQuantizer(HfQuantizer):
         if self.scheme is not None:
             return self.scheme
         directory = os.path.dirname(os.path.abspath(checkpoint_files[0])) if checkpoint_files else None
+        unknown = read_config_json_quantization(directory) if directory else None
+        if unknown is not None:
+            # transformers drops a quantization_config whose quant_method it does not know (with a warning) and
+            # hands us SurogateConfig() alone; say what the checkpoint declares instead of "no quantization_config"
+            CheckpointScheme.from_dict(unknown, f"{directory}/config.json quantization_config")
         legacy = read_legacy_modelopt_config(directory) if directory else None
         if legacy is None:
             raise ValueError(

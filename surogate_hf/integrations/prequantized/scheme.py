@@ -198,15 +198,31 @@ def _is_gpt_oss_experts(module) -> bool:
     return type(module).__name__ == "GptOssExperts" or getattr(module, "quant_format", None) == "mxfp4_experts"
 
 
-def read_legacy_modelopt_config(checkpoint_dir: str) -> dict | None:
-    """ModelOpt's older exports keep the quantization config in hf_quant_config.json next to the weights."""
-    path = os.path.join(checkpoint_dir, "hf_quant_config.json")
+def _read_json(checkpoint_dir: str, name: str) -> dict | None:
+    path = os.path.join(checkpoint_dir, name)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        d = json.load(f)
-    if not isinstance(d.get("quantization"), dict):
-        raise PrequantizedCheckpointError(f"{path}: expected a 'quantization' object (ModelOpt hf_quant_config.json)")
+        return json.load(f)
+
+
+def read_legacy_modelopt_config(checkpoint_dir: str) -> dict | None:
+    """ModelOpt's older exports keep the quantization config in hf_quant_config.json next to the weights."""
+    d = _read_json(checkpoint_dir, "hf_quant_config.json")
+    if d is not None and not isinstance(d.get("quantization"), dict):
+        raise PrequantizedCheckpointError(
+            f"{os.path.join(checkpoint_dir, 'hf_quant_config.json')}: expected a 'quantization' object "
+            "(ModelOpt hf_quant_config.json)"
+        )
     return d
+
+
+def read_config_json_quantization(checkpoint_dir: str) -> dict | None:
+    """The quantization_config dict of the checkpoint's config.json (top level or text_config), None when absent."""
+    cfg = _read_json(checkpoint_dir, "config.json") or {}
+    for d in (cfg, cfg.get("text_config") or {}):
+        if isinstance(d.get("quantization_config"), dict):
+            return d["quantization_config"]
+    return None
 
 

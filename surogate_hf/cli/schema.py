@@ -1,26 +1,19 @@
-"""`surogate-hf sft [config.yaml]`: Surogate's SFT YAML keys -> SurogateConfig + LoraConfig + TrainingArguments
-+ Trainer.
+"""`surogate-hf sft` config: Surogate's SFT YAML keys, their checks and the combinations that cannot run.
 
 The whole config is validated before anything is loaded: unknown keys, bad values and impossible combinations
 (two qlora formats, a qlora flag on a pre-quantized checkpoint, qlora without LoRA, ...) stop the command with
-a message naming the keys. With no config file the embedded default (surogate_hf/configs/default_sft.yaml)
-runs offline: a tiny model built from a config, a generated task, an adapter, metrics.json and loss_curve.png.
+a message naming the keys. With no config file the embedded default (surogate_hf/configs/default_sft.yaml) runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
+import importlib
 import json
-import os
-import sys
-import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
-
-import yaml
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-llama",)
@@ -29,11 +22,29 @@ PREQUANTIZED_METHODS = ("fp8", "mxfp4", "modelopt", "surogate", "bitsandbytes", 
                         "fbgemm_fp8", "torchao", "hqq", "quanto", "eetq", "aqlm", "nvfp4", "mxfp8")
 OPTIMIZERS = {"adamw_8bit": "adamw_bnb_8bit", "adamw_bnb_8bit": "adamw_bnb_8bit", "adamw": "adamw_torch",
               "adamw_torch": "adamw_torch"}
+# QLoRA options of one format: set with another (or none), they would be ignored, so they are an error
+QLORA_FORMAT_KEYS = {"qlora_block_size": "qlora_fp8", "qlora_four_over_six": "qlora_fp4",
+                     "qlora_bnb_block_size": "qlora_bnb", "qlora_bnb_double_quant": "qlora_bnb"}
 RECIPE_KNOBS = ("matmul_dtype", "gradient_dtype", "master_dtype", "fp8_amax_history")
 
 
 class ConfigError(ValueError):
     """A config problem found before anything was loaded."""
+
+
+def require_cli_extra(module: str, what: str):
+    """Import an optional dependency of the command line (the `[cli]` extra), or say which extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"surogate-hf: {what} needs the {module.split('.')[0]!r} package: "
+            "pip install 'surogate_hf[cli]' (the [cli] extra: pyyaml, matplotlib)"
+        ) from e
+
+
+def _yaml():
+    return require_cli_extra("yaml", "reading YAML configs")
 
 
 # ------------------------------------------------------------------ schema
@@ -208,7 +219,7 @@ def validate_dataset(d: dict, i: int) -> dict:
         raise ValueError(f"{where} (type {kind}): unknown key(s) {unknown}; allowed: {sorted(DATASET_KEYS[kind])}")
     out = dict(d)
     if kind == "synthetic":
-        from .data import TaskSpec
+        from ..data import TaskSpec
 
         spec = {k: d[k] for k in ("task", "alphabet", "min_len", "max_len") if k in d}
         try:
@@ -237,10 +248,11 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
     key, value = item.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    return key.strip(), _yaml().safe_load(value)
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> dict:
+    yaml = _yaml()
     if path is None:
         raw = yaml.safe_load(default_config_text())
     else:
@@ -329,6 +341,10 @@ def check_combinations(cfg: dict) -> None:
         errs.append("sample_packing: true is not supported by surogate-hf sft; set sample_packing: false")
     if cfg["max_steps"] == 0:
         errs.append("max_steps: 0 trains nothing; use -1 (derive from num_epochs) or a positive number")
+    fmt = QLORA_FLAGS[on[0]] if len(on) == 1 else None
+    for key, owner in QLORA_FORMAT_KEYS.items():
+        if cfg[key] != SCHEMA[key].default and fmt != QLORA_FLAGS[owner]:
+            errs.append(f"{key}: {cfg[key]!r} only applies with {owner}: true and would be ignored; drop it")
     if cfg["qlora_bnb"] and cfg["qlora_bnb_block_size"] not in (64, 128):
         errs.append(f"qlora_bnb_block_size: {cfg['qlora_bnb_block_size']} is not supported; use 64 or 128")
     if cfg["datasets"] is None:
@@ -368,7 +384,7 @@ def recipe_config(cfg: dict):
             knobs[k] = cfg[k]
     if cfg["recipe"].lower().replace("_", "-") == "bf16" and not any(k in knobs for k in RECIPE_KNOBS):
         return None
-    from .recipes import RecipeConfig
+    from ..recipes import RecipeConfig
 
     if cfg["lora"]:
         knobs["lora_dtype"] = "bf16" if cfg["lora_dtype"] in ("bf16", "bfloat16") else "fp32"
@@ -383,361 +399,3 @@ def recipe_problems(cfg: dict) -> list[str]:
     except ValueError as e:
         return [f"recipe: {e}"]
     return []
-
-
-# ------------------------------------------------------------------ running
-def _dtype(cfg: dict, cuda: bool):
-    import torch
-
-    name = cfg["torch_dtype"]
-    if name == "auto":
-        return torch.bfloat16 if cuda else torch.float32
-    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-            "float32": torch.float32, "fp32": torch.float32}[name]
-
-
-def surogate_config(cfg: dict):
-    fmt = qlora_format(cfg)
-    if fmt is None:
-        return None
-    from .config import SurogateConfig
-
-    return SurogateConfig(
-        format=fmt,
-        block_size=(cfg["qlora_block_size"],) * 2,
-        four_over_six=cfg["qlora_four_over_six"],
-        nf4_block_size=cfg["qlora_bnb_block_size"],
-        nf4_double_quant=cfg["qlora_bnb_double_quant"],
-        skip_quant_first_layers=cfg["skip_quant_first_layers"],
-        skip_quant_last_layers=cfg["skip_quant_last_layers"],
-    )
-
-
-def build_model(cfg: dict, dtype, cuda: bool):
-    """(model, tokenizer or None, path the adapter refers to)."""
-    from transformers import AutoModelForCausalLM
-
-    qc = surogate_config(cfg)
-    path = cfg["model"]
-    tokenizer = None
-    if path.startswith(BUILTIN_PREFIX):
-        from .data import CharTokenizer, build_tiny_model, tiny_llama_config
-
-        # saved and loaded back, so the quantized base comes through the same from_pretrained path as any model
-        path = os.path.join(cfg["output_dir"], "base_model")
-        tok = CharTokenizer()
-        build_tiny_model(tiny_llama_config(tok.vocab_size), seed=cfg["train_seed"]).save_pretrained(path)
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-    kwargs = {"dtype": dtype}
-    if qc is not None:
-        kwargs["quantization_config"] = qc
-    if cuda:
-        kwargs["device_map"] = {"": 0}
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs), tokenizer, path
-
-
-def _read_records(d: dict) -> list[dict]:
-    p = Path(d["path"])
-    if p.is_file():
-        text = p.read_text()
-        if p.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        data = json.loads(text)
-        if not isinstance(data, list):
-            raise ValueError(f"{p}: expected a JSON list of records")
-        return data
-    try:
-        import datasets as hf_datasets
-    except ImportError:
-        raise ValueError(f"dataset {d['path']!r} is not a local file and the `datasets` package (needed for Hub "
-                         "datasets) is not installed") from None
-    ds = hf_datasets.load_dataset(d["path"], d.get("subset"), split=d.get("split", "train"))
-    return list(ds)
-
-
-def _tokenized(d: dict, tokenizer, seq_len: int) -> list[dict]:
-    from .data import IGNORE_INDEX
-
-    out = []
-    for r in _read_records(d)[: d.get("samples")]:
-        if d["type"] == "text":
-            ids = tokenizer(r[d.get("text_field", "text")], truncation=True, max_length=seq_len)["input_ids"]
-            labels = list(ids)
-        else:
-            fmt = d.get("prompt_format", "{instruction}\n{input}\n" if d.get("input_field") else "{instruction}\n")
-            prompt = fmt.format(instruction=r[d["instruction_field"]], input=r.get(d.get("input_field") or "", ""))
-            p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-            a_ids = tokenizer(str(r[d["output_field"]]), add_special_tokens=False)["input_ids"]
-            a_ids = a_ids + [tokenizer.eos_token_id]
-            ids = (p_ids + a_ids)[:seq_len]
-            labels = ([IGNORE_INDEX] * len(p_ids) + a_ids)[:seq_len]
-        out.append({"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)})
-    return out
-
-
-class _ListDataset:
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
-def build_data(cfg: dict, tokenizer):
-    """(train set, eval set or None, synthetic task eval sets {name: dataset})."""
-    import random
-
-    from .data import SyntheticTaskDataset, TaskSpec
-
-    train, evals, tasks = [], [], {}
-    for i, d in enumerate(cfg["datasets"]):
-        if d["type"] == "synthetic":
-            spec = TaskSpec(**{k: d[k] for k in ("task", "alphabet", "min_len", "max_len") if k in d})
-            train.extend(SyntheticTaskDataset(spec, d["samples"], seed=cfg["train_seed"] + i).items)
-            eval_seed = cfg["eval_seed"] + 10_000 + i  # disjoint from the training seeds
-            tasks[f"{spec.task}[{i}]"] = SyntheticTaskDataset(spec, d["eval_samples"], seed=eval_seed)
-        else:
-            items = _tokenized(d, tokenizer, cfg["sequence_len"])
-            random.Random(cfg["eval_seed"]).shuffle(items)
-            n_eval = int(len(items) * cfg["validation_split_ratio"])
-            evals.extend(items[:n_eval])
-            train.extend(items[n_eval:])
-    if not train:
-        raise ValueError("the datasets produced no training examples")
-    return _ListDataset(train), (_ListDataset(evals) if evals else None), tasks
-
-
-def training_arguments(cfg: dict, cuda: bool, has_eval: bool):
-    from transformers import TrainingArguments
-
-    out = cfg["output_dir"]
-    warmup = cfg["warmup_steps"] if cfg["warmup_steps"] else cfg["warmup_ratio"]
-    return TrainingArguments(
-        output_dir=out,
-        run_name=cfg["run_name"],
-        max_steps=cfg["max_steps"],
-        num_train_epochs=cfg["num_epochs"],
-        per_device_train_batch_size=cfg["per_device_train_batch_size"],
-        per_device_eval_batch_size=cfg["per_device_train_batch_size"],
-        gradient_accumulation_steps=cfg["gradient_accumulation_steps"],
-        learning_rate=cfg["learning_rate"],
-        lr_scheduler_type=cfg["lr_scheduler_type"],
-        warmup_steps=warmup,
-        weight_decay=cfg["weight_decay"],
-        max_grad_norm=cfg["max_grad_norm"],
-        adam_beta1=cfg["adamw_beta1"],
-        adam_beta2=cfg["adamw_beta2"],
-        adam_epsilon=cfg["adamw_epsilon"],
-        optim=OPTIMIZERS[cfg["optimizer"]],
-        logging_steps=cfg["logging_steps"],
-        save_strategy="steps" if cfg["save_steps"] else "no",
-        save_steps=cfg["save_steps"] or 500,
-        save_total_limit=cfg["save_total_limit"],
-        eval_strategy="steps" if (has_eval and cfg["eval_steps"]) else "no",
-        eval_steps=cfg["eval_steps"] or None,
-        seed=cfg["train_seed"],
-        dataloader_num_workers=cfg["dataloader_num_workers"],
-        report_to=cfg["report_to"] or [],
-        use_cpu=not cuda,
-        # the model is loaded in its training dtype; LoRA masters are cast per call, so no autocast is needed
-        bf16=False,
-        fp16=False,
-        disable_tqdm=False,
-    )
-
-
-def _latest_checkpoint(out: str) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    return get_last_checkpoint(out) if os.path.isdir(out) else None
-
-
-def plot_loss(history: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pts = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    if pts:
-        ax.plot(*zip(*pts), marker=".", label="train loss")
-    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
-    if evals:
-        ax.plot(*zip(*evals), marker="o", label="eval loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def run_sft(cfg: dict) -> dict:
-    import torch
-    from transformers import Trainer, set_seed
-
-    from .data import PadCollator, evaluate_task
-    from .integrations.peft import lora_parameters_dtype, set_lora_dtype
-    from .training import prepare_for_training
-
-    t0 = time.time()
-    cuda = torch.cuda.is_available()
-    out = cfg["output_dir"]
-    os.makedirs(out, exist_ok=True)
-    set_seed(cfg["train_seed"])
-    dtype = _dtype(cfg, cuda)
-    model, tokenizer, base_path = build_model(cfg, dtype, cuda)
-    model = prepare_for_training(model, gradient_checkpointing=cfg["recompute"])
-    if cfg["lora"]:
-        from peft import LoraConfig, get_peft_model
-
-        targets = cfg["lora_target_modules"]
-        lcfg = LoraConfig(
-            r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"], task_type="CAUSAL_LM",
-            target_modules="all-linear" if targets in (["all"], ["all-linear"]) else targets,
-        )
-        model = get_peft_model(model, lcfg)
-        set_lora_dtype(model, cfg["lora_dtype"])
-    else:
-        for p in model.parameters():
-            p.requires_grad_(p.is_floating_point())
-
-    train_set, eval_set, tasks = build_data(cfg, tokenizer)
-    device = next(model.parameters()).device
-    before = {name: evaluate_task(model, ds) for name, ds in tasks.items()}
-    pad = tokenizer.pad_token_id if tokenizer is not None else 0
-    callbacks = []
-    rcfg = recipe_config(cfg)
-    if rcfg is not None:
-        from .integrations.trainer import SurogateRecipeCallback
-
-        callbacks.append(SurogateRecipeCallback(rcfg))
-    trainer = Trainer(model=model, args=training_arguments(cfg, cuda, eval_set is not None), train_dataset=train_set,
-                      eval_dataset=eval_set, data_collator=PadCollator(pad), callbacks=callbacks)
-    eval_before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
-    resume = cfg["resume_from_checkpoint"]
-    if resume is True:
-        resume = _latest_checkpoint(out)
-    elif resume is False:
-        resume = None
-    t_train = time.time()
-    result = trainer.train(resume_from_checkpoint=resume)
-    train_s = time.time() - t_train
-    after = {name: evaluate_task(model, ds) for name, ds in tasks.items()}
-    eval_after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
-
-    adapter_dir = os.path.join(out, "adapter" if cfg["lora"] else "model")
-    model.save_pretrained(adapter_dir)
-    merged_dir = None
-    if cfg["merge_adapter"]:
-        merged = model.merge_and_unload()
-        if getattr(merged, "hf_quantizer", None) is not None:
-            merged = merged.dequantize()  # layers LoRA did not target are still quantized: export all dense
-        merged_dir = os.path.join(out, "merged")
-        merged.save_pretrained(merged_dir)
-
-    history = trainer.state.log_history
-    losses = [h["loss"] for h in history if "loss" in h]
-    metrics = {
-        "model": cfg["model"],
-        "base_model_path": base_path,
-        "device": str(device),
-        "dtype": str(dtype).replace("torch.", ""),
-        "qlora_format": qlora_format(cfg),
-        "recipe": None if rcfg is None else rcfg.recipe,
-        "lora_dtype": (sorted(str(d).replace("torch.", "") for d in lora_parameters_dtype(model))
-                       if cfg["lora"] else None),
-        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "steps": trainer.state.global_step,
-        "train_loss_first": losses[0] if losses else None,
-        "train_loss_last": losses[-1] if losses else None,
-        "train_loss_mean": result.training_loss,
-        "task_metrics_before": before,
-        "task_metrics_after": after,
-        "eval_loss_before": eval_before,
-        "eval_loss_after": eval_after,
-        "train_seconds": round(train_s, 2),
-        "total_seconds": round(time.time() - t0, 2),
-        "adapter_dir": adapter_dir,
-        "merged_dir": merged_dir,
-        "log_history": history,
-        "config": cfg,
-    }
-    with open(os.path.join(out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2, default=str)
-    title = f"{cfg['model']} | qlora={qlora_format(cfg) or 'none'}"
-    if tasks:
-        name = next(iter(tasks))
-        title += f" | {name} exact match {before[name]['exact_match']:.2f} -> {after[name]['exact_match']:.2f}"
-    plot_loss(history, os.path.join(out, "loss_curve.png"), title)
-    return metrics
-
-
-def _summary(m: dict) -> str:
-    lines = [f"surogate-hf sft: {m['steps']} steps on {m['device']} in {m['train_seconds']:.1f}s "
-             f"(total {m['total_seconds']:.1f}s)"]
-    if m["train_loss_first"] is not None:
-        lines.append(f"  train loss {m['train_loss_first']:.4f} -> {m['train_loss_last']:.4f}")
-    for name, after in m["task_metrics_after"].items():
-        b = m["task_metrics_before"][name]
-        lines.append(f"  task {name}: exact match {b['exact_match']:.3f} -> {after['exact_match']:.3f}, "
-                     f"token accuracy {b['token_accuracy']:.3f} -> {after['token_accuracy']:.3f}")
-    if m["eval_loss_after"] is not None:
-        lines.append(f"  eval loss {m['eval_loss_before']:.4f} -> {m['eval_loss_after']:.4f}")
-    lines.append(f"  wrote {m['adapter_dir']}, metrics.json and loss_curve.png in {os.path.dirname(m['adapter_dir'])}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="surogate-hf", description="Low-precision fine-tuning on the HF stack")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command")
-    sft = sub.add_parser("sft", help="supervised fine-tuning (LoRA / QLoRA) from a Surogate-style YAML config")
-    sft.add_argument("config", nargs="?", help="YAML config; without it the embedded offline default runs")
-    sft.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key (value parsed as YAML), e.g. --set max_steps=20")
-    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    sub.add_parser(
-        "launch", add_help=False,
-        help="accelerate launch with a recipe: surogate-hf launch --recipe_config recipe.yaml [accelerate args] train.py",
-    )
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"]:  # everything after `launch` belongs to accelerate launch
-        from .integrations.accelerate import launch_main
-
-        return launch_main(argv[1:])
-    args = parser.parse_args(argv)
-    if args.version:
-        from . import __version__
-
-        print(__version__)
-        return 0
-    if args.command != "sft":
-        parser.print_help()
-        return 2
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"surogate-hf sft: config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(yaml.safe_dump(cfg, sort_keys=False))
-        return 0
-    metrics = run_sft(cfg)
-    print(_summary(metrics))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
