@@ -63,10 +63,10 @@ def gemm_section(models, tokens, warmup_ms, rep_ms):
             lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
             mods = {"bf16": lin}
             for f in FORMATS:
-                built = attempt(f"{f} [{k}->{n}]", lambda f=f: _ours(lin, f), errors)
+                built = attempt(f"{f} [{k}->{n}]", lambda f=f, lin=lin: _ours(lin, f), errors)
                 if built is not None:
                     mods[f] = built
-            bnb_mod = attempt(f"bnb nf4 [{k}->{n}]", lambda: _bnb(lin), errors)
+            bnb_mod = attempt(f"bnb nf4 [{k}->{n}]", lambda lin=lin: _bnb(lin), errors)
             if bnb_mod is not None:
                 mods["bnb"] = bnb_mod
             for m in tokens:

@@ -130,8 +130,6 @@ def test_skip_layers_within_the_model_are_accepted():
     check_skip_layers(RecipeConfig(), 0)  # no knob, no layer list: nothing to check
 
 
-@pytest.mark.xfail(strict=True, reason="apply_recipe (recipes/linear.py, being rewritten) does not call "
-                   "check_skip_layers yet; remove this marker when it does")
 def test_apply_recipe_refuses_skipping_more_layers_than_the_model_has():
     from surogate_hf.recipes import apply_recipe
 

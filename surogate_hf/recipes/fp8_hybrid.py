@@ -165,7 +165,7 @@ class Fp8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, wq, wqt, w_sinv, scale, scale_inv, amax, dy_amax, rows, spec):
         fwd_fmt, bwd_fmt, fp8_backward, record, current = spec
         row_x = rows[0]
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dw = ctx.needs_input_grad[1]
         x2d = x.reshape(-1, x.shape[-1])
         xq, xqt, x_sinv = cast(x2d, scale, scale_inv, amax, row_x, fwd_fmt, fp8_backward and need_dw, record, current)
         y = scaled_mm(xq, wq, x_sinv, w_sinv, bias, x.dtype)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .. import formats as F
 from ..ops import recipe as _recipe_ops  # noqa: F401  (registers surogate::fp8_scaled_mm, nvfp4_mm)
 from .bf16 import FloatEngine, float_mm
-from .config import TORCH_DTYPES, RecipeConfig, as_recipe_config, check_device, dtype_name
+from .config import TORCH_DTYPES, RecipeConfig, as_recipe_config, check_device, check_skip_layers, dtype_name
 from .fp8_hybrid import Fp8LinearFn, cast, warn_emulation_once
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
@@ -389,6 +389,7 @@ def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
     # 2. which linears get the recipe
     layers = _layer_list(model)
     n_layers = len(layers[1]) if layers else 0
+    check_skip_layers(cfg, n_layers)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skip_blocks = set(range(min(cfg.skip_quant_first_layers, n_layers)))
     skip_blocks |= set(range(max(n_layers - cfg.skip_quant_last_layers, 0), n_layers))
