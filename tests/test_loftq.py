@@ -59,6 +59,7 @@ def test_loftq_reduces_the_weight_error_of_every_layer(ckpt, fmt):
         assert after < 0.97 * plain[n], (n, plain[n], after)
 
 
+@pytest.mark.slow
 def test_more_iterations_never_hurt_and_the_sources_agree(ckpt):
     dense_model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     one = surogate_hf.loftq_init(peft_model(ckpt, "mxfp4"), ckpt, iters=1)
@@ -103,3 +104,17 @@ def test_bad_input_is_named(ckpt, tmp_path):
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no LoRA layer"):
         surogate_hf.loftq_init(get_peft_model(dense, LoraConfig(r=4, target_modules="all-linear")), ckpt)
+
+
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48)])
+def test_low_rank_factors_are_the_truncated_svd(shape):
+    from surogate_hf.integrations.loftq import _low_rank_factors
+
+    e = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    left, right = _low_rank_factors(e, 6)
+    u, s, vh = torch.linalg.svd(e.double(), full_matrices=False)
+    best = (u[:, :6] * s[:6]) @ vh[:6]
+    assert torch.allclose((left @ right).double(), best, atol=1e-5)
+    # sqrt of the singular values on each side
+    assert torch.allclose(left.double().norm(dim=0) ** 2, s[:6], rtol=1e-4)
+    assert torch.allclose(right.double().norm(dim=1) ** 2, s[:6], rtol=1e-4)
