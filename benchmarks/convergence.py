@@ -291,7 +291,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lr-lora", type=float, default=2e-4)
     ap.add_argument("--lr-full", type=float, default=2e-5)
-    ap.add_argument("--loftq-iters", type=int, default=2)
+    ap.add_argument("--loftq-iters", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "convergence", help="stem of the .json and .png")
