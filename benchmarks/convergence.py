@@ -269,7 +269,8 @@ def plot(results: dict, path: Path, title: str) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -282,7 +283,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--assets", type=Path, default=assets.DEFAULT_DIR, help="the cache --prepare writes")
     ap.add_argument("--tiny", action="store_true", help="tiny model from a config + text the package ships (no cache)")
     ap.add_argument("--setups", default=None, help="comma-separated names or patterns (default: all)")
-    ap.add_argument("--layers", type=int, default=None, help="use the first N decoder layers (default: all cached)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="use the first N decoder layers (default all 18); a cut model starts at a loss of ~25: smoke tests only")
     ap.add_argument("--steps", type=int, default=None, help="default 200 (tiny: 4)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 8, tiny 2)")
     ap.add_argument("--seq-len", type=int, default=None, help="default 512 (tiny 32)")
