@@ -309,9 +309,9 @@ def main(argv=None) -> dict:
         if getattr(args, k) is None:
             setattr(args, k, small if tiny else big)
     setups = select_setups(args.setups)
-    for needed in {reference_of(s) for s in setups}:
-        if needed not in setups:
-            setups.insert(0, needed)  # a gap needs its reference, trained in the same run
+    # a gap needs its reference, trained in the same run: missing references go first, in ALL_SETUPS order
+    refs = {reference_of(s) for s in setups}
+    setups = [s for s in ALL_SETUPS if s in refs and s not in setups] + setups
 
     if tiny:
         config, state, train_ids, val_ids = tiny_assets(args.seed)

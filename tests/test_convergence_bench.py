@@ -54,7 +54,7 @@ def test_tiny_run_trains_each_kind_of_setup(tmp_path):
         ["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "qlora-nf4+loftq,full-fp8-hybrid", "--out", str(out), "--device", "cpu"]
     )
     # the references are added and trained in the same run
-    assert list(results) == ["full-bf16", "lora-bf16", "qlora-nf4+loftq", "full-fp8-hybrid"]
+    assert list(results) == ["lora-bf16", "full-bf16", "qlora-nf4+loftq", "full-fp8-hybrid"]
     for name, r in results.items():
         assert "error" not in r, (name, r)
         assert r["step"] == [0, 1, 2] and len(r["val"]) == 3 and all(np.isfinite(r["val"]))

@@ -118,3 +118,28 @@ def test_low_rank_factors_are_the_truncated_svd(shape):
     # sqrt of the singular values on each side
     assert torch.allclose(left.double().norm(dim=0) ** 2, s[:6], rtol=1e-4)
     assert torch.allclose(right.double().norm(dim=1) ** 2, s[:6], rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loftq_on_cuda_matches_the_cpu_result(ckpt, fmt):
+    """On the GPU the bases quantize through the kernels (bit-exact to the references), so the init and its
+    report agree with the CPU run up to the float64 factorisation's rounding."""
+    cpu = surogate_hf.loftq_init(peft_model(ckpt, fmt), ckpt, iters=2)
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, quantization_config=surogate_hf.SurogateConfig(format=fmt, **OPTIONS.get(fmt, {})),
+        dtype=torch.bfloat16, device_map="cuda",
+    )
+    model = surogate_hf.prepare_for_training(model, gradient_checkpointing=False)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
+    gpu = surogate_hf.loftq_init(model, ckpt, iters=2)
+    for n in cpu:
+        assert gpu[n]["loftq"] < gpu[n]["plain"]
+        assert gpu[n]["plain"] == pytest.approx(cpu[n]["plain"], rel=1e-3)
+        assert gpu[n]["loftq"] == pytest.approx(cpu[n]["loftq"], rel=2e-2)
+    ids = sample_input_ids(model.config.vocab_size, batch=2, seq=16).cuda()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
