@@ -11,8 +11,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     lora-bf16                 stock PEFT LoRA on the bf16 model: the reference of every LoRA setup
     qlora-<fmt>               SurogateConfig(format=fmt) + prepare_for_training + PEFT, fmt in fp8/nvfp4/mxfp4/nf4
     qlora-<fmt>+loftq         the same, adapters initialised by surogate_hf.loftq_init (--loftq-iters)
-    qlora-fp8+fp8-hybrid      QLoRA with a training recipe on the adapters (apply_recipe on the PEFT model)
-    qlora-nvfp4+nvfp4
+    qlora-fp8+fp8-hybrid      QLoRA with a training recipe on the adapters (apply_recipe on the PEFT model);
+    qlora-nvfp4+nvfp4         likewise qlora-mxfp4+nvfp4 and qlora-nf4+fp8-hybrid
     peft-bnb-nf4              the peer: stock PEFT QLoRA on bitsandbytes NF4 (CUDA + bitsandbytes only)
     full-bf16                 full fine-tune, apply_recipe("bf16"), fp32 masters: the reference of full-*
     full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters
@@ -48,7 +48,7 @@ ALL_SETUPS = (
     ["lora-bf16"]
     + [f"qlora-{f}" for f in FORMATS]
     + [f"qlora-{f}+loftq" for f in FORMATS]
-    + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "peft-bnb-nf4"]
+    + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
     + ["full-bf16", "full-fp8-hybrid", "full-nvfp4"]
 )
 

@@ -45,7 +45,7 @@ def test_missing_cache_and_bad_setups_are_named(tmp_path):
         assets.load_real(tmp_path)
     with pytest.raises(SystemExit, match="matches no setup"):
         convergence.select_setups("qlora-int3")
-    assert convergence.select_setups("qlora-nf4*") == ["qlora-nf4", "qlora-nf4+loftq"]
+    assert convergence.select_setups("qlora-nf4*") == ["qlora-nf4", "qlora-nf4+loftq", "qlora-nf4+fp8-hybrid"]
 
 
 def test_tiny_run_trains_each_kind_of_setup(tmp_path):
