@@ -25,6 +25,7 @@ _LAZY = {
     "prepare_for_training": ".training",
     "set_lora_dtype": ".integrations.peft",
     "merge_to_dense": ".integrations.peft",
+    "loftq_init": ".integrations.loftq",
 }
 
 
@@ -40,6 +41,7 @@ __all__ = [
     "SurogateConfig",
     "SurogateRecipeCallback",
     "apply_recipe",
+    "loftq_init",
     "merge_to_dense",
     "prepare_for_training",
     "set_lora_dtype",

@@ -360,3 +360,41 @@ def test_nf4_is_bitsandbytes_bit_for_bit():
 def test_packed_decode_table_matches_nibble_decode():
     every_byte = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
     assert torch.equal(F.decode_packed_e2m1(every_byte), F.e2m1_decode(F.unpack_e2m1(every_byte)))
+
+
+# ---- MXFP4 scale-rounding options (reference only; the kernels implement the spec's floor)
+def test_mxfp4_scale_rounding_options():
+    from surogate_hf.formats.mxfp4 import SCALE_ROUNDINGS
+
+    # block maxima 5 (floor: 5/2^0 = 5 fits), 7 (floor clips 7 -> 6), 4.5, 0 (zero block)
+    x = torch.zeros(4, 32)
+    x[0, 0], x[1, 0], x[2, 0] = 5.0, 7.0, 4.5
+    x[:3, 1:] = torch.linspace(-1, 1, 31)
+    bytes_of = {r: F.quantize_mxfp4(x, r)[1][:, 0].tolist() for r in SCALE_ROUNDINGS}
+    assert bytes_of["floor"] == [127, 127, 127, 0]
+    assert bytes_of["ceil"] == [127, 128, 127, 0]  # 7 > 6: one binade up so nothing clips
+    assert bytes_of["rtn"] == [127, 127, 127, 0]  # round(log2(7/6) = 0.22) = 0: 7 still clips to 6
+    for r in SCALE_ROUNDINGS:
+        packed, scales = F.quantize_mxfp4(x, r)
+        assert torch.isfinite(F.dequantize_mxfp4(packed, scales, torch.float32)).all()
+    assert torch.equal(F.fake_quantize_mxfp4(x, torch.float32), F.fake_quantize_mxfp4(x, torch.float32, "floor"))
+    with pytest.raises(ValueError, match="scale_rounding must be one of"):
+        F.quantize_mxfp4(x, "nearest")
+
+
+def test_mxfp4_ceil_never_clips_and_best_is_the_better_neighbour():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.rand(64, 1, generator=g) * 3
+    blocks = lambda t: t.reshape(64, -1, 32)  # noqa: E731
+    amax = blocks(x).abs().amax(-1)
+    # ceil clips nothing: every |x| <= 6 * scale (floor clips the blocks whose max lands in (6, 8))
+    _, s = F.quantize_mxfp4(x, "ceil")
+    assert (amax <= 6 * F.e8m0_to_float(s)).all()
+    _, s = F.quantize_mxfp4(x, "floor")
+    assert (amax > 6 * F.e8m0_to_float(s)).any()
+    err = {r: blocks(F.fake_quantize_mxfp4(x, torch.float32, r) - x).square().sum(-1) for r in ("floor", "ceil", "best")}
+    _, sf = F.quantize_mxfp4(x, "floor")
+    _, sb = F.quantize_mxfp4(x, "best")
+    assert ((sb == sf) | (sb == sf + 1)).all()
+    assert (err["best"] <= torch.minimum(err["floor"], err["ceil"]) + 1e-9).all()
+    assert err["best"].sum() < err["floor"].sum()

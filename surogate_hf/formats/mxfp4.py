@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .e2m1 import decode_packed_e2m1, e2m1_encode, pack_e2m1
+from .e2m1 import decode_packed_e2m1, e2m1_decode, e2m1_encode, pack_e2m1
 
 MXFP4_BLOCK = 32
 E8M0_BIAS = 127
@@ -29,13 +29,47 @@ def check_mxfp4_shape(shape, name: str = "tensor") -> None:
         )
 
 
-def quantize_mxfp4(x: torch.Tensor):
-    """Returns (packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32])."""
+SCALE_ROUNDINGS = ("floor", "ceil", "rtn", "best")
+
+
+def _shared_exponent(xb: torch.Tensor, amax: torch.Tensor, rounding: str) -> torch.Tensor:
+    """The block's power-of-two exponent before biasing (int32), for a scale-rounding rule:
+
+    floor  OCP MX v1.0: floor(log2 amax) - 2. The block max lands in [4, 8) and clips to 6 above 6.
+    ceil   ceil(log2(amax / 6)): the smallest power of two that does not clip (max lands in (3, 6]).
+    rtn    round(log2(amax / 6)) (log domain, ties up): nearest exponent to the ideal amax/6 scale;
+           clips when amax/6 is above 2^(k + 0.5).
+    best   per block, of floor and floor + 1 (the only two candidates that are neither wasteful nor
+           clip more than floor) the one with the smaller squared error: the E8M0 analogue of
+           Four Over Six's choice between two scales.
+    Every rule yields a valid E8M0 scale; only the byte differs."""
+    _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2 amax) = exp - 1
+    floor = exp.to(torch.int32) - 1 - 2
+    if rounding == "floor":
+        return floor
+    if rounding == "ceil":
+        # amax / 2^floor is in [4, 8): it fits under 6 unless above 6, then one binade up
+        return floor + (amax > 6.0 * torch.ldexp(torch.ones_like(amax), floor.float())).to(torch.int32)
+    if rounding == "rtn":
+        return torch.floor(torch.log2(amax / 6.0) + 0.5).nan_to_num(0.0).clamp(-200, 200).to(torch.int32)
+    if rounding == "best":
+        errs = []
+        for cand in (floor, floor + 1):
+            q = e2m1_decode(e2m1_encode(torch.ldexp(xb, (-cand).unsqueeze(-1).float())))
+            errs.append((torch.ldexp(q, cand.unsqueeze(-1).float()) - xb).square().sum(-1))
+        return torch.where(errs[1] < errs[0], floor + 1, floor)
+    raise ValueError(f"quantize_mxfp4: scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
+
+
+def quantize_mxfp4(x: torch.Tensor, scale_rounding: str = "floor"):
+    """Returns (packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32]).
+
+    scale_rounding: how the block exponent is chosen (see `_shared_exponent`); "floor" is the OCP spec's
+    rule and the only one the kernels implement."""
     check_mxfp4_shape(x.shape)
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = xb.abs().amax(-1)
-    _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2 amax) = exp - 1
-    shared = (exp.to(torch.int32) - 1) - 2
+    shared = _shared_exponent(xb, amax, scale_rounding)
     biased = (shared + E8M0_BIAS).clamp(0, 254)
     biased = torch.where(amax == 0, torch.zeros_like(biased), biased)
     bad = ~torch.isfinite(amax)
@@ -72,5 +106,5 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype=torch
     return (vals * e8m0_to_float(scales).unsqueeze(-1)).reshape(*packed.shape[:-1], k).to(out_dtype)
 
 
-def fake_quantize_mxfp4(x: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    return dequantize_mxfp4(*quantize_mxfp4(x), out_dtype=out_dtype or x.dtype)
+def fake_quantize_mxfp4(x: torch.Tensor, out_dtype=None, scale_rounding: str = "floor") -> torch.Tensor:
+    return dequantize_mxfp4(*quantize_mxfp4(x, scale_rounding), out_dtype=out_dtype or x.dtype)

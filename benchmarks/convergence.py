@@ -1,0 +1,352 @@
+"""Convergence on real text: a real pretrained model fine-tuned on held-out-validated public-domain text,
+every precision setup trained from the same weights, on the same batches, with the same seeds.
+
+    python benchmarks/convergence.py --prepare                 # once, needs the network (see convergence_assets.py)
+    python benchmarks/convergence.py                           # all setups (GPU: ~10 min on an H100)
+    python benchmarks/convergence.py --setups qlora-nf4,qlora-nf4+loftq --steps 100
+    python benchmarks/convergence.py --tiny --steps 4          # CPU smoke run: tiny Gemma3 from a config, text
+                                                               # the package ships (its docstrings), byte tokens
+
+Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g. 'qlora-*'):
+    lora-bf16                 stock PEFT LoRA on the bf16 model: the reference of every LoRA setup
+    qlora-<fmt>               SurogateConfig(format=fmt) + prepare_for_training + PEFT, fmt in fp8/nvfp4/mxfp4/nf4
+    qlora-<fmt>+loftq         the same, adapters initialised by surogate_hf.loftq_init (--loftq-iters)
+    qlora-fp8+fp8-hybrid      QLoRA with a training recipe on the adapters (apply_recipe on the PEFT model);
+    qlora-nvfp4+nvfp4         likewise qlora-mxfp4+nvfp4 and qlora-nf4+fp8-hybrid
+    peft-bnb-nf4              the peer: stock PEFT QLoRA on bitsandbytes NF4 (CUDA + bitsandbytes only)
+    full-bf16                 full fine-tune, apply_recipe("bf16"), fp32 masters: the reference of full-*
+    full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters
+    full-nvfp4                apply_recipe("nvfp4"), fp32 masters
+
+Output: a table of final validation loss and the gap in % to the reference, and
+benchmarks/results/convergence.json (curves) and convergence.png (plot); --out changes the stem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import gc
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+
+import convergence_assets as assets  # noqa: E402
+
+FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
+ALL_SETUPS = (
+    ["lora-bf16"]
+    + [f"qlora-{f}" for f in FORMATS]
+    + [f"qlora-{f}+loftq" for f in FORMATS]
+    + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
+    + ["full-bf16", "full-fp8-hybrid", "full-nvfp4"]
+)
+
+
+def reference_of(setup: str) -> str:
+    return "full-bf16" if setup.startswith("full-") else "lora-bf16"
+
+
+def select_setups(spec: str | None) -> list[str]:
+    if not spec:
+        return list(ALL_SETUPS)
+    chosen = []
+    for pat in (s.strip() for s in spec.split(",") if s.strip()):
+        hits = [s for s in ALL_SETUPS if fnmatch.fnmatchcase(s, pat)]
+        if not hits:
+            raise SystemExit(f"--setups: {pat!r} matches no setup; known: {', '.join(ALL_SETUPS)}")
+        chosen += [h for h in hits if h not in chosen]
+    return chosen
+
+
+# ----------------------------------------------------------------------------- data and model
+def tiny_assets(seed: int):
+    """A tiny Gemma3 built from a config and byte-level text the package ships (its own docstrings)."""
+    import surogate_hf
+
+    text = []
+    for path in sorted(Path(surogate_hf.__file__).parent.rglob("*.py")):
+        src = path.read_text()
+        if src.startswith('"""'):
+            text.append(src[3 : src.find('"""', 3)])
+    ids = torch.tensor(list("\n".join(text).encode("utf-8")), dtype=torch.long)
+    cut = int(len(ids) * 0.9)
+    config = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 256,
+        "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+    }
+    return config, None, ids[:cut], ids[cut:]
+
+
+def write_checkpoint(config: dict, state: dict | None, out_dir: Path, seed: int) -> Path:
+    """The bf16 checkpoint every setup loads with from_pretrained (as a user would)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**{k: v for k, v in config.items() if k not in ("source", "model_type")})
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg)
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embedding
+        if missing or unexpected:
+            raise ValueError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    return out_dir
+
+
+def batches(ids: torch.Tensor, seq_len: int, batch: int, steps: int, seed: int):
+    """Fixed order: a seeded permutation of the non-overlapping seq_len windows, wrapping around."""
+    n = len(ids) // seq_len
+    if n < batch:
+        raise ValueError(f"{len(ids)} training tokens give {n} windows of {seq_len}, fewer than one batch of {batch}")
+    windows = ids[: n * seq_len].view(n, seq_len)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=g)
+    for s in range(steps):
+        idx = order[(torch.arange(batch) + s * batch) % n]
+        yield windows[idx]
+
+
+def val_batches(ids: torch.Tensor, seq_len: int, batch: int, n_seqs: int):
+    n = min(len(ids) // seq_len, n_seqs)
+    if n < 1:
+        raise ValueError(f"{len(ids)} validation tokens are fewer than one window of {seq_len}")
+    windows = ids[: n * seq_len].view(n, seq_len)
+    return [windows[i : i + batch] for i in range(0, n, batch)]
+
+
+# ----------------------------------------------------------------------------- setups
+def build(setup: str, ckpt: Path, args, device: str):
+    """(model to train, trainable parameters, learning rate) for one setup."""
+    import surogate_hf
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules="all-linear")
+    load = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
+    if setup == "lora-bf16":
+        model = AutoModelForCausalLM.from_pretrained(ckpt, **load).to(device)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = get_peft_model(model, lora)
+        lr = args.lr_lora
+    elif setup.startswith("qlora-"):
+        fmt, *extras = setup[len("qlora-") :].split("+")
+        model = AutoModelForCausalLM.from_pretrained(
+            ckpt, quantization_config=surogate_hf.SurogateConfig(format=fmt), device_map=device, **load
+        )
+        model = surogate_hf.prepare_for_training(model, gradient_checkpointing=False)
+        model = get_peft_model(model, lora)
+        for extra in extras:
+            if extra == "loftq":
+                surogate_hf.loftq_init(model, ckpt, iters=args.loftq_iters)
+            else:
+                surogate_hf.apply_recipe(model, extra)
+        lr = args.lr_lora
+    elif setup == "peft-bnb-nf4":
+        if device != "cuda":
+            raise RuntimeError("skipped: bitsandbytes QLoRA needs CUDA")
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        bnb = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
+        )
+        model = AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=bnb, device_map=device, **load)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = get_peft_model(model, lora)
+        lr = args.lr_lora
+    elif setup.startswith("full-"):
+        model = AutoModelForCausalLM.from_pretrained(ckpt, **load).to(device)
+        surogate_hf.apply_recipe(model, setup[len("full-") :], master_dtype="fp32")
+        lr = args.lr_full
+    else:
+        raise ValueError(f"unknown setup {setup!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, params, lr
+
+
+@torch.no_grad()
+def evaluate(model, vals, device) -> float:
+    model.eval()
+    losses = [float(model(input_ids=v.to(device), labels=v.to(device)).loss) for v in vals]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def lr_at(step: int, steps: int, base: float) -> float:
+    warm = max(1, steps // 10)
+    if step < warm:
+        return base * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def run_setup(setup: str, ckpt: Path, train_ids, vals, args, device: str) -> dict:
+    t0 = time.perf_counter()
+    model, params, lr = build(setup, ckpt, args, device)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    curve = {"step": [0], "val": [evaluate(model, vals, device)], "train": []}
+    model.train()
+    for step, ids in enumerate(batches(train_ids, args.seq_len, args.batch, args.steps, args.seed)):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, lr)
+        ids = ids.to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        curve["train"].append(float(loss))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            curve["step"].append(step + 1)
+            curve["val"].append(evaluate(model, vals, device))
+            print(f"  {setup:24s} step {step + 1:4d}  train {curve['train'][-1]:.4f}  val {curve['val'][-1]:.4f}", flush=True)
+    if not math.isfinite(curve["val"][-1]):
+        raise FloatingPointError(f"{setup}: validation loss is {curve['val'][-1]}")
+    curve["final"] = curve["val"][-1]
+    curve["seconds"] = time.perf_counter() - t0
+    del model, opt, params
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return curve
+
+
+# ----------------------------------------------------------------------------- report
+def gaps(results: dict) -> dict:
+    for name, r in results.items():
+        ref = results.get(reference_of(name), {})
+        if "final" in r and "final" in ref:
+            r["reference"] = reference_of(name)
+            r["gap_pct"] = 100.0 * (r["final"] - ref["final"]) / ref["final"]
+    return results
+
+
+def table(results: dict) -> str:
+    lines = ["| setup | val loss start | val loss final | reference | gap to reference | time (s) |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | | | | {r['error']} | |")
+            continue
+        gap = "(reference)" if r.get("reference") == name else (f"{r['gap_pct']:+.2f}%" if "gap_pct" in r else "n/a")
+        lines.append(
+            f"| {name} | {r['val'][0]:.4f} | {r['final']:.4f} | {r.get('reference', '')} | {gap} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, group in zip(axes, ("LoRA / QLoRA", "full fine-tune")):
+        for name, r in results.items():
+            if "final" not in r or (name.startswith("full-") != (group == "full fine-tune")):
+                continue
+            ref = name == reference_of(name)
+            label = f"{name} ({r['final']:.3f}" + ("" if ref else f", {r['gap_pct']:+.2f}%") + ")"
+            ax.plot(r["step"], r["val"], label=label, lw=2.5 if ref else 1.2, color="k" if ref else None,
+                    ls="--" if "loftq" in name else "-")
+        ax.set_title(group)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prepare", action="store_true", help="download and cache the model and text, then exit")
+    ap.add_argument("--assets", type=Path, default=assets.DEFAULT_DIR, help="the cache --prepare writes")
+    ap.add_argument("--tiny", action="store_true", help="tiny model from a config + text the package ships (no cache)")
+    ap.add_argument("--setups", default=None, help="comma-separated names or patterns (default: all)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="use the first N decoder layers (default all 18); a cut model starts at a loss of ~25: smoke tests only")
+    ap.add_argument("--steps", type=int, default=None, help="default 200 (tiny: 4)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 8, tiny 2)")
+    ap.add_argument("--seq-len", type=int, default=None, help="default 512 (tiny 32)")
+    ap.add_argument("--eval-every", type=int, default=None, help="default 20 (tiny 2)")
+    ap.add_argument("--val-seqs", type=int, default=None, help="validation windows (default 64, tiny 4)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lr-lora", type=float, default=2e-4)
+    ap.add_argument("--lr-full", type=float, default=2e-5)
+    ap.add_argument("--loftq-iters", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "convergence", help="stem of the .json and .png")
+    args = ap.parse_args(argv)
+    if args.prepare:
+        assets.prepare(args.assets)
+        return {}
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per setup drowns the curves
+    tiny = args.tiny
+    for k, big, small in (("steps", 200, 4), ("batch", 8, 2), ("seq_len", 512, 32), ("eval_every", 20, 2), ("val_seqs", 64, 4)):
+        if getattr(args, k) is None:
+            setattr(args, k, small if tiny else big)
+    setups = select_setups(args.setups)
+    # a gap needs its reference, trained in the same run: missing references go first, in ALL_SETUPS order
+    refs = {reference_of(s) for s in setups}
+    setups = [s for s in ALL_SETUPS if s in refs and s not in setups] + setups
+
+    if tiny:
+        config, state, train_ids, val_ids = tiny_assets(args.seed)
+        source = "tiny Gemma3 from a config, byte-level text of surogate_hf's docstrings"
+    else:
+        config, state, train_ids, val_ids = assets.load_real(args.assets, args.layers)
+        source = f"Gemma 3 270M ({config['num_hidden_layers']} layers, vocab cut to {config['vocab_size']}), Shakespeare (PG)"
+    vals = val_batches(val_ids, args.seq_len, args.batch, args.val_seqs)
+    print(f"convergence: {source}; {args.steps} steps x {args.batch} x {args.seq_len} tokens, device {args.device}")
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="convergence_ckpt_") as tmp:
+        ckpt = write_checkpoint(config, state, Path(tmp), args.seed)
+        del state
+        for setup in setups:
+            try:
+                results[setup] = run_setup(setup, ckpt, train_ids, vals, args, args.device)
+            except Exception as e:  # reported in the table, never dropped
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                if not msg.startswith("skipped"):
+                    traceback.print_exc()
+                    msg = f"error: {type(e).__name__}: {msg}"
+                results[setup] = {"error": msg[:200]}
+                print(f"  {setup}: {msg}", flush=True)
+    gaps(results)
+    print(table(results))
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    meta.update(source=source, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                torch=torch.__version__)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, args.out.with_suffix(".png"), f"{source}; {args.steps} steps, seed {args.seed}")
+    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""benchmarks/convergence.py and its assets: the GGUF decoders are bit-exact to gguf-py's, the tiny CPU run
+trains every kind of setup end to end and writes its table, curves and plot, bad input is named."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import convergence  # noqa: E402
+import convergence_assets as assets  # noqa: E402
+
+
+@pytest.mark.parametrize("ggml_type", [assets.Q8_0, assets.Q5_0, assets.Q4_K, assets.Q6_K])
+def test_gguf_decoders_match_gguf_py(ggml_type):
+    gguf = pytest.importorskip("gguf")
+    elems, nbytes = assets._BLOCK[ggml_type]
+    rng = np.random.default_rng(ggml_type)
+    rows, cols = 6, 2 * 256
+    raw = rng.integers(0, 256, size=(rows, cols // elems * nbytes), dtype=np.uint8)
+    # finite fp16 block scales: clear the exponent's top bit of every fp16 field (random bytes may be inf/NaN)
+    fp16_at = {assets.Q8_0: [0], assets.Q5_0: [0], assets.Q4_K: [0, 2], assets.Q6_K: [208]}[ggml_type]
+    blocks = raw.reshape(-1, nbytes)
+    for off in fp16_at:
+        blocks[:, off + 1] &= 0x3F
+    mine = assets.dequantize_gguf(raw, ggml_type, (rows, cols))
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).reshape(rows, cols)
+    assert np.array_equal(mine, ref)
+
+
+def test_gguf_names_map_to_gemma3():
+    assert assets.hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert assets.hf_name("blk.17.ffn_norm.weight") == "model.layers.17.pre_feedforward_layernorm.weight"
+    assert assets.hf_name("blk.3.attn_output.weight") == "model.layers.3.self_attn.o_proj.weight"
+    with pytest.raises(ValueError, match="GGML type 2"):
+        assets.dequantize_gguf(np.zeros(18, np.uint8), 2, (32,))
+
+
+def test_missing_cache_and_bad_setups_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--prepare"):
+        assets.load_real(tmp_path)
+    with pytest.raises(SystemExit, match="matches no setup"):
+        convergence.select_setups("qlora-int3")
+    assert convergence.select_setups("qlora-nf4*") == ["qlora-nf4", "qlora-nf4+loftq", "qlora-nf4+fp8-hybrid"]
+
+
+def test_tiny_run_trains_each_kind_of_setup(tmp_path):
+    out = tmp_path / "conv"
+    results = convergence.main(
+        ["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "qlora-nf4+loftq,full-fp8-hybrid", "--out", str(out), "--device", "cpu"]
+    )
+    # the references are added and trained in the same run
+    assert list(results) == ["lora-bf16", "full-bf16", "qlora-nf4+loftq", "full-fp8-hybrid"]
+    for name, r in results.items():
+        assert "error" not in r, (name, r)
+        assert r["step"] == [0, 1, 2] and len(r["val"]) == 3 and all(np.isfinite(r["val"]))
+        assert r["reference"] == ("full-bf16" if name.startswith("full") else "lora-bf16")
+    assert results["lora-bf16"]["gap_pct"] == 0.0
+    q = results["qlora-nf4+loftq"]
+    assert q["gap_pct"] == pytest.approx(100 * (q["final"] / results["lora-bf16"]["final"] - 1))
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["results"]["full-fp8-hybrid"]["final"] == results["full-fp8-hybrid"]["final"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    # fixed data order and seeds: the same setup trained twice gives the same curve
+    again = convergence.main(["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "lora-bf16", "--out", str(tmp_path / "b"), "--device", "cpu"])
+    assert again["lora-bf16"]["val"] == results["lora-bf16"]["val"]

@@ -1,0 +1,145 @@
+"""surogate_hf.loftq_init: LoftQ adapters over every quantized format reduce ||W - (deq(W_q) + s*B@A)||, the
+report is what the modules hold, more iterations never hurt, training still works, bad input is named."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import surogate_hf
+from conftest import sample_input_ids, save_tiny_model
+from surogate_hf.nn.linear import QuantizedLinear
+
+FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
+# fp8 blocks of 128x128 would cover a whole tiny weight: 32x32 blocks give fp8 several blocks per weight
+OPTIONS = {"fp8": {"block_size": (32, 32)}}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("loftq") / "m", seed=0, num_hidden_layers=2)
+
+
+def peft_model(path, fmt, r=8, seed=0):
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=surogate_hf.SurogateConfig(format=fmt, **OPTIONS.get(fmt, {})), dtype=torch.bfloat16
+    )
+    model = surogate_hf.prepare_for_training(model, gradient_checkpointing=False)
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear"))
+
+
+def lora_layers(model):
+    return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and isinstance(m.get_base_layer(), QuantizedLinear)}
+
+
+@torch.no_grad()
+def effective_error(module, w):
+    """Relative Frobenius error of what the layer computes: deq(W_q) + scaling * B @ A against w."""
+    base = module.get_base_layer()
+    a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+    eff = base.dequantize(torch.float32) + module.scaling["default"] * (b @ a)
+    return float((w - eff).norm() / w.norm())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loftq_reduces_the_weight_error_of_every_layer(ckpt, fmt):
+    dense = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).state_dict()
+    model = peft_model(ckpt, fmt)
+    layers = lora_layers(model)
+    assert len(layers) == 2 * 7
+    plain = {n: effective_error(m, dense[n[len("base_model.model."):] + ".weight"].float()) for n, m in layers.items()}
+    report = surogate_hf.loftq_init(model, ckpt, iters=2)
+    assert set(report) == set(layers)
+    for n, m in layers.items():
+        w = dense[n[len("base_model.model."):] + ".weight"].float()
+        after = effective_error(m, w)
+        assert report[n]["plain"] == pytest.approx(plain[n], rel=1e-4)  # B = 0 at PEFT's init: the base alone
+        assert report[n]["loftq"] == pytest.approx(after, rel=1e-3, abs=1e-6)  # the report is what the layer holds
+        assert after < 0.97 * plain[n], (n, plain[n], after)
+
+
+@pytest.mark.slow
+def test_more_iterations_never_hurt_and_the_sources_agree(ckpt):
+    dense_model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    one = surogate_hf.loftq_init(peft_model(ckpt, "mxfp4"), ckpt, iters=1)
+    three = surogate_hf.loftq_init(peft_model(ckpt, "mxfp4"), dense_model, iters=3)  # the dense model as the source
+    default = surogate_hf.loftq_init(peft_model(ckpt, "mxfp4"), iters=3)  # the directory it was loaded from
+    for n in one:
+        assert three[n]["loftq"] <= one[n]["loftq"] + 1e-7
+        assert three[n] == default[n]
+    assert sum(v["loftq"] for v in three.values()) < sum(v["loftq"] for v in one.values())
+
+
+def test_training_after_loftq_lowers_the_loss(ckpt):
+    model = peft_model(ckpt, "mxfp4")
+    surogate_hf.loftq_init(model, ckpt, iters=2)
+    ids = sample_input_ids(model.config.vocab_size, batch=4, seq=16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params and all(p.dtype == torch.float32 for p in params)  # the adapters keep their master dtype
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(6):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in params)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+
+
+def test_bad_input_is_named(ckpt, tmp_path):
+    model = peft_model(ckpt, "fp8")
+    with pytest.raises(ValueError, match="iters must be in 1..5"):
+        surogate_hf.loftq_init(model, ckpt, iters=0)
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory"):
+        surogate_hf.loftq_init(model, tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="no .safetensors file"):
+        surogate_hf.loftq_init(model, tmp_path)
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.q_proj.weight"):
+        surogate_hf.loftq_init(model, {"unrelated.weight": torch.zeros(1)})
+    dense = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    for p in dense.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no LoRA layer"):
+        surogate_hf.loftq_init(get_peft_model(dense, LoraConfig(r=4, target_modules="all-linear")), ckpt)
+
+
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48)])
+def test_low_rank_factors_are_the_truncated_svd(shape):
+    from surogate_hf.integrations.loftq import _low_rank_factors
+
+    e = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    left, right = _low_rank_factors(e, 6)
+    u, s, vh = torch.linalg.svd(e.double(), full_matrices=False)
+    best = (u[:, :6] * s[:6]) @ vh[:6]
+    assert torch.allclose((left @ right).double(), best, atol=1e-5)
+    # sqrt of the singular values on each side
+    assert torch.allclose(left.double().norm(dim=0) ** 2, s[:6], rtol=1e-4)
+    assert torch.allclose(right.double().norm(dim=1) ** 2, s[:6], rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loftq_on_cuda_matches_the_cpu_result(ckpt, fmt):
+    """On the GPU the bases quantize through the kernels (bit-exact to the references), so the init and its
+    report agree with the CPU run up to the float64 factorisation's rounding."""
+    cpu = surogate_hf.loftq_init(peft_model(ckpt, fmt), ckpt, iters=2)
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, quantization_config=surogate_hf.SurogateConfig(format=fmt, **OPTIONS.get(fmt, {})),
+        dtype=torch.bfloat16, device_map="cuda",
+    )
+    model = surogate_hf.prepare_for_training(model, gradient_checkpointing=False)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
+    gpu = surogate_hf.loftq_init(model, ckpt, iters=2)
+    for n in cpu:
+        assert gpu[n]["loftq"] < gpu[n]["plain"]
+        assert gpu[n]["plain"] == pytest.approx(cpu[n]["plain"], rel=1e-3)
+        assert gpu[n]["loftq"] == pytest.approx(cpu[n]["loftq"], rel=2e-2)
+    ids = sample_input_ids(model.config.vocab_size, batch=2, seq=16).cuda()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
