@@ -7,13 +7,13 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import surogate_hf.kernels as K
 import surogate_hf.recipes as R
 from surogate_hf import formats as F
 from surogate_hf.recipes.fp8_hybrid import cast
 from surogate_hf.recipes.scaling import Fp8ScalingState
+from test_recipes_scaling import tiny
 
 _ok, _why = K.triton_ok()
 _fp8, _fp8_why = K.fp8_ok()
@@ -68,23 +68,6 @@ def test_nvfp4_mm_on_bf16_tensor_cores(m, k, n):
     assert ((out - ref).abs() <= tol + 1e-6).all()
 
 
-def _model(layers=2, dim=256):
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, 3 * dim), nn.GELU(), nn.Linear(3 * dim, dim)) for _ in range(layers))
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = blocks
-
-        def forward(self, x):
-            for blk in self.layers:
-                x = x + blk(x)
-            return x
-
-    return M()
-
-
 def _train(m, device, steps=3, compiled=False, dim=256):
     m = m.to(device)
     run = torch.compile(m, fullgraph=True) if compiled else m
@@ -107,14 +90,14 @@ def test_fp8_recipe_on_gpu_matches_cpu(compiled):
     CPU reference: the same loss curve within GEMM summation order, and the same recipe state."""
     torch._dynamo.reset()
     kw = dict(model_dtype="bf16", master_dtype="fp32", amax_history_len=4)
-    lc, mc = _train(R.apply_recipe(_model().bfloat16(), "fp8-hybrid", **kw), "cpu")
-    lg, mg = _train(R.apply_recipe(_model().bfloat16(), "fp8-hybrid", **kw), "cuda", compiled=compiled)
+    lc, mc = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "fp8-hybrid", **kw), "cpu")
+    lg, mg = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "fp8-hybrid", **kw), "cuda", compiled=compiled)
     assert lg == pytest.approx(lc, rel=2e-2)
     torch.testing.assert_close(mg.surogate_fp8_state.amax_history.cpu(), mc.surogate_fp8_state.amax_history,
                                rtol=2e-2, atol=0)
 
 
 def test_nvfp4_recipe_on_gpu_matches_cpu():
-    lc, _ = _train(R.apply_recipe(_model().bfloat16(), "nvfp4"), "cpu", steps=2)
-    lg, _ = _train(R.apply_recipe(_model().bfloat16(), "nvfp4"), "cuda", steps=2)
+    lc, _ = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "nvfp4"), "cpu", steps=2)
+    lg, _ = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "nvfp4"), "cuda", steps=2)
     assert lg == pytest.approx(lc, rel=2e-2)
