@@ -277,3 +277,38 @@ def test_regional_compile_shares_one_graph_across_layers():
         assert lc == pytest.approx(le, rel=1e-5, abs=1e-7)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1], f"graphs compiled for 2 and 5 layers: {graphs}"
+
+
+def _ddp_worker(rank, world, port, out):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        m = R.apply_recipe(tiny(layers=2), "fp8-hybrid", amax_history_len=4)
+        ddp = DDP(m, broadcast_buffers=True)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        # micro-batch 0: rank 1 sees 8x larger activations; micro-batch 1: rank 1's are tiny
+        for micro, s in enumerate((8.0 if rank else 1.0, 1e-3 if rank else 1.0)):
+            with ddp.no_sync() if micro == 0 else __import__("contextlib").nullcontext():
+                ddp(batch(0) * s).square().mean().backward()
+        opt.step()
+        broadcast = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+        out[rank] = (m.surogate_fp8_state.amax_history[0, 0].item(), broadcast)  # x of the first linear
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_broadcasts_no_recipe_state_and_steps_see_every_rank():
+    """DDP (broadcast_buffers=True, the Trainer's default) leaves the recipe state out of its per-step buffer
+    broadcast (the state agrees across ranks through the update's all_reduce), and the step pushes the max over
+    every rank and micro-batch (rank 1's 8x batch)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_ddp_worker, args=(2, port, out), nprocs=2, join=True)
+    (a0, b0), (a1, b1) = out[0], out[1]
+    assert a0 == a1 == pytest.approx(batch(0).abs().max().item() * 8.0, rel=1e-6)
+    assert b0 == b1 == 0, "bytes of recipe state DDP would broadcast before every forward"

@@ -454,8 +454,31 @@ def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
                 continue
             if any(p.dtype != model_dt and p.is_floating_point() for p in m.parameters(recurse=False)):
                 m.register_forward_hook(_cast_output(model_dt))
+    _keep_recipe_state_out_of_ddp(model)
     model.surogate_recipe = cfg
     return model
+
+
+_RECIPE_BUFFERS = ("fp8_dy_amax", "fp8_rows_t", "fp4_sr_step", "rht_signs")
+
+
+def _keep_recipe_state_out_of_ddp(model: nn.Module) -> None:
+    """DDP (broadcast_buffers=True, the Trainer's default) copies rank 0's buffers over every rank before each
+    forward: it would overwrite the other ranks' running amaxes between micro-batches (their maxima would never
+    reach the step's all_reduce) and move the state every step. The state agrees across ranks without it (the
+    update all-reduces the amaxes; step counters advance alike), so DDP is told to leave it alone, through the
+    hook DDP documents for this (`_set_params_and_buffers_to_ignore_for_model`)."""
+    names = [
+        f"{mod_name}.{buf_name}" if mod_name else buf_name
+        for mod_name, mod in model.named_modules()
+        for buf_name, _ in mod.named_buffers(recurse=False)
+        if isinstance(mod, Fp8ScalingState) or buf_name in _RECIPE_BUFFERS
+    ]
+    if names:
+        from torch.nn.parallel import DistributedDataParallel
+
+        known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, known + [n for n in names if n not in known])
 
 
 def recipe_state(model: nn.Module) -> dict:
