@@ -12,6 +12,8 @@ case.json {"name", "format" (None: load as stored), "lora_targets"}. For every c
          sees them after the all-gather, bit-identical to the unsharded module's
   full   FULL state dict (get_model_state_dict full_state_dict) -> a fresh sharded model -> FULL again: bit-exact
   shard  SHARDED state dict through torch.distributed.checkpoint save/load into a fresh model: bit-exact
+  accel  accelerate's fsdp2_prepare_model with cpu_ram_efficient_loading (rank 0's weights only): shards,
+         slots bit-identical, the same training step
   ddp    DDP: the bytes it broadcasts per step (its modules_buffers) and the same training step
 
 and rank 0 writes OUT_DIR/results.json (rank 1 writes its own byte counts to results_rank1.json).
@@ -155,6 +157,42 @@ def run_case(case_dir: str, out_dir: str) -> dict:
     mism_t = torch.tensor([len(mism)])
     dist.all_reduce(mism_t)
     res["shard"] = {"mismatched_here": mism[:8], "mismatched_all_ranks": int(mism_t.item())}
+
+    # ---- accel: accelerate's own FSDP2 preparation (what `fsdp_version: 2` runs) with cpu_ram_efficient_loading:
+    # only rank 0 holds the weights (the others are zeroed here), the model goes to meta, is sharded per decoder
+    # layer, and rank 0's state dict is broadcast into the shards. accelerate enables FSDP only on GPU
+    # distributed types, so its prepare function is called directly with the attributes it reads.
+    import types
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    acc_model = fresh()
+    if rank != 0:
+        with torch.no_grad():
+            for p in acc_model.parameters():
+                p.zero_()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", cpu_ram_efficient_loading=True,
+        transformer_cls_names_to_wrap=list(pristine._no_split_modules), state_dict_type="SHARDED_STATE_DICT",
+    )
+    acc = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                parallelism_config=None, device=torch.device("cpu"), is_main_process=rank == 0,
+                                mixed_precision="no")
+    acc_model = fsdp2_prepare_model(acc, acc_model)
+    seen, bad = [], []
+    handles = [m.register_forward_pre_hook(check(n)) for n, m in quantized_modules(acc_model)]
+    aloss = step(acc_model, mine)
+    for h in handles:
+        h.remove()
+    dist.all_reduce(aloss)
+    res["accel"] = {
+        "packed_local_bytes": packed_base_bytes(acc_model)[0],
+        "checked_modules": len(set(seen)),
+        "mismatched": bad[:8],
+        "loss_rel": abs(aloss.item() / world - ref_loss.item()) / abs(ref_loss.item()),
+        "param_max_rel": max(_max_rel(_full(p), ref_params[n]) for n, p in acc_model.named_parameters() if p.requires_grad),
+    }
 
     # ---- ddp: per-step broadcast bytes, and the same step
     ddp_model = fresh()

@@ -1,6 +1,7 @@
 """Multi-process CPU checks on gloo (2 ranks, `torch.distributed.run`): FSDP2 shards the packed base, trains
 like one process, keeps the packed bytes intact under a bf16 MixedPrecisionPolicy, round-trips SHARDED and
-FULL state dicts bit-exact; DDP broadcasts no packed bytes per step. One launch runs every case
+FULL state dicts bit-exact, and goes through accelerate's FSDP2 preparation with cpu_ram_efficient_loading;
+DDP broadcasts no packed bytes per step. One launch runs every case
 (tests/dist_worker.py says what each rank does); the tests below read its results.
 """
 
@@ -100,6 +101,14 @@ def test_full_and_sharded_state_dicts_round_trip_bit_exact(results, name):
     full, shard = results[name]["full"], results[name]["shard"]
     assert full["same_keys_as_unsharded"] and not full["roundtrip_mismatched"] and not full["frozen_mismatched"], full
     assert shard["mismatched_all_ranks"] == 0, shard
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_accelerate_fsdp2_prepare_with_cpu_ram_efficient_loading(results, name):
+    a, total = results[name]["accel"], results[name]["fsdp"]["packed_total_bytes"]
+    assert a["packed_local_bytes"] <= 0.55 * total, a
+    assert a["checked_modules"] == results[name]["mp"]["modules"] and not a["mismatched"], a
+    assert a["loss_rel"] < 1e-5 and a["param_max_rel"] < 1e-5, a
 
 
 @pytest.mark.parametrize("name", NAMES)
