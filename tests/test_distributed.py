@@ -117,3 +117,19 @@ def test_ddp_broadcasts_no_packed_bytes(results, name):
     assert d["broadcast_bytes_per_step"] == d["buffer_bytes"]
     assert d["broadcast_bytes_per_step"] < d["packed_total_bytes"] / 1000, d
 
+
+
+@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
+def test_example_qlora_multigpu_runs_ddp_on_two_cpu_ranks(tmp_path, loop):
+    """examples/qlora_multigpu.py under torchrun on CPU: accelerate / the Trainer wrap it in DDP over gloo."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           os.path.join(root, "examples", "qlora_multigpu.py"), "--cpu", "--loop", loop, "--steps", "3", "--batch", "4",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    if proc.returncode != 0:
+        pytest.fail(f"example failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    for rank in range(WORLD):
+        assert f"[rank {rank}] loaded: packed base held here" in proc.stdout
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
