@@ -76,6 +76,24 @@ def packed_base_bytes(model: nn.Module) -> tuple[int, int]:
     return local, total
 
 
+def fsdp2_bytes_per_rank(model: nn.Module, world_size: int) -> list[int]:
+    """Packed base bytes each of `world_size` ranks would hold under FSDP2, from the slot shapes alone (works on
+    meta-device models): FSDP2 splits every parameter along dim 0 with torch.chunk semantics (ceil-sized
+    chunks, trailing ranks possibly empty). tests/test_distributed.py checks it against the measured shards."""
+    per_rank = [0] * world_size
+    for _, m in quantized_modules(model):
+        for name in S.slot_specs(m):
+            t = m._parameters.get(name)
+            if t is None:
+                continue
+            rows = t.shape[0]
+            row_bytes = (torch.numel(t) // max(rows, 1)) * t.element_size()
+            chunk = -(-rows // world_size)
+            for r in range(world_size):
+                per_rank[r] += max(0, min(chunk, rows - r * chunk)) * row_bytes
+    return per_rank
+
+
 def ddp_broadcast_bytes(module: nn.Module) -> int:
     """Bytes DDP(broadcast_buffers=True) broadcasts from rank 0 before every forward: the module's buffers
     (persistent or not) minus `_ddp_params_and_buffers_to_ignore`."""

@@ -57,7 +57,7 @@ def run_case(case_dir: str, out_dir: str) -> dict:
 
     import torch.distributed.checkpoint as dcp
     from surogate_hf import SurogateConfig
-    from surogate_hf.distributed import ddp_broadcast_bytes, packed_base_bytes, shard_model
+    from surogate_hf.distributed import ddp_broadcast_bytes, fsdp2_bytes_per_rank, packed_base_bytes, shard_model
     from surogate_hf.nn import quantized_modules
     from surogate_hf.nn import slots as S
 
@@ -95,6 +95,7 @@ def run_case(case_dir: str, out_dir: str) -> dict:
 
     # ---- fsdp: sharded bytes and one training step
     t0 = time.perf_counter()
+    predicted = fsdp2_bytes_per_rank(pristine, world)[rank]
     model = shard_model(fresh())
     local, total = packed_base_bytes(model)
     loss = step(model, mine)
@@ -102,6 +103,7 @@ def run_case(case_dir: str, out_dir: str) -> dict:
     res["fsdp"] = {
         "packed_local_bytes": local,
         "packed_total_bytes": total,
+        "predicted_local_bytes": predicted,
         "loss_rel": abs(loss.item() / world - ref_loss.item()) / abs(ref_loss.item()),
         "param_max_rel": max(_max_rel(_full(p), ref_params[n]) for n, p in model.named_parameters() if p.requires_grad),
         "trainable": sum(1 for p in model.parameters() if p.requires_grad),

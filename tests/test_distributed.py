@@ -77,6 +77,8 @@ def test_fsdp2_shards_the_packed_base(results, name):
         assert f["packed_total_bytes"] > 0
         # dim-0 shards of every slot: ~1/world each (uneven rows go to the first rank)
         assert f["packed_local_bytes"] <= 0.55 * f["packed_total_bytes"], f
+        # the per-rank figure computed from slot shapes alone (docs/multigpu.md's table) is what FSDP2 holds
+        assert f["predicted_local_bytes"] == f["packed_local_bytes"], f
     assert r["fsdp"]["packed_local_bytes"] + r["rank1_fsdp"]["packed_local_bytes"] == r["fsdp"]["packed_total_bytes"]
 
 
