@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR CASE_DIR...
 
+(on CPU over gloo; with SUROGATE_DIST_DEVICE=cuda on one GPU per rank over NCCL, through the CUDA kernels).
+
 Each CASE_DIR holds a checkpoint (bf16, or already quantized when `prequantized` is in its name) and a
 case.json {"name", "format" (None: load as stored), "lora_targets"}. For every case each rank runs:
 
@@ -45,7 +47,15 @@ def _full(t):
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    a, b = a.detach().cpu(), b.detach().cpu()
     return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def _device() -> torch.device:
+    """cpu (gloo) unless SUROGATE_DIST_DEVICE=cuda (NCCL, one GPU per rank: tests/test_distributed.py's GPU run)."""
+    if os.environ.get("SUROGATE_DIST_DEVICE", "cpu") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def run_case(case_dir: str, out_dir: str) -> dict:
@@ -62,10 +72,12 @@ def run_case(case_dir: str, out_dir: str) -> dict:
     from surogate_hf.nn import slots as S
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()
     with open(os.path.join(case_dir, "case.json")) as f:
         case = json.load(f)
     pristine = AutoModelForCausalLM.from_pretrained(
-        case_dir, quantization_config=SurogateConfig(format=case["format"]), dtype=torch.float32
+        case_dir, quantization_config=SurogateConfig(format=case["format"]), dtype=torch.float32,
+        device_map={"": device} if device.type == "cuda" else None,
     )
     pristine.config.use_cache = False
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=case["lora_targets"], lora_dropout=0.0, init_lora_weights=False)
@@ -76,7 +88,7 @@ def run_case(case_dir: str, out_dir: str) -> dict:
 
     g = torch.Generator().manual_seed(1)
     per_rank = 2
-    ids = torch.randint(0, pristine.config.vocab_size, (per_rank * world, 16), generator=g)
+    ids = torch.randint(0, pristine.config.vocab_size, (per_rank * world, 16), generator=g).to(device)
     mine = ids[rank * per_rank : (rank + 1) * per_rank]
 
     def step(model, batch):
@@ -156,7 +168,7 @@ def run_case(case_dir: str, out_dir: str) -> dict:
     set_model_state_dict(loaded, sd)
     want = dict(model.named_parameters())
     mism = [n for n, p in loaded.named_parameters() if not _bits_equal(p.to_local(), want[n].to_local())]
-    mism_t = torch.tensor([len(mism)])
+    mism_t = torch.tensor([len(mism)], device=device)
     dist.all_reduce(mism_t)
     res["shard"] = {"mismatched_here": mism[:8], "mismatched_all_ranks": int(mism_t.item())}
 
@@ -179,7 +191,7 @@ def run_case(case_dir: str, out_dir: str) -> dict:
         transformer_cls_names_to_wrap=list(pristine._no_split_modules), state_dict_type="SHARDED_STATE_DICT",
     )
     acc = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
-                                parallelism_config=None, device=torch.device("cpu"), is_main_process=rank == 0,
+                                parallelism_config=None, device=device, is_main_process=rank == 0,
                                 mixed_precision="no")
     acc_model = fsdp2_prepare_model(acc, acc_model)
     seen, bad = [], []
@@ -198,7 +210,7 @@ def run_case(case_dir: str, out_dir: str) -> dict:
 
     # ---- ddp: per-step broadcast bytes, and the same step
     ddp_model = fresh()
-    ddp = DDP(ddp_model, broadcast_buffers=True)
+    ddp = DDP(ddp_model, broadcast_buffers=True, device_ids=[device.index] if device.type == "cuda" else None)
     dloss = step(ddp, mine)
     dist.all_reduce(dloss)
     res["ddp"] = {
@@ -213,7 +225,11 @@ def run_case(case_dir: str, out_dir: str) -> dict:
 
 def main():
     out_dir, case_dirs = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        import surogate_hf.kernels  # noqa: F401  (registers the CUDA implementations)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     results = [run_case(d, out_dir) for d in case_dirs]
     name = "results.json" if rank == 0 else f"results_rank{rank}.json"

@@ -45,11 +45,9 @@ def _write_case(root, name, kind, fmt, targets):
     return str(d)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    dirs = [_write_case(root, *c) for c in CASES]
+def _launch(root, dirs, extra_env=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra_env or {})
     worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", worker, str(root), *dirs]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -65,6 +63,12 @@ def results(tmp_path_factory):
         print(f"[{name}] packed base per rank {f['packed_local_bytes']} / {f['packed_total_bytes']} B "
               f"({f['packed_local_bytes'] / f['packed_total_bytes']:.3f}); DDP broadcast/step {r['ddp']['broadcast_bytes_per_step']} B")
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return _launch(root, [_write_case(root, *c) for c in CASES])
 
 
 NAMES = [c[0] for c in CASES]
@@ -135,3 +139,31 @@ def test_example_qlora_multigpu_runs_ddp_on_two_cpu_ranks(tmp_path, loop):
     for rank in range(WORLD):
         assert f"[rank {rank}] loaded: packed base held here" in proc.stdout
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def _two_gpus():
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason=f"needs {WORLD} CUDA GPUs")
+def test_same_checks_on_gpus_over_nccl(tmp_path):
+    """The gloo checks on one GPU per rank (NCCL, the CUDA kernels and their cached GEMM plans under FSDP2's
+    unshard / reshard). The single-process reference runs the same kernels on a batch twice as large, so the
+    step matches to GEMM rounding rather than to the reduction order."""
+    out = _launch(tmp_path, [_write_case(tmp_path, *c) for c in CASES], {"SUROGATE_DIST_DEVICE": "cuda"})
+    for name, r in out.items():
+        for f in (r["fsdp"], r["rank1_fsdp"]):
+            assert f["packed_local_bytes"] == f["predicted_local_bytes"] <= 0.55 * f["packed_total_bytes"], (name, f)
+        assert not r["mp"]["mismatched"] and r["mp"]["checked_modules"] == r["mp"]["modules"], (name, r["mp"])
+        assert not r["full"]["roundtrip_mismatched"] and not r["full"]["frozen_mismatched"], (name, r["full"])
+        assert r["shard"]["mismatched_all_ranks"] == 0, (name, r["shard"])
+        assert not r["accel"]["mismatched"], (name, r["accel"])
+        for mode in ("fsdp", "ddp", "accel"):
+            assert r[mode]["loss_rel"] < 1e-3 and r[mode]["param_max_rel"] < 1e-2, (name, mode, r[mode])
+        assert r["ddp"]["broadcast_bytes_per_step"] < r["ddp"]["packed_total_bytes"] / 1000, (name, r["ddp"])
