@@ -117,3 +117,19 @@ def test_ddp_broadcasts_no_packed_bytes_per_step(dirs, fmt, single_process_group
     assert per_step <= 1024 and per_step < packed / 1000
     # frozen packed slots get no gradient bucket: DDP all-reduces the LoRA gradients only
     assert all(not p.requires_grad for _, m in quantized_modules(pm) for p in m.parameters(recurse=False))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nf4"])
+def test_prequantized_checkpoint_counts_and_slots(dirs, tmp_path, fmt):
+    """A checkpoint saved in the standard layout and loaded as stored (SurogateConfig()): same slots' storage
+    form and the dense model's parameter count."""
+    _load(dirs["llama"], fmt).save_pretrained(tmp_path / fmt)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / fmt, quantization_config=SurogateConfig(), dtype=torch.bfloat16)
+    dense = AutoModelForCausalLM.from_pretrained(dirs["llama"], dtype=torch.bfloat16)
+    mods = dict(quantized_modules(model))
+    assert mods and all(m.prequantized for m in mods.values())
+    for name, m in mods.items():
+        assert not list(m.buffers(recurse=False)), name
+        assert all(isinstance(p, S.PackedParameter) and not p.is_floating_point() and p.dim() >= 1
+                   for n, p in m.named_parameters(recurse=False) if n in S.slot_specs(m)), name
+    assert model.num_parameters() == dense.num_parameters()
