@@ -133,3 +133,23 @@ def test_prequantized_checkpoint_counts_and_slots(dirs, tmp_path, fmt):
         assert all(isinstance(p, S.PackedParameter) and not p.is_floating_point() and p.dim() >= 1
                    for n, p in m.named_parameters(recurse=False) if n in S.slot_specs(m)), name
     assert model.num_parameters() == dense.num_parameters()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_load_state_dict_accepts_the_logical_form(fmt):
+    """A state dict holding slots in their logical dtypes and shapes (fp32 / e4m3 scales, 0-dim globals) loads
+    by bytes, never by a value cast into the integer storage."""
+    from surogate_hf.nn import LINEAR_CLASSES
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 64, dtype=torch.bfloat16)
+    src = LINEAR_CLASSES[fmt].from_linear(lin)
+    logical = {n: v.clone() for n, v in S.named_slots(src).items()}
+    logical["bias"] = src.bias.detach().clone()
+    dst = LINEAR_CLASSES[fmt](128, 64, bias=True, device="cpu", dtype=torch.bfloat16)
+    dst.load_state_dict(logical)
+    for n, v in S.named_slots(dst).items():
+        assert v.dtype == logical[n].dtype and torch.equal(v.reshape(-1).view(torch.uint8), logical[n].reshape(-1).view(torch.uint8)), n
+    assert all(S.is_storage_form(dst, n) for n in S.slot_specs(dst))
+    dst.load_state_dict(src.state_dict())  # and the storage form, as saved by FSDP2 / DCP
+    assert torch.equal(dst(lin.weight.new_ones(2, 128)), src(lin.weight.new_ones(2, 128)))

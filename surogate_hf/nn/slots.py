@@ -121,8 +121,23 @@ def slot_specs(module: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     return module.__dict__.get(SPECS_ATTR, {})
 
 
+def _logical_to_storage_on_load(module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: a slot given in its logical form (e.g. an fp32 scale from an older
+    state_dict) becomes the storage form first; copying fp32 into the int32 Parameter would cast values."""
+    from torch.distributed.tensor import DTensor
+
+    for name, (shape, dtype, _) in slot_specs(module).items():
+        v = state_dict.get(prefix + name)
+        if v is None or isinstance(v, DTensor) or v.dtype != dtype:
+            continue
+        sd = storage_dtype(dtype)
+        state_dict[prefix + name] = (v.view(sd) if sd != dtype else v).reshape(storage_shape(shape))
+
+
 def register_slot(module: nn.Module, name: str, shape, dtype: torch.dtype, device, represents: int = 0) -> None:
     """Declare a slot and give it an empty storage-form Parameter (on meta until loaded)."""
+    if SPECS_ATTR not in module.__dict__:
+        module.register_load_state_dict_pre_hook(_logical_to_storage_on_load)
     declare_slots(module, {name: (shape, dtype, represents)})
     empty = torch.empty(storage_shape(shape), dtype=storage_dtype(dtype), device=device)
     module._buffers.pop(name, None)
