@@ -124,10 +124,6 @@ def run(key, mode, args, device):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         seconds = t.item()
     bcast = ddp_broadcast_bytes(inner) if mode == "ddp" else None
-    del model, inner, opt, params
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return {"tok_s": world * args.batch * args.seq * args.steps / seconds, "packed_local": local, "packed_total": total,
             "peak_gib": peak, "ddp_broadcast_bytes": bcast}
 
@@ -158,7 +154,7 @@ def main():
         raise SystemExit("launch with torchrun / accelerate launch (--nproc-per-node >= 2): the modes compare 1 rank with all")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
         import surogate_hf.kernels  # noqa: F401  (registers the CUDA implementations)
@@ -168,12 +164,12 @@ def main():
     for key in keys:
         for mode in modes:
             label = f"{SETUPS[key][0]} / {mode}"
-            if mode == "single":
-                res = attempt(label, lambda: run(key, mode, args, device), errors) if rank == 0 else None
-                dist.barrier()
-            else:
-                res = attempt(label, lambda: run(key, mode, args, device), errors)
-                dist.barrier()
+            measure = lambda key=key, mode=mode: run(key, mode, args, device)
+            res = attempt(label, measure, errors) if (mode != "single" or rank == 0) else None
+            gc.collect()  # the setup's model and optimizer are gone with run()'s frame
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            dist.barrier()
             if res is not None:
                 results[(key, mode)] = res
                 if rank == 0:

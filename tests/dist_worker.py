@@ -54,7 +54,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _device() -> torch.device:
     """cpu (gloo) unless SUROGATE_DIST_DEVICE=cuda (NCCL, one GPU per rank: tests/test_distributed.py's GPU run)."""
     if os.environ.get("SUROGATE_DIST_DEVICE", "cpu") == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 

@@ -153,3 +153,13 @@ def test_load_state_dict_accepts_the_logical_form(fmt):
     assert all(S.is_storage_form(dst, n) for n in S.slot_specs(dst))
     dst.load_state_dict(src.state_dict())  # and the storage form, as saved by FSDP2 / DCP
     assert torch.equal(dst(lin.weight.new_ones(2, 128)), src(lin.weight.new_ones(2, 128)))
+
+
+def test_set_slot_rejects_a_wrong_dtype_or_shape_naming_the_slot():
+    from surogate_hf.nn import LINEAR_CLASSES
+
+    m = LINEAR_CLASSES["fp8"](128, 64, bias=False, device="cpu")
+    with pytest.raises(TypeError, match="weight_scale_inv: got dtype torch.bfloat16"):
+        S.set_slot(m, "weight_scale_inv", torch.ones(1, 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"weight_scale_inv: got shape \[2, 1\], expected \[1, 1\]"):
+        S.set_slot(m, "weight_scale_inv", torch.ones(2, 1))

@@ -58,7 +58,7 @@ class PackedParameter(nn.Parameter):
         return (_rebuild_packed, (self.data, self.represents))
 
 
-def _rebuild_packed(data: Tensor, represents: int) -> "PackedParameter":
+def _rebuild_packed(data: Tensor, represents: int) -> PackedParameter:
     return PackedParameter(data, represents)
 
 
@@ -155,6 +155,8 @@ def set_slot(module: nn.Module, name: str, value: Tensor) -> None:
     shape, dtype, represents = slot_specs(module)[name]
     if value.dtype not in (dtype, storage_dtype(dtype)):
         raise TypeError(f"{type(module).__name__}.{name}: got dtype {value.dtype}, expected {dtype}")
+    if tuple(value.shape) not in (tuple(shape), storage_shape(shape)):
+        raise ValueError(f"{type(module).__name__}.{name}: got shape {list(value.shape)}, expected {list(shape)}")
     module._buffers.pop(name, None)
     module._parameters[name] = to_storage(value, represents)
 
