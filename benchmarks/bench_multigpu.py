@@ -51,28 +51,62 @@ def config(args):
                        max_position_embeddings=max(4096, args.seq))
 
 
+def _quantized_base(args, device, fmt):
+    """The model built on meta, each target linear quantized one at a time from a random dense weight on the
+    device, the rest materialized: peak memory ~ the quantized model + one dense linear, so shapes whose bf16
+    weights exceed one GPU (the largest-model measurement) can be built."""
+    from transformers import AutoModelForCausalLM
+
+    from surogate_hf.nn import LINEAR_CLASSES
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config(args), dtype=torch.bfloat16, attn_implementation="sdpa")
+    for name in [n for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in PROJ]:
+        lin = model.get_submodule(name)
+        dense = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device=device, dtype=torch.bfloat16)
+        nn.init.normal_(dense.weight, std=0.02)
+        model.set_submodule(name, LINEAR_CLASSES[fmt].from_linear(dense))
+        del dense
+    for mod_name, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            t.fill_(1.0) if "norm" in mod_name.rsplit(".", 1)[-1] else nn.init.normal_(t, std=0.02)
+            mod._parameters[pname] = nn.Parameter(t, requires_grad=p.requires_grad)
+        if "rotary_emb" in mod._modules:  # its inv_freq buffer is computed at construction
+            with torch.device(device):
+                mod._modules["rotary_emb"] = type(mod.rotary_emb)(config=model.config)
+    model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on meta: {left[:4]}")
+    return model
+
+
 def build(key, args, device):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     _, kind, detail = SETUPS[key]
     torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config(args), dtype=torch.bfloat16, attn_implementation="sdpa")
+    if kind == "qlora":
+        from surogate_hf.integrations.peft import install_peft_dispatch
+
+        model = _quantized_base(args, device, detail)
+        install_peft_dispatch()
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config(args), dtype=torch.bfloat16, attn_implementation="sdpa")
     model.config.use_cache = False
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if kind == "full":
         if detail is not None:
             from surogate_hf.recipes.linear import apply_recipe
 
             apply_recipe(model, detail)
         return model
-    if kind == "qlora":
-        from surogate_hf.integrations.peft import install_peft_dispatch
-        from surogate_hf.nn import LINEAR_CLASSES
-
-        for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in PROJ]:
-            model.set_submodule(name, LINEAR_CLASSES[detail].from_linear(lin))
-        install_peft_dispatch()
     for p in model.parameters():
         p.requires_grad_(False)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=PROJ, lora_dropout=0.0),
@@ -141,6 +175,7 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (non-reentrant) in every setup")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): checks the script, times nothing useful")
     ap.add_argument("--json", default=None, help="also write the measurements here (rank 0)")
     ap.add_argument("--name", default=None)
@@ -214,7 +249,7 @@ def main():
                             "speedup_vs_single": speedup})
         body = (f"World size {world} ({'NCCL, CUDA' if cuda else 'gloo, CPU'}); model: {args.layers} layers, hidden "
                 f"{args.hidden}, intermediate {args.intermediate}, vocab {args.vocab}; batch {args.batch} x {args.seq} "
-                f"per rank; AdamW; {args.warmup} warm-up + {args.steps} timed steps; FSDP2 = fully_shard per decoder "
+                f"per rank; AdamW; gradient checkpointing {'on' if args.grad_ckpt else 'off'}; {args.warmup} warm-up + {args.steps} timed steps; FSDP2 = fully_shard per decoder "
                 "layer + root with a bf16 MixedPrecisionPolicy.\n\n")
         body += table(["setup", "mode", "tokens/s (all ranks)", "x 1 GPU", "packed MiB/rank (max)", "packed MiB total",
                        "peak GiB/rank", "note"], rows)
