@@ -198,7 +198,7 @@ class QuantizedExperts(nn.Module):
     def _unit_linear(self, p: str, e: int, j: int, x: Tensor, rows: int, k: int) -> Tensor:
         if not use_cuda_plan(x):
             return quantized_linear(x, self.fmt, self.unit_tensors(p, e, j), rows, k)
-        # one cached plan per (projection, expert, unit), valid while the projection's buffers are
+        # one cached plan per (projection, expert, unit), valid while the projection's slots are
         cache = self.__dict__.get("_gemm_plans")
         if cache is None:
             cache = self.__dict__["_gemm_plans"] = {}

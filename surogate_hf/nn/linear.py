@@ -10,7 +10,7 @@ and shapes below, held as integer-storage Parameters, see nn/slots.py):
                  quantization, else fp32) [nblocks]; weight_quant_map fp32 [16]; with double quantization
                  also weight_nested_absmax fp32 [ceil(nblocks/256)], weight_nested_quant_map fp32 [256],
                  weight_offset fp32 []. (bitsandbytes' checkpoint keys `weight.absmax` etc. carry dots, which
-                 module buffer names cannot; save/load translate `weight_x` <-> `weight.x`.)
+                 module attribute names cannot; save/load translate `weight_x` <-> `weight.x`.)
 The bias, when present, is a frozen Parameter in the model dtype. No dense weight is ever kept:
 forward and the input gradient decode inside the ops (one layer at a time on CPU).
 
@@ -438,8 +438,8 @@ _KEEP_DTYPE_ATTR = "_surogate_keep_dtype"
 
 
 def keep_buffer_dtype(module: nn.Module, *names: str) -> None:
-    """Mark extra buffers of a quantized module (beyond its own slots, e.g. a loader's carried fp32
-    `input_scale`) whose dtype module-wide casts must preserve like the slots': `.to(bf16)` moves them only."""
+    """Mark extra tensors of a quantized module (beyond its own slots, e.g. a loader's stored-form buffers
+    before adoption) whose dtype module-wide casts must preserve like the slots': `.to(bf16)` moves them only."""
     kept = frozenset(getattr(module, _KEEP_DTYPE_ATTR, frozenset()) | set(names))
     object.__setattr__(module, _KEEP_DTYPE_ATTR, kept)
 
