@@ -8,6 +8,7 @@ from conftest import sqnr_db
 from surogate_hf import formats as F
 from surogate_hf.nn import LINEAR_CLASSES, QuantizedExperts, make_format
 from surogate_hf.nn import linear as L
+from surogate_hf.nn import slots as S
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
 WEIGHT_ONLY = ("nvfp4", "mxfp4", "nf4")
@@ -53,9 +54,10 @@ EXPECTED_SLOTS = {
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_meta_construction_registers_every_slot(fmt):
     m = LINEAR_CLASSES[fmt](512, 256, bias=True, dtype=torch.bfloat16)
-    got = {n: (tuple(b.shape), b.dtype) for n, b in m.named_buffers()}
+    got = {n: (tuple(b.shape), b.dtype) for n, b in S.named_slots(m).items()}
     assert got == EXPECTED_SLOTS[fmt]
-    assert all(b.is_meta for b in m.buffers()) and m.bias.is_meta and not m.bias.requires_grad
+    assert not list(m.buffers())  # every slot is a Parameter: FSDP2 shards it, DDP does not broadcast it
+    assert all(p.is_meta and not p.requires_grad for p in m.parameters()) and m.bias is not None
     assert isinstance(m, nn.Linear) and m.quant_format == fmt and m.prequantized is False
 
 
@@ -64,8 +66,12 @@ def test_from_linear_layout_and_dequantize_match_the_reference(fmt):
     lin = _dense()
     m = LINEAR_CLASSES[fmt].from_linear(lin)
     w = lin.weight.detach()
-    got = {n: (tuple(b.shape), b.dtype) for n, b in m.named_buffers()}
+    got = {n: (tuple(b.shape), b.dtype) for n, b in S.named_slots(m).items()}
     assert got == EXPECTED_SLOTS[fmt]
+    # storage form: frozen, integer (FSDP2's MixedPrecisionPolicy casts only floating parameters), never 0-dim
+    for n in EXPECTED_SLOTS[fmt]:
+        p = m._parameters[n]
+        assert isinstance(p, S.PackedParameter) and not p.requires_grad and not p.is_floating_point() and p.dim() >= 1, n
     # no dense weight anywhere: the only floating tensors of weight size would be a dense copy
     assert not any(t.numel() >= w.numel() and t.dtype in (torch.bfloat16, torch.float32) for t in m.state_dict().values())
     # the module's slots are the reference formats' output, bit for bit
@@ -86,7 +92,7 @@ def test_from_linear_layout_and_dequantize_match_the_reference(fmt):
         ref = {"weight": p, "weight_absmax": qs.absmax, "weight_nested_absmax": qs.state2.absmax}
         deq = F.dequantize_nf4(p, qs, torch.bfloat16)
     for name, t in ref.items():
-        assert torch.equal(_bits(getattr(m, name)), _bits(t)), name
+        assert torch.equal(_bits(S.get_slot(m, name)), _bits(t)), name
     assert m.dequantize().dtype == torch.bfloat16 and m.dequantize().shape == (256, 512)
     assert torch.equal(m.dequantize(), deq)
 
@@ -97,17 +103,17 @@ def test_nvfp4_options_reach_the_quantizer():
         for fos in (True, False):
             m = LINEAR_CLASSES["nvfp4"].from_linear(lin, four_over_six=fos, four_over_six_rule=rule)
             ref = F.quantize_nvfp4(lin.weight.detach(), four_over_six=fos, rule=rule)
-            assert torch.equal(m.weight, ref.packed) and torch.equal(_bits(m.weight_scale), _bits(ref.block_scale))
+            assert torch.equal(m.weight, ref.packed) and torch.equal(_bits(S.get_slot(m, "weight_scale")), _bits(ref.block_scale))
 
 
 def test_fp8_variants_per_tensor_ue8m0_and_partial_blocks():
     lin = _dense(n=200, k=300)  # partial edge blocks in both dims
     m = LINEAR_CLASSES["fp8"].from_linear(lin, block_size=(128, 128), ue8m0=True)
     assert m.weight_scale_inv.shape == (2, 3)
-    s = m.weight_scale_inv
+    s = S.get_slot(m, "weight_scale_inv")
     assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
     pt = LINEAR_CLASSES["fp8"].from_linear(lin, block_size=None)
-    assert pt.weight_scale_inv.shape == () and pt.block_size is None
+    assert S.get_slot(pt, "weight_scale_inv").shape == () and pt.weight_scale_inv.shape == (1,) and pt.block_size is None
     for mod in (m, pt):
         assert sqnr_db(lin.weight, mod.dequantize()) > 28
 
@@ -136,7 +142,7 @@ def test_forward_backward_through_the_ops(fmt):
         assert sqnr_db(dy @ wd, x.grad) > 25
         from surogate_hf import ops
 
-        ref = ops.fp8_block_linear_dgrad(dy.contiguous(), m.weight, m.weight_scale_inv, 128, 128)
+        ref = ops.fp8_block_linear_dgrad(dy.contiguous(), *m._tensors().values(), 128, 128)
         assert torch.equal(ref, x.grad)
 
 
@@ -150,11 +156,13 @@ def test_weight_bytes_per_param_match_formats_md(fmt):
 @pytest.mark.parametrize("fmt", ("fp8", "nvfp4", "nf4"))
 def test_module_casts_keep_packed_dtypes(fmt):
     m = LINEAR_CLASSES[fmt].from_linear(_dense())
-    before = {n: (b.dtype, b.clone()) for n, b in m.named_buffers()}
+    before = {n: (b.dtype, b.clone()) for n, b in S.named_slots(m).items()}
+    m.type(torch.float16)  # casts integer tensors too: the slots must still keep their storage
     m.half()
     m.to(torch.float32)
-    for n, b in m.named_buffers():
+    for n, b in S.named_slots(m).items():
         assert b.dtype == before[n][0] and torch.equal(_bits(b), _bits(before[n][1])), n
+    assert all(not m._parameters[n].is_floating_point() for n in before)
     assert m.bias.dtype == torch.float32
 
 
@@ -240,7 +248,7 @@ def test_experts_quantize_per_expert_and_forward_packed(kind, fmt):
     dense = factory()
     q = _quantize_experts(dense, fmt, factory)
     assert all(not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or t.numel() < dense.down_proj.numel() // 8
-               for n, t in q.named_buffers())
+               for n, t in S.named_slots(q).items())
     # dequantize gives the dense parameter in the original layout; each expert is its own quantization unit
     fmtobj = make_format(fmt)
     for p in q.projections:

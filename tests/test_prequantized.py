@@ -24,6 +24,7 @@ from surogate_hf import formats as F
 from surogate_hf.integrations import prequantized as PQ
 from surogate_hf.nn.experts import QuantizedExperts
 from surogate_hf.nn.linear import FP8Linear, MXFP4Linear, NF4Linear, NVFP4Linear, QuantizedLinear
+from surogate_hf.nn.slots import get_slot, named_slots
 
 MIXED = {"q_proj": "NVFP4", "k_proj": "NVFP4", "v_proj": "FP8", "o_proj": "FP8", "gate_proj": "NVFP4", "down_proj": "FP8"}
 
@@ -119,7 +120,7 @@ def test_fp8_decodes_like_transformers_bit_for_bit(ckpt, name):
     for name, m in mods.items():
         want = oracle._dequantize_one(stored[f"{name}.weight"], stored[f"{name}.weight_scale_inv"], torch.float32)
         assert torch.equal(m.dequantize(torch.float32), want), name
-        assert m.weight.dtype == torch.float8_e4m3fn and not any(p.requires_grad for p in m.parameters())
+        assert get_slot(m, "weight").dtype == torch.float8_e4m3fn and not any(p.requires_grad for p in m.parameters())
     assert type(model.lm_head) is torch.nn.Linear  # modules_to_not_convert stays dense
 
 
@@ -144,7 +145,7 @@ def test_fp8_ue8m0_loads_and_saves_as_stored(ckpt, tmp_path, as_bytes):
     assert stored["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == (torch.uint8 if as_bytes else torch.float8_e8m0fnu)
     model = load(path, quantization_config=SurogateConfig())
     q = model.model.layers[0].self_attn.q_proj
-    assert q.weight_scale_inv.dtype == torch.float32
+    assert get_slot(q, "weight_scale_inv").dtype == torch.float32
     want = Fp8Dequantize(None)._dequantize_one(  # the oracle reads uint8 scales as E8M0 exponents too
         stored["model.layers.0.self_attn.q_proj.weight"], stored["model.layers.0.self_attn.q_proj.weight_scale_inv"],
         torch.float32,
@@ -233,7 +234,7 @@ def test_gpt_oss_mxfp4_experts_stay_packed(ckpt):
             assert torch.equal(m.dequantize(p, torch.float32), want), f"{name}.{p}"
             n, k, _ = m.projections[p]
             total_params += m.num_experts * n * k
-        assert not any(t.is_floating_point() and t.dim() == 3 for t in m.buffers())  # no dense expert weight
+        assert not any(t.is_floating_point() and t.dim() == 3 for t in m.parameters())  # no dense expert weight
         total_bytes += m.quantized_nbytes()
     bpp = total_bytes / total_params
     print(f"[gpt-oss mxfp4] expert bytes/param: {bpp:.5f}")
@@ -352,10 +353,10 @@ def test_own_moe_save_reloads_and_saves_back_byte_identical(tmp_path, fmt, optio
 def test_model_to_dtype_keeps_carried_fp32_scales(ckpt):
     model = load(ckpt("llama_nvfp4"))
     q = model.model.layers[0].self_attn.q_proj
-    before = {n: b.clone() for n, b in q.named_buffers()}
+    before = {n: b.clone() for n, b in named_slots(q).items()}
     assert before["input_scale"].dtype == torch.float32
     model.to(torch.float16)
-    for n, b in q.named_buffers():
+    for n, b in named_slots(q).items():
         assert b.dtype == before[n].dtype and torch.equal(stored_bytes(b), stored_bytes(before[n])), n
     assert q.bias is None or q.bias.dtype == torch.float16
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from conftest import sample_input_ids, save_tiny_model, sqnr_db
 from surogate_hf import SurogateConfig
 from surogate_hf.nn import QuantizedExperts, QuantizedLinear
+from surogate_hf.nn.slots import get_slot, set_slot
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
 
@@ -66,7 +67,7 @@ def test_linear_tensors_are_written_in_the_standard_layout(bf16_dirs, tmp_path, 
         state = json.loads(bytes(sd[pre + "weight.quant_state.bitsandbytes__nf4"].tolist()))
         assert state["quant_type"] == "nf4" and state["blocksize"] == 64 and state["shape"] == [128, 128]
     for disk, buf in names.items():
-        assert torch.equal(_bits(sd[pre + disk]), _bits(getattr(q_proj, buf))), disk
+        assert torch.equal(_bits(sd[pre + disk]), _bits(get_slot(q_proj, buf))), disk
     assert sd["lm_head.weight"].dtype == torch.bfloat16 and sd["model.embed_tokens.weight"].dtype == torch.bfloat16
     internal = ("weight_offset", "weight_absmax", "weight_nested", "weight_quant_map")  # module buffer names only
     assert not any(name in k for k in sd for name in internal)
@@ -103,9 +104,9 @@ def _linear_from_disk(sd, prefix, fmt, shape):
         disk = buf if fmt != "nf4" else buf.replace("weight_", "weight.")
         if fmt == "nf4" and buf == "weight_offset":
             state = json.loads(bytes(sd[prefix + "weight.quant_state.bitsandbytes__nf4"].tolist()))
-            setattr(lin, buf, torch.tensor(state["nested_offset"], dtype=torch.float32))
+            set_slot(lin, buf, torch.tensor(state["nested_offset"], dtype=torch.float32))
             continue
-        setattr(lin, buf, sd[prefix + disk].reshape(getattr(lin, buf).shape))
+        set_slot(lin, buf, sd[prefix + disk].reshape(get_slot(lin, buf).shape))
     return lin
 
 

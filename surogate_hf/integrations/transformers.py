@@ -51,6 +51,7 @@ from ..nn.convert import (
     unmatched_patterns,
 )
 from ..nn.experts import QuantizedExperts, is_experts_module
+from ..nn import slots as S
 from ..nn.linear import NF4Format, QuantizedLinear, make_format
 from .checkpoint_files import open_safetensors
 
@@ -78,7 +79,8 @@ class SurogateQuantize(ConversionOps):
                 q = module.quantize_weight(name, tensor)
             else:
                 raise KeyError(f"surogate_hf: {key!r} is not a quantized weight slot")
-            out.update({prefix + n: t for n, t in q.items()})
+            # storage form (frozen integer-view Parameters, nn/slots.py): the loader sets them as they are
+            out.update({prefix + n: S.to_storage(t, S.slot_specs(module)[n][2]) for n, t in q.items()})
         return out
 
 
@@ -194,9 +196,10 @@ class SurogateHfQuantizer(HfQuantizer):
         for name, m in quantized_modules(model):
             for p in m.parameters(recurse=False):  # biases: the loader makes float params trainable
                 p.requires_grad_(False)
-            on_meta = [n for n, b in m.named_buffers(recurse=False) if b.is_meta]
+            on_meta = [n for n, b in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if b.is_meta]
             if on_meta:
                 raise RuntimeError(f"surogate_hf: {name} slots {on_meta} were not loaded (missing checkpoint tensors?)")
+            S.finalize_slots(m)
         model._surogate_report = self.report
         # LoRA on these modules must go through surogate's LoRA layer (a stock lora.Linear would merge into
         # packed data), also for load_adapter() straight after from_pretrained().
@@ -251,7 +254,7 @@ def _unit_export(fmt, t: dict, n: int, k: int, prefix: str, dtype) -> dict[str, 
 
 
 def _linear_tensors(m: QuantizedLinear) -> dict[str, torch.Tensor]:
-    return {s: getattr(m, "weight" + s) for s in m.fmt.slots(m.out_features, m.in_features)}
+    return m._tensors()  # logical dtypes and shapes, as the checkpoint layouts store them
 
 
 def _per_expert_keys(model, name: str, m: QuantizedExperts, p: str):
@@ -335,7 +338,7 @@ def export_state_dict(model, config: SurogateConfig):
             if entries is None:
                 disk_prefix = native_key[: -len(p)]
                 for s in m.fmt.slots(*m.units(p)[1:], expert=True):
-                    sd[disk_prefix + _native_expert_names(fmt_name, p, s)] = getattr(m, p + s)
+                    sd[disk_prefix + _native_expert_names(fmt_name, p, s)] = S.get_slot(m, p + s)
                 continue
             for key, e, r0, r1 in entries:
                 t, n, k = _expert_slice(m, p, e, r0, r1)

@@ -11,7 +11,7 @@ output-major, [N, K], whatever the dense parameter's orientation):
     unit    = one expert's weight, or, for formats with `per_component` (fp8, nf4) and a concatenated
               [gate; up] projection, each half separately (so blocks never straddle gate and up, and a
               fused expert splits exactly into the per-projection tensors of the standard layouts)
-    buffers = `{P}{suffix}` for each slot of the unit (see nn/linear.py), shaped [E, *unit] or, with two
+    slots   = `{P}{suffix}` (frozen integer-storage Parameters, nn/slots.py) for each slot of the unit (see nn/linear.py), shaped [E, *unit] or, with two
               units per expert, [E, 2, *unit]:
       fp8    `{P}` e4m3 [E, N, K] ([E, 2, I, K] split), `{P}_scale_inv` fp32 [E, ceil(N/bn), ceil(K/bk)]
              ([E, 2, ceil(I/bn), ceil(K/bk)]), [E] / [E, 2] per tensor
@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .linear import Format, _apply_keep_dtypes, gemm_plan, planned_linear, quantized_linear, use_cuda_plan
+from . import slots as S
+from .linear import Format, _apply_keep_dtypes, gemm_plan, planned_linear, quantized_linear, slot_represents, use_cuda_plan
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 
@@ -54,7 +55,8 @@ def experts_projections(module: nn.Module) -> dict[str, tuple[int, int, int]]:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    return not isinstance(module, nn.Linear) and bool(experts_projections(module))
+    """A dense experts module (QuantizedExperts' packed 3-D slots are Parameters too, but not dense ones)."""
+    return not isinstance(module, (nn.Linear, QuantizedExperts)) and bool(experts_projections(module))
 
 
 def experts_shape_problem(module: nn.Module, fmt: Format) -> str | None:
@@ -100,8 +102,10 @@ class QuantizedExperts(nn.Module):
         self._gate_fn = getattr(type(template), "_apply_gate", None)
 
         for p in projections:
+            _, rows, k = self.units(p)
             for suffix, (shape, dt) in self._slots(p).items():
-                self.register_buffer(p + suffix, torch.empty(shape, dtype=dt, device=device))
+                unit_shape = self.fmt.slots(rows, k, expert=True)[suffix][0]
+                S.register_slot(self, p + suffix, shape, dt, device, slot_represents(unit_shape, rows, k, suffix))
             bias = template._parameters.get(p + "_bias")
             if bias is not None:
                 self.register_parameter(
@@ -130,7 +134,8 @@ class QuantizedExperts(nn.Module):
     def unit_tensors(self, p: str, expert: int, unit: int = 0) -> dict[str, Tensor]:
         u, _, _ = self.units(p)
         idx = (expert,) if u == 1 else (expert, unit)
-        return {s: getattr(self, p + s)[idx] for s in self.fmt.slots(*self.units(p)[1:], expert=True)}
+        # read at call time: FSDP2 re-sets the parameters on every unshard
+        return {s: S.get_slot(self, p + s)[idx] for s in self.fmt.slots(*self.units(p)[1:], expert=True)}
 
     def _apply(self, fn, recurse=True):
         return _apply_keep_dtypes(self, fn, set(self.slot_names()), super()._apply, recurse)
@@ -138,7 +143,7 @@ class QuantizedExperts(nn.Module):
     # ------------------------------------------------------------------ quantize / dequantize
     @torch.no_grad()
     def quantize_weight(self, p: str, w: Tensor) -> dict[str, Tensor]:
-        """Quantize the dense 3-D parameter `p` (original layout) into {buffer name: tensor}."""
+        """Quantize the dense 3-D parameter `p` (original layout) into {slot name: logical tensor}."""
         if p not in self.projections:
             raise KeyError(f"{type(self).__name__} has no projection {p!r}; it has {list(self.projections)}")
         n, k, _ = self.projections[p]
@@ -161,7 +166,7 @@ class QuantizedExperts(nn.Module):
     @torch.no_grad()
     def load_dense_weight(self, p: str, w: Tensor) -> None:
         for name, v in self.quantize_weight(p, w).items():
-            setattr(self, name, v)
+            S.set_slot(self, name, v)
 
     def dequantize(self, p: str | None = None, dtype: torch.dtype | None = None):
         """Dense parameter `p` in the original layout, or {P: dense} for all projections when p is None."""
@@ -200,17 +205,17 @@ class QuantizedExperts(nn.Module):
         return out
 
     def quantized_nbytes(self) -> int:
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.slot_names())
+        return sum(torch.numel(S.raw_slot(self, n)) * S.raw_slot(self, n).element_size() for n in self.slot_names())
 
     # ------------------------------------------------------------------ forward
     def _unit_linear(self, p: str, e: int, j: int, x: Tensor, rows: int, k: int) -> Tensor:
         if not use_cuda_plan(x):
             return quantized_linear(x, self.fmt, self.unit_tensors(p, e, j), rows, k)
-        # one cached plan per (projection, expert, unit), valid while the projection's buffers are
+        # one cached plan per (projection, expert, unit), valid while the projection's slots are
         cache = self.__dict__.get("_gemm_plans")
         if cache is None:
             cache = self.__dict__["_gemm_plans"] = {}
-        sources = tuple(self._buffers[p + s] for s in self.fmt.slots(rows, k, expert=True))
+        sources = tuple(S.raw_slot(self, p + s) for s in self.fmt.slots(rows, k, expert=True))
         plan = gemm_plan(cache, (p, e, j), sources, lambda: self.fmt.cuda_plan(self.unit_tensors(p, e, j), rows, k))
         return planned_linear(x, plan)
 

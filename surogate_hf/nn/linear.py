@@ -1,6 +1,7 @@
-"""Frozen quantized linear layers: packed weight + scales as buffers, forward through surogate:: ops.
+"""Frozen quantized linear layers: packed weight + scales as frozen Parameters, forward through surogate:: ops.
 
-Buffers (named as in the standard checkpoint layouts, so a checkpoint loads straight into them):
+Slots (named as in the standard checkpoint layouts, so a checkpoint loads straight into them; logical dtypes
+and shapes below, held as integer-storage Parameters, see nn/slots.py):
     FP8Linear    weight e4m3 [N, K]; weight_scale_inv fp32 [ceil(N/bn), ceil(K/bk)] (blocks) or [] (per tensor)
     NVFP4Linear  weight uint8 [N, K/2] (two E2M1, even index in the low nibble); weight_scale e4m3 [N, K/16];
                  weight_scale_2 fp32 [] (decode global, ModelOpt's name)
@@ -9,7 +10,7 @@ Buffers (named as in the standard checkpoint layouts, so a checkpoint loads stra
                  quantization, else fp32) [nblocks]; weight_quant_map fp32 [16]; with double quantization
                  also weight_nested_absmax fp32 [ceil(nblocks/256)], weight_nested_quant_map fp32 [256],
                  weight_offset fp32 []. (bitsandbytes' checkpoint keys `weight.absmax` etc. carry dots, which
-                 module buffer names cannot; save/load translate `weight_x` <-> `weight.x`.)
+                 module attribute names cannot; save/load translate `weight_x` <-> `weight.x`.)
 The bias, when present, is a frozen Parameter in the model dtype. No dense weight is ever kept:
 forward and the input gradient decode inside the ops (one layer at a time on CPU).
 
@@ -30,6 +31,7 @@ from ..kernels import paths as _paths
 from ..kernels import registry as _cuda
 from ..formats.mxfp4 import MXFP4_BLOCK
 from ..formats.nvfp4 import NVFP4_BLOCK
+from . import slots as S
 
 _NESTED_BLOCK = 256  # bitsandbytes' block size for double-quantized absmaxes
 # Large weights are quantized in row chunks of about this many elements: the reference quantizers
@@ -452,8 +454,8 @@ _KEEP_DTYPE_ATTR = "_surogate_keep_dtype"
 
 
 def keep_buffer_dtype(module: nn.Module, *names: str) -> None:
-    """Mark extra buffers of a quantized module (beyond its own slots, e.g. a loader's carried fp32
-    `input_scale`) whose dtype module-wide casts must preserve like the slots': `.to(bf16)` moves them only."""
+    """Mark extra tensors of a quantized module (beyond its own slots, e.g. a loader's stored-form buffers
+    before adoption) whose dtype module-wide casts must preserve like the slots': `.to(bf16)` moves them only."""
     kept = frozenset(getattr(module, _KEEP_DTYPE_ATTR, frozenset()) | set(names))
     object.__setattr__(module, _KEEP_DTYPE_ATTR, kept)
 
@@ -461,14 +463,20 @@ def keep_buffer_dtype(module: nn.Module, *names: str) -> None:
 def _apply_keep_dtypes(module: nn.Module, fn, names: set[str], parent_apply, recurse: bool):
     names = set(names) | getattr(module, _KEEP_DTYPE_ATTR, frozenset())
     module.__dict__.pop("_gemm_plans", None)  # cached GPU plans hold device tensors: let them go with the move
-    held = {n: module._buffers.pop(n) for n in names if module._buffers.get(n) is not None}
-    try:
-        out = parent_apply(fn, recurse)
-    finally:
-        for n, b in held.items():
-            moved = fn(b)
-            module._buffers[n] = moved if moved.dtype == b.dtype else b.to(device=moved.device)
-    return out
+    kept = {id(t) for n in names for t in (module._parameters.get(n), module._buffers.get(n)) if t is not None}
+
+    def keep_dtype(t):
+        moved = fn(t)
+        if id(t) in kept and moved.dtype != t.dtype:
+            return t.to(device=moved.device)
+        return moved
+
+    return parent_apply(keep_dtype, recurse)
+
+
+def slot_represents(shape, n: int, k: int, suffix: str) -> int:
+    """Weights represented per stored element of a slot (0 for scales): what PackedParameter.numel counts."""
+    return (n * k) // max(1, math.prod(shape)) if suffix == "" else 0
 
 
 class QuantizedLinear(nn.Linear):
@@ -497,8 +505,9 @@ class QuantizedLinear(nn.Linear):
         problem = fmt.shape_problem(self.out_features, self.in_features)
         if problem:
             raise ValueError(f"{type(self).__name__}({in_features}, {out_features}): {problem}")
-        for suffix, (shape, dt) in fmt.slots(self.out_features, self.in_features).items():
-            self.register_buffer("weight" + suffix, torch.empty(shape, dtype=dt, device=device))
+        n, k = self.out_features, self.in_features
+        for suffix, (shape, dt) in fmt.slots(n, k).items():
+            S.register_slot(self, "weight" + suffix, shape, dt, device, slot_represents(shape, n, k, suffix))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=self.dtype, device=device), requires_grad=False)
         else:
@@ -514,11 +523,12 @@ class QuantizedLinear(nn.Linear):
         return ["weight" + s for s in self.fmt.slots(self.out_features, self.in_features)]
 
     def _tensors(self) -> dict[str, Tensor]:
-        return {s: getattr(self, "weight" + s) for s in self.fmt.slots(self.out_features, self.in_features)}
+        # read at call time: FSDP2 re-sets the parameters on every unshard
+        return {s: S.get_slot(self, "weight" + s) for s in self.fmt.slots(self.out_features, self.in_features)}
 
     @torch.no_grad()
     def quantize_weight(self, w: Tensor) -> dict[str, Tensor]:
-        """Quantize a dense [out, in] weight into {buffer name: tensor} without touching the module."""
+        """Quantize a dense [out, in] weight into {slot name: logical tensor} without touching the module."""
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise ValueError(
                 f"{type(self).__name__}: weight of shape {tuple(w.shape)} given, expected "
@@ -531,7 +541,7 @@ class QuantizedLinear(nn.Linear):
     @torch.no_grad()
     def load_dense_weight(self, w: Tensor) -> None:
         for name, v in self.quantize_weight(w).items():
-            setattr(self, name, v)
+            S.set_slot(self, name, v)
         self.dtype = w.dtype
 
     @classmethod
@@ -551,8 +561,7 @@ class QuantizedLinear(nn.Linear):
         names = self.__dict__.get("_slot_name_cache")
         if names is None:
             names = self.__dict__["_slot_name_cache"] = tuple(self.slot_names())
-        b = self._buffers
-        return tuple(b[name] for name in names)
+        return tuple(S.raw_slot(self, name) for name in names)
 
     def _cuda_plan(self) -> GemmPlan:
         cache = self.__dict__.get("_gemm_plans")
@@ -589,8 +598,8 @@ class QuantizedLinear(nn.Linear):
         return lin
 
     def quantized_nbytes(self) -> int:
-        """Bytes of the packed weight and its scales (bias excluded)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+        """Bytes of the packed weight and its scales (bias excluded; the whole tensors, also when sharded)."""
+        return sum(torch.numel(S.raw_slot(self, n)) * S.raw_slot(self, n).element_size() for n in self.slot_names())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.quant_format}"

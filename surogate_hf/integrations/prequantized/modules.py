@@ -12,6 +12,7 @@ from transformers.core_model_loading import ConversionOps
 
 from ... import formats as F
 from ...formats.mxfp4 import e8m0_to_float
+from ...nn import slots as S
 from ...nn.experts import QuantizedExperts
 from ...nn.linear import (
     FP8Format,
@@ -63,6 +64,13 @@ def _float_to_e8m0(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return e if dtype == torch.float8_e8m0fnu else e.view(torch.uint8)
 
 
+def _stored_buffer(m, slot: str, dtype: torch.dtype, shape) -> None:
+    """A meta buffer in the stored dtype and shape for the loader to fill; `adopt_stored` turns it into the
+    module's frozen storage-form Parameter (nn/slots.py) after loading."""
+    m._parameters.pop(slot, None)
+    m.register_buffer(slot, torch.empty(shape, dtype=dtype, device="meta"))
+
+
 def _build_module(plan: ModulePlan, dense: torch.nn.Module):
     """The quantized module for `plan`, on meta, with slots exactly as stored (dtype and shape)."""
     kind = plan.fmt.kind
@@ -85,7 +93,7 @@ def _build_module(plan: ModulePlan, dense: torch.nn.Module):
         m = NF4Linear(dense.in_features, dense.out_features, bias, "meta", dtype,
                       block_size=plan.fmt.nf4_block, double_quant=plan.fmt.double_quant)
         if plan.fmt.double_quant:
-            del m._buffers["weight" + _NF4_OFFSET]  # not a stored tensor: adopt_stored reads it from the JSON
+            del m._parameters["weight" + _NF4_OFFSET]  # not a stored tensor: adopt_stored reads it from the JSON
     else:
         raise PrequantizedCheckpointError(f"{plan.key}: no linear module for stored format {kind!r}")
     stored = {}
@@ -97,16 +105,18 @@ def _build_module(plan: ModulePlan, dense: torch.nn.Module):
             working = None  # carried for save (a static activation scale; bitsandbytes' QuantState JSON)
             encoding = "bnb_state" if slot == NF4_STATE_SLOT else encoding
         if working is not None:
-            want = getattr(m, working)
+            want_shape, want_dtype, _ = S.slot_specs(m)[working]
             if dt in (torch.uint8, _ST_DTYPES["F8_E8M0"]) and working == "weight_scale_inv":
                 encoding = "e8m0"  # ue8m0 exponents -> the fp32 powers of two FP8Linear works with
-            elif dt != want.dtype:
-                raise PrequantizedCheckpointError(f"{plan.key}.{slot}: stored {info.dtype}, {type(m).__name__} needs {want.dtype}")
-            elif tuple(info.shape) != tuple(want.shape):
+            elif dt != want_dtype:
+                raise PrequantizedCheckpointError(f"{plan.key}.{slot}: stored {info.dtype}, {type(m).__name__} needs {want_dtype}")
+            elif tuple(info.shape) != tuple(want_shape):
                 encoding = "reshape"
         if working != slot and working is not None:
-            del m._buffers[working]  # filled from the stored slot after loading
-        m.register_buffer(slot, torch.empty(info.shape, dtype=dt, device="meta"))
+            del m._parameters[working]  # filled from the stored slot after loading
+        if working is None:  # carried for save: a slot of its own, stored form = logical form
+            S.declare_slots(m, {slot: (tuple(info.shape), dt, 0)})
+        _stored_buffer(m, slot, dt, info.shape)
         stored[slot] = StoredSlot(working, dt, tuple(info.shape), encoding)
     keep_buffer_dtype(m, *stored)  # e.g. an fp32 input_scale must survive model.to(bf16) bit for bit
     setattr(m, _STORED_ATTR, stored)
@@ -120,16 +130,16 @@ def _build_experts(plan: ModulePlan, dense):
     stored = {}
     for slot, info in plan.slots.items():
         working = slot.removesuffix("_blocks")
-        want = getattr(m, working)
-        if (_st_dtype(info), tuple(info.shape)) != (want.dtype, tuple(want.shape)):
+        want_shape, want_dtype, _ = S.slot_specs(m)[working]
+        if (_st_dtype(info), tuple(info.shape)) != (want_dtype, tuple(want_shape)):
             raise PrequantizedCheckpointError(
                 f"{plan.key}.{slot}: stored {_fmt(info)} does not match the experts module's {working} "
-                f"{want.dtype} {list(want.shape)}"
+                f"{want_dtype} {list(want_shape)}"
             )
         if working != slot:
-            del m._buffers[working]
-        m.register_buffer(slot, torch.empty(info.shape, dtype=want.dtype, device="meta"))
-        stored[slot] = StoredSlot(working, want.dtype, tuple(info.shape))
+            del m._parameters[working]
+        _stored_buffer(m, slot, want_dtype, info.shape)
+        stored[slot] = StoredSlot(working, want_dtype, tuple(info.shape))
     setattr(m, _STORED_ATTR, stored)
     return m
 
@@ -157,8 +167,7 @@ def _build_fused_experts(plan: ModulePlan, dense):
     lay = plan.fused
     if lay.input_scale:  # static activation scales: carried for save, the forward scales activations itself
         for p, comps in lay.projections.items():
-            m.register_buffer(f"{p}_input_scale", torch.empty(lay.num_experts, len(comps), device="meta"))
-            keep_buffer_dtype(m, f"{p}_input_scale")
+            S.register_slot(m, f"{p}_input_scale", (lay.num_experts, len(comps)), torch.float32, "meta")
     setattr(m, _FUSED_ATTR, lay)
     if lay.kind == "nf4":
         setattr(m, _FUSED_STATES_ATTR, {})
@@ -288,7 +297,7 @@ def export_fused(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str]
     out, replaced = {}, set()
     for proj, comps in lay.projections.items():
         n_units, rows, k = module.units(proj)
-        t = {suffix: module._buffers[proj + suffix] for suffix in module.fmt.slots(rows, k, expert=True)}
+        t = {suffix: S.get_slot(module, proj + suffix) for suffix in module.fmt.slots(rows, k, expert=True)}
         replaced.update(prefix + proj + suffix for suffix in t)
         if lay.input_scale:
             replaced.add(f"{prefix}{proj}_input_scale")
@@ -323,34 +332,31 @@ def export_fused(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str]
                     put("weight_scale", t["_scale"][e, j * crows : (j + 1) * crows])
                     put("weight_scale_2", t["_scale_2"][e])
                 if lay.input_scale:
-                    put("input_scale", module._buffers[f"{proj}_input_scale"][e, j])
+                    put("input_scale", S.get_slot(module, f"{proj}_input_scale")[e, j])
     return out, replaced
 
 
 @torch.no_grad()
 def adopt_stored(module) -> None:
-    """After loading: turn stored encodings into the module's working slots; freeze the base."""
+    """After loading: turn stored encodings into the module's working slots (frozen storage-form Parameters,
+    nn/slots.py); freeze the base."""
     stored: dict[str, StoredSlot] = getattr(module, _STORED_ATTR, {})
-    shapes = {}
-    fmt = getattr(module, "fmt", None)
-    if fmt is not None and hasattr(module, "out_features"):
-        shapes = {"weight" + s: shp for s, (shp, _) in fmt.slots(module.out_features, module.in_features).items()}
     for slot, s in stored.items():
         if s.encoding == "bnb_state" and module.fmt.double_quant:
-            t = module._buffers[slot]
-            module._buffers["weight" + _NF4_OFFSET] = _nf4_offset(t, t.device)
-        if s.working is None:
-            continue
-        t = module._buffers[slot]
+            t = S.raw_slot(module, slot)
+            S.set_slot(module, "weight" + _NF4_OFFSET, _nf4_offset(t, t.device))
+        t = S.raw_slot(module, slot)
         if t.is_meta:
             raise PrequantizedCheckpointError(f"{slot} of {type(module).__name__} was not filled by the checkpoint")
+        if s.working is None:  # carried as stored
+            S.set_slot(module, slot, t)
+            continue
         if s.encoding == "e8m0":
             t = _e8m0_bytes_to_float(t)
-        want = shapes.get(s.working, tuple(t.shape))
-        t = t.reshape(want)
         if s.working != slot:
-            del module._buffers[slot]
-        module._buffers[s.working] = t
+            module._buffers.pop(slot, None)
+        S.set_slot(module, s.working, t.reshape(S.slot_specs(module)[s.working][0]))
+    S.finalize_slots(module)  # slots a loading op filled directly (fused experts)
     for p in module.parameters(recurse=False):
         p.requires_grad_(False)
     module.prequantized = True
@@ -363,7 +369,7 @@ def export_stored(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str
     out, replaced = {}, set()
     for slot, s in stored.items():
         src = s.working or slot
-        t = module._buffers[src]
+        t = S.get_slot(module, src)
         if s.encoding == "e8m0":
             t = _float_to_e8m0(t, s.dtype)
         out[prefix + slot] = t.to(s.dtype).reshape(s.shape)
@@ -371,5 +377,3 @@ def export_stored(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str
         if s.encoding == "bnb_state":  # weight_offset lives in the JSON on disk
             replaced.add(prefix + "weight" + _NF4_OFFSET)
     return out, replaced
-
-

@@ -267,7 +267,7 @@ class PrequantizedHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         for _, module in model.named_modules():
             if hasattr(module, _STORED_ATTR) or hasattr(module, _FUSED_ATTR):
-                for t in module.buffers(recurse=False):
+                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                     if t.is_meta:
                         raise PrequantizedCheckpointError(f"{type(module).__name__}: a slot was not filled by the checkpoint")
                 adopt_stored(module)
