@@ -199,7 +199,9 @@ def main():
     for key in keys:
         for mode in modes:
             label = f"{SETUPS[key][0]} / {mode}"
-            measure = lambda key=key, mode=mode: run(key, mode, args, device)
+            def measure(key=key, mode=mode):
+                return run(key, mode, args, device)
+
             res = attempt(label, measure, errors) if (mode != "single" or rank == 0) else None
             gc.collect()  # the setup's model and optimizer are gone with run()'s frame
             if device.type == "cuda":

@@ -30,6 +30,7 @@ FLOORS = {
     "nn": 3,
     "recipes": 3,
     "integrations": 4,
+    "distributed": 4,
     "config": 4,
     "training": 4,
     "cli": 5,

@@ -20,6 +20,7 @@ linear, dgrad); the experts module reuses them per expert.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
