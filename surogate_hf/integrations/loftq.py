@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..nn import slots as S
+
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -197,8 +199,8 @@ def loftq_init(
         slots, a, b, errors = loftq_decompose(
             base, dense[key], module.r[adapter_name], float(module.scaling[adapter_name]), int(iters)
         )
-        for buf, v in slots.items():
-            setattr(base, buf, v)
+        for slot, v in slots.items():
+            S.set_slot(base, slot, v)
         la, lb = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
         la.data = a.to(device=la.device, dtype=la.dtype)
         lb.data = b.to(device=lb.device, dtype=lb.dtype)
