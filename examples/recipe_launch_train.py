@@ -1,11 +1,11 @@
-"""A train.py for `accelerate launch`: it never names a recipe; the launch environment picks it.
+"""A train.py for `accelerate launch`: it never names a recipe; the launcher (or the model's recorded one) picks it.
 
-    SUROGATE_RECIPE=fp8-hybrid SUROGATE_RECIPE_KNOBS='{"margin": 0}' \
-        accelerate launch --config_file examples/recipe_launch_cpu.yaml examples/recipe_launch_train.py
-    python -m surogate_hf.integrations.accelerate --recipe_config examples/recipe_fp8.yaml \
+    surogate-hf launch --recipe fp8-hybrid --recipe_knobs '{"margin": 0}' \
+        --config_file examples/recipe_launch_cpu.yaml examples/recipe_launch_train.py
+    surogate-hf launch --recipe_config examples/recipe_fp8.yaml \
         --config_file examples/recipe_launch_cpu.yaml examples/recipe_launch_train.py
 
-With SUROGATE_RECIPE unset the callback does nothing and this is ordinary training.
+Started by plain `accelerate launch` (no launcher recipe) the callback does nothing and this is ordinary training.
 """
 
 import torch

@@ -1,11 +1,10 @@
 """HF Trainer: one callback next to TrainingArguments.
 
     python examples/recipe_trainer.py --recipe nvfp4 --steps 20
-    SUROGATE_RECIPE=fp8-hybrid python examples/recipe_trainer.py      # recipe from the environment
+    python examples/recipe_trainer.py --recipe fp8-hybrid
 """
 
 import argparse
-import os
 
 import torch
 from recipe_loss_curves import synthetic_batch, tiny_llama
@@ -26,8 +25,7 @@ class Synthetic(torch.utils.data.Dataset):
 
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--recipe", default=os.environ.get("SUROGATE_RECIPE", "fp8-hybrid"),
-                help="bf16 | fp8-hybrid | nvfp4; default: SUROGATE_RECIPE, else fp8-hybrid")
+ap.add_argument("--recipe", default="fp8-hybrid", help="bf16 | fp8-hybrid | nvfp4")
 ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--output_dir", default="/tmp/surogate_recipe_trainer")
 args = ap.parse_args()

@@ -1,5 +1,7 @@
 """RecipeConfig: presets, the fallback chain, the environment round trip, and bad knobs named in errors."""
 
+import json
+
 import pytest
 import torch
 
@@ -86,14 +88,25 @@ def test_env_round_trip():
         RecipeConfig.from_env({"SUROGATE_RECIPE_KNOBS": "{}"})
 
 
-def test_as_recipe_config_from_env(monkeypatch):
-    monkeypatch.delenv("SUROGATE_RECIPE", raising=False)
-    with pytest.raises(ValueError, match="SUROGATE_RECIPE"):
-        as_recipe_config(None)
+def test_only_the_launcher_call_reads_the_environment(monkeypatch):
+    from surogate_hf.recipes import recipe_from_launcher
+
     monkeypatch.setenv("SUROGATE_RECIPE", "fp8-hybrid")
     monkeypatch.setenv("SUROGATE_RECIPE_KNOBS", '{"margin": 2}')
-    c = as_recipe_config(None)
+    with pytest.raises(ValueError, match="no recipe given"):
+        as_recipe_config(None)  # a public API's recipe=None no longer means "read the environment"
+    c = recipe_from_launcher()
     assert c.recipe == "fp8-hybrid" and c.margin == 2
+    monkeypatch.delenv("SUROGATE_RECIPE")
+    monkeypatch.delenv("SUROGATE_RECIPE_KNOBS")
+    assert recipe_from_launcher() is None
+
+
+def test_dict_round_trip():
+    c = RecipeConfig.from_recipe_name("fp8-hybrid", margin=1, modules_to_not_convert=["lm_head", "gate"], model_dtype="bf16")
+    d = c.to_dict()
+    assert d == {"recipe": "fp8-hybrid", "margin": 1, "modules_to_not_convert": ["lm_head", "gate"], "model_dtype": "bf16"}
+    assert RecipeConfig.from_dict(json.loads(json.dumps(d))) == c
 
 
 def test_fp8_below_sm89_is_refused(monkeypatch):

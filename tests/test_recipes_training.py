@@ -320,3 +320,39 @@ def test_callback_env_noop_and_model_init_guard(monkeypatch):
 
     with pytest.raises(ValueError, match="fp16"):
         cb.on_init_end(Args(), None, None, model=m)
+
+
+def test_recipe_travels_with_the_model(tmp_path, monkeypatch):
+    """apply_recipe records the recipe in model.config, so save_pretrained writes it into config.json; a reloaded
+    model finds it (apply_recipe(model), the callback without arguments); an explicit recipe always wins; nothing
+    is read from the environment but the launcher's variables, through recipe_from_launcher."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.delenv("SUROGATE_RECIPE", raising=False)
+    monkeypatch.delenv("SUROGATE_RECIPE_KNOBS", raising=False)
+    m = R.apply_recipe(tiny_llama(layers=1), "fp8-hybrid", margin=1)
+    assert m.config.surogate_recipe == {"recipe": "fp8-hybrid", "margin": 1, "model_dtype": "fp32"}
+    m.save_pretrained(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["surogate_recipe"]["margin"] == 1
+
+    def reload():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the recipe state keys: the state is rebuilt by apply_recipe
+            return AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+
+    again = R.apply_recipe(reload())
+    assert again.surogate_recipe == m.surogate_recipe
+    assert isinstance(again.model.layers[0].mlp.up_proj, R.RecipeLinear)
+    explicit = R.apply_recipe(reload(), "bf16")
+    assert explicit.surogate_recipe.recipe == "bf16" and explicit.config.surogate_recipe["recipe"] == "bf16"
+    cb_model = reload()
+    SurogateRecipeCallback().on_init_end(type("Args", (), {"fp16": False})(), None, None, model=cb_model)
+    assert cb_model.surogate_recipe.recipe == "fp8-hybrid" and cb_model.surogate_recipe.margin == 1
+    monkeypatch.setenv("SUROGATE_RECIPE", "nvfp4")  # the launcher's choice is explicit too: it beats the record
+    launched = R.apply_recipe(reload())
+    assert launched.surogate_recipe.recipe == "nvfp4"
+    monkeypatch.delenv("SUROGATE_RECIPE")
+    with pytest.raises(ValueError, match="no recipe"):
+        R.apply_recipe(tiny_llama(layers=1))
+    with pytest.raises(ValueError, match="without a recipe"):
+        SurogateRecipeCallback(margin=1)

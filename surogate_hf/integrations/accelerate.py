@@ -10,13 +10,14 @@ or, in one call that also checks the Accelerator:
 
 The recipe lives in surogate_hf's own modules, so accelerate's mixed_precision must not swap or
 autocast them: "fp8" would hand every nn.Linear (ours included) to Transformer Engine / torchao,
-"fp16" would autocast around bf16 work weights. Both are refused. recipe=None reads
-SUROGATE_RECIPE / SUROGATE_RECIPE_KNOBS from the environment (what `accelerate launch` passes on).
+"fp16" would autocast around bf16 work weights. Both are refused. recipe=None takes the recipe
+`surogate-hf launch` started the process with, else the one recorded in the model's config
+(apply_recipe's resolution order).
 """
 
 from __future__ import annotations
 
-from ..recipes import apply_recipe, as_recipe_config
+from ..recipes import apply_recipe
 
 ALLOWED_MIXED_PRECISION = ("no", "bf16")
 
@@ -37,7 +38,7 @@ def prepare(accelerator, model, *objects, recipe=None, **knobs):
     keeps the same Parameter objects, so the optimizer stays valid."""
     check_accelerator(accelerator)
     if getattr(model, "surogate_recipe", None) is None:
-        apply_recipe(model, as_recipe_config(recipe, **knobs))
+        apply_recipe(model, recipe, **knobs)
     elif recipe is not None or knobs:
         raise ValueError("the model already has a recipe applied; drop recipe= / knobs from prepare()")
     return accelerator.prepare(model, *objects)

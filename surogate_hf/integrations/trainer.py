@@ -3,10 +3,11 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[SurogateRecipeCallback("fp8-hybrid", margin=0)])
 
-`SurogateRecipeCallback()` without a recipe reads SUROGATE_RECIPE / SUROGATE_RECIPE_KNOBS from the
-environment, so a train.py written once with it is switched between recipes by the launch
-environment alone (`SUROGATE_RECIPE=nvfp4 accelerate launch --config_file cfg.yaml train.py`);
-with the variable unset the callback does nothing, i.e. plain training.
+`SurogateRecipeCallback()` without a recipe takes the one the launcher started the process with
+(`surogate-hf launch --recipe nvfp4 --config_file cfg.yaml train.py`, read by
+surogate_hf.recipes.recipe_from_launcher), else the one recorded in the model's config (apply_recipe
+writes `config.surogate_recipe`, so a checkpoint trained with a recipe carries it); with neither the
+callback does nothing, i.e. plain training. An explicit recipe always wins.
 
 The recipe is applied in `on_init_end`, which the Trainer calls at the end of __init__ with the
 model, before it builds its optimizer and before accelerator.prepare. Recipe state (amax
@@ -18,17 +19,19 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..recipes import RecipeConfig, apply_recipe, as_recipe_config
+from ..recipes import apply_recipe, as_recipe_config, recipe_from_launcher, recorded_recipe
 
 
 class SurogateRecipeCallback(TrainerCallback):
     def __init__(self, recipe=None, **knobs):
-        if recipe is None and not knobs:
-            self.config = RecipeConfig.from_env()  # None: nothing to apply
-        else:
-            self.config = as_recipe_config(recipe, **knobs)
+        if recipe is None and knobs:
+            raise ValueError(f"SurogateRecipeCallback: knobs {sorted(knobs)} given without a recipe")
+        # explicit, else the launcher's; the model's own record is looked at in on_init_end
+        self.config = as_recipe_config(recipe, **knobs) if recipe is not None else recipe_from_launcher()
 
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.config is None and model is not None:
+            self.config = recorded_recipe(model)
         if self.config is None:
             return
         if model is None:

@@ -178,16 +178,24 @@ class RecipeConfig:
                 raise ValueError(f"{ENV_KNOBS} must be a JSON object of knobs, got {raw!r}")
         return cls.from_recipe_name(name, **knobs)
 
+    def to_dict(self) -> dict:
+        """JSON-able {"recipe": ..., knob: value} of the knobs that differ from their defaults (from_dict reads it)."""
+        out = {"recipe": self.recipe}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "recipe" and v != f.default:
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RecipeConfig":
+        d = dict(d)
+        return cls.from_recipe_name(d.pop("recipe"), **d)
+
     def to_env(self) -> dict:
         """The environment variables from_env reads back into this config."""
-        knobs = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name != "recipe" and getattr(self, f.name) != f.default
-        }
-        if "modules_to_not_convert" in knobs:
-            knobs["modules_to_not_convert"] = list(knobs["modules_to_not_convert"])
-        env = {ENV_RECIPE: self.recipe}
+        knobs = self.to_dict()
+        env = {ENV_RECIPE: knobs.pop("recipe")}
         if knobs:
             env[ENV_KNOBS] = json.dumps(knobs)
         return env
@@ -225,16 +233,42 @@ class RecipeConfig:
         return dataclasses.replace(self, model_dtype=dtype_name(model_dtype, "model_dtype"))
 
 
-def as_recipe_config(recipe=None, **knobs) -> RecipeConfig:
-    """A RecipeConfig from a name, a config, or (recipe None) the environment."""
+def as_recipe_config(recipe, **knobs) -> RecipeConfig:
+    """A RecipeConfig from a name or a config, with `knobs` on top. Nothing is read from the environment here."""
     if isinstance(recipe, RecipeConfig):
         return dataclasses.replace(recipe, **{_KNOB_ALIASES.get(k, k): v for k, v in knobs.items()}) if knobs else recipe
     if recipe is None:
-        cfg = RecipeConfig.from_env()
-        if cfg is None:
-            raise ValueError(f"no recipe given and {ENV_RECIPE} is not set; pass recipe= one of {RECIPES}")
-        return as_recipe_config(cfg, **knobs)
+        raise ValueError(f"no recipe given: pass recipe= one of {RECIPES} or a RecipeConfig")
     return RecipeConfig.from_recipe_name(recipe, **knobs)
+
+
+def recipe_from_launcher(environ=None) -> RecipeConfig | None:
+    """The recipe `surogate-hf launch` (surogate_hf.integrations.accelerate.launch_main) hands to the processes it
+    starts, as SUROGATE_RECIPE / SUROGATE_RECIPE_KNOBS; None when the process was not started that way. This is the
+    one place the package reads those variables."""
+    return RecipeConfig.from_env(environ)
+
+
+CONFIG_ATTR = "surogate_recipe"  # the key under which a model's config.json records its recipe
+
+
+def recorded_recipe(model) -> RecipeConfig | None:
+    """The recipe recorded in `model.config` (by apply_recipe; saved with every checkpoint), or None."""
+    record = getattr(getattr(model, "config", None), CONFIG_ATTR, None)
+    if record is None:
+        return None
+    if not isinstance(record, dict) or "recipe" not in record:
+        raise ValueError(f"model.config.{CONFIG_ATTR} must be a mapping with a 'recipe' key, got {record!r}")
+    return RecipeConfig.from_dict(record)
+
+
+def resolve_recipe(model, recipe=None, **knobs) -> RecipeConfig | None:
+    """The recipe to apply, in this order: the explicit `recipe` argument; the launcher's (`recipe_from_launcher`);
+    the one recorded in `model.config`; `knobs` go on top of whichever is found. None when there is none."""
+    if recipe is not None:
+        return as_recipe_config(recipe, **knobs)
+    found = recipe_from_launcher() or recorded_recipe(model)
+    return None if found is None else as_recipe_config(found, **knobs)
 
 
 def check_skip_layers(cfg: RecipeConfig, n_layers: int) -> None:

@@ -26,7 +26,16 @@ from torch import Tensor, nn
 from .. import formats as F
 from ..ops import recipe as _recipe_ops  # noqa: F401  (registers surogate::fp8_scaled_mm, nvfp4_mm)
 from .bf16 import FloatEngine, float_mm
-from .config import TORCH_DTYPES, RecipeConfig, as_recipe_config, check_device, check_skip_layers, dtype_name
+from .config import (
+    CONFIG_ATTR,
+    RECIPES,
+    TORCH_DTYPES,
+    RecipeConfig,
+    check_device,
+    check_skip_layers,
+    dtype_name,
+    resolve_recipe,
+)
 from .fp8_hybrid import Fp8LinearFn, cast, warn_emulation_once
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
@@ -351,15 +360,22 @@ def _apply_lora_dtype(model, cfg):
 def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
     """Convert `model` in place to the precision recipe and return it.
 
-    recipe: "bf16" | "fp8-hybrid" | "nvfp4" | RecipeConfig | None (read SUROGATE_RECIPE and
-    SUROGATE_RECIPE_KNOBS from the environment). Call it before the optimizer is built and before
+    recipe: "bf16" | "fp8-hybrid" | "nvfp4" | RecipeConfig | None. None takes the recipe the launcher
+    (`surogate-hf launch`) started this process with, else the one recorded in `model.config`
+    (`surogate_recipe`, written here, so it is saved with every checkpoint and a reloaded model
+    finds it); an explicit argument always wins. Call it before the optimizer is built and before
     accelerator.prepare. Plain nn.Linear layers inside the transformer blocks get the recipe;
     embeddings, norms, the attention core and lm_head (and `modules_to_not_convert`, and the first /
     last `skip_quant_*_layers` blocks) stay in model_dtype. Modules with a `quant_format` attribute
     (surogate_hf quantized bases) are never touched: in a PEFT model over them the recipe reaches
     the LoRA adapter linears.
     """
-    cfg = as_recipe_config(recipe, **knobs)
+    cfg = resolve_recipe(model, recipe, **knobs)
+    if cfg is None:
+        raise ValueError(
+            f"no recipe: pass recipe= one of {RECIPES}, start the process with `surogate-hf launch --recipe ...`, or "
+            f"load a model whose config records one (model.config.{CONFIG_ATTR})"
+        )
     if getattr(model, "surogate_recipe", None) is not None:
         raise ValueError(f"a recipe ({model.surogate_recipe.recipe}) is already applied to this model")
     has_lora = any(isinstance(getattr(m, "lora_A", None), nn.ModuleDict) for m in model.modules())
@@ -456,6 +472,9 @@ def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
                 m.register_forward_hook(_cast_output(model_dt))
     _keep_recipe_state_out_of_ddp(model)
     model.surogate_recipe = cfg
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and hasattr(hf_config, "to_dict"):  # a transformers config: saved as config.json
+        setattr(hf_config, CONFIG_ATTR, cfg.to_dict())
     return model
 
 
