@@ -312,3 +312,19 @@ def test_ddp_broadcasts_no_recipe_state_and_steps_see_every_rank():
     (a0, b0), (a1, b1) = out[0], out[1]
     assert a0 == a1 == pytest.approx(batch(0).abs().max().item() * 8.0, rel=1e-6)
     assert b0 == b1 == 0, "bytes of recipe state DDP would broadcast before every forward"
+
+
+def test_a_deep_copy_trains_with_its_own_state():
+    """copy.deepcopy of a recipe model (EMA copies, TRL reference models) gets a state bound to the copy: the copy's
+    optimizer updates the copy's state from the copy's casts, and the original's state is left alone."""
+    import copy
+
+    m = R.apply_recipe(tiny(), "fp8-hybrid", amax_history_len=4)
+    c = copy.deepcopy(m)
+    st, cst = m.surogate_fp8_state, c.surogate_fp8_state
+    assert cst is not st and cst.root() is c and c.layers[0][0].scaling_state is cst
+    opt = torch.optim.SGD(c.parameters(), lr=1e-3)
+    c(batch(0)).square().mean().backward()
+    opt.step()
+    assert cst.initialized and (cst.amax_history[:, 0] > 0).all(), "every row of the copy, dy rows included"
+    assert not st.initialized and st.amax_history.abs().sum() == 0

@@ -130,22 +130,40 @@ class Fp8ScalingState(nn.Module):
         self.register_buffer("amax", torch.zeros(rows, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("scale_inv", torch.ones(rows, 4, dtype=torch.float32, device=device), persistent=False)
         self.initialized = False
-        self._layers = [lambda: None] * self.n_layers  # weakrefs: layer i's module (its fp8_dy_amax)
-        self.root = lambda: None
+        # plain references kept out of the module tree (__dict__, not _modules): the model whose optimizer steps
+        # drive update(), and layer i's module (its fp8_dy_amax). Not weakrefs: copy.deepcopy of the model maps them
+        # onto the copies through its memo, so a copied model's state follows the copy.
+        self.__dict__["_root"] = None
+        self.__dict__["_layer_list"] = [None] * self.n_layers
         self._optimizers = weakref.WeakKeyDictionary()
         self.register_load_state_dict_post_hook(lambda m, _keys: m._after_load())
         _states.add(self)
         install_step_hook()
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_optimizers", None)  # keyed by live optimizers: never copied or pickled
+        return state
+
+    def __setstate__(self, state):
+        # copy.deepcopy / pickle rebuild the module without __init__: register the copy for step updates too
+        super().__setstate__(state)
+        self._optimizers = weakref.WeakKeyDictionary()
+        _states.add(self)
+        install_step_hook()
+
+    def root(self) -> nn.Module | None:
+        return self.__dict__["_root"]
+
     def attach(self, root: nn.Module) -> None:
         """The model (or layer) whose optimizer steps drive `update()`."""
-        self.root = weakref.ref(root)
+        self.__dict__["_root"] = root
 
     def register_layer(self, index: int, layer: nn.Module) -> None:
-        self._layers[index] = weakref.ref(layer)
+        self.__dict__["_layer_list"][index] = layer
 
     def _gather_dy(self) -> None:
-        layers = [ref() for ref in self._layers]
+        layers = self.__dict__["_layer_list"]
         tail = self.amax[2 * self.n_layers :]
         if all(m is not None for m in layers):  # the model's layers: one cat, one max
             dy = [m.fp8_dy_amax for m in layers]
