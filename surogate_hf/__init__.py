@@ -11,6 +11,8 @@ It never imports triton or a native extension. The two patches of library code h
 
 __version__ = "0.1.0"
 
+from . import ops as _ops  # noqa: F401  (every surogate:: op schema; the reference kernels)
+from . import kernels as _kernels  # noqa: F401  (their CUDA implementations; triton loads on the first CUDA call)
 from .config import SurogateConfig
 from .integrations import transformers as _transformers_integration  # noqa: F401  (registers the quantizer)
 from .integrations import modelopt as _modelopt_integration  # noqa: F401  (registers quant_method "modelopt")

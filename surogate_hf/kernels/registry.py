@@ -287,15 +287,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from .. import ops  # noqa: F401  (declares the reference ops)
-    from . import ops as _own  # noqa: F401  (declares quantize_fp8_tensorwise_t, delayed_scaling_update)
+    from .. import ops  # noqa: F401  (declares every op this registers for)
 
-    try:
-        from ..ops import recipe  # noqa: F401
-    except ImportError:
-        recipe = None
     g = globals()
-    names = _QUANT + _LINEAR + (_RECIPE if recipe is not None else ())
-    for name in names:
+    for name in _QUANT + _LINEAR + _RECIPE:
         torch.library.register_kernel(f"{NS}::{name}", "cuda", g[name])
     _registered = True

@@ -1,5 +1,6 @@
-"""torch.library custom ops (namespace `surogate`): the reference is each op's default kernel;
-surogate_hf.kernels registers CUDA/Triton implementations under the same names."""
+"""torch.library custom ops (namespace `surogate`): every schema and fake lives here, and the reference is each
+op's default kernel; surogate_hf.kernels registers CUDA/Triton implementations under the same names. The
+package root imports this package, then surogate_hf.kernels, once (no import from here into kernels)."""
 
 from . import linear, quant, recipe
 from .quant import (
@@ -8,11 +9,13 @@ from .quant import (
     dequantize_nvfp4,
     quantize_fp8_blocks,
     quantize_fp8_tensorwise,
+    quantize_fp8_tensorwise_t,
     quantize_fp8_tiles,
     quantize_mxfp4,
     quantize_nvfp4,
     rht,
 )
+from .recipe import delayed_scaling_update, fp8_scaled_mm, nvfp4_mm
 from .linear import (
     fp8_block_linear,
     fp8_block_linear_dgrad,
@@ -23,6 +26,3 @@ from .linear import (
     nvfp4_linear,
     nvfp4_linear_dgrad,
 )
-
-# CUDA implementations register under the same names (thin wrappers: triton loads on first CUDA call).
-from .. import kernels as _kernels  # noqa: E402,F401

@@ -28,6 +28,30 @@ def _(x, scale, fp8_dtype):
     return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((), dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NS}::quantize_fp8_tensorwise_t", mutates_args=())
+def quantize_fp8_tensorwise_t(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-tensor FP8 cast of a 2D view [rows, cols] of x (last dim kept), its transpose, and amax(|x|).
+
+    Returns (q [..., cols] like x, qt [cols, rows] contiguous, amax fp32 scalar). The transposed copy
+    feeds the backward GEMMs (cuBLASLt FP8 wants K-major operands) without a second pass over x.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"quantize_fp8_tensorwise_t needs a tensor with >= 2 dims, got shape {tuple(x.shape)}")
+    q, _ = F.quantize_fp8_tensorwise(x, fp8_dtype, scale=scale)
+    # clone, not contiguous(): for one row or column the transpose is already contiguous and would alias q
+    return q, q.reshape(-1, x.shape[-1]).t().clone(memory_format=torch.contiguous_format), x.detach().abs().amax().float()
+
+
+@quantize_fp8_tensorwise_t.register_fake
+def _(x, scale, fp8_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        torch.empty_like(x, dtype=fp8_dtype),
+        x.new_empty((x.shape[-1], rows), dtype=fp8_dtype),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
 @torch.library.custom_op(f"{NS}::quantize_fp8_blocks", mutates_args=())
 def quantize_fp8_blocks(w: Tensor, block_n: int, block_k: int, ue8m0: bool) -> tuple[Tensor, Tensor]:
     return F.quantize_fp8_blocks(w, (block_n, block_k), F.E4M3, ue8m0)

@@ -92,6 +92,28 @@ def _(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype)
     return a_packed.new_empty((a_packed.shape[0], b_packed.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op(f"{NS}::delayed_scaling_update", mutates_args=("history", "scale"))
+def delayed_scaling_update(history: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, margin: int,
+                           use_max: bool) -> None:
+    """One delayed-scaling step for n roles, in place (recipes.scaling.Fp8ScalingState semantics).
+
+    history [n, L] newest first, scale [n], amax [n]: amax is sanitized (NaN/inf -> 0), pushed in front of the
+    history (the oldest entry drops out), and scale becomes formats.fp8_scale_from_amax of the max over the new
+    window (use_max) or of the new amax, keeping the previous scale where that gives no positive finite value.
+    """
+    a = torch.nan_to_num(amax.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    # newest first: [amax, history[:, :-1]] in one op (no roll + copy + index write)
+    pushed = torch.cat((a.unsqueeze(1), history[:, :-1]), dim=1)
+    history.copy_(pushed)
+    window = pushed.amax(dim=1) if use_max else a
+    scale.copy_(F.fp8_scale_from_amax(window, fp8_dtype, margin, previous=scale))
+
+
+@delayed_scaling_update.register_fake
+def _(history, scale, amax, fp8_dtype, margin, use_max):
+    return None
+
+
 def has_native_kernel(op_name: str, device: torch.device) -> bool:
     """True when a kernel other than the reference is registered for `op_name` on `device`'s backend."""
     device = torch.device(device)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import formats as F
-from ..kernels import ops as _kernel_ops  # noqa: F401  (declares surogate::delayed_scaling_update)
+from ..ops import recipe as _recipe_ops  # noqa: F401  (declares surogate::delayed_scaling_update)
 
 _update_op = torch.ops.surogate.delayed_scaling_update
 
