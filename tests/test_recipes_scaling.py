@@ -196,6 +196,16 @@ def test_trainer_defaults_train_fp32_masters(tmp_path):
         assert torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits)
 
 
+def _run_on_two_gloo_ranks(worker) -> dict:
+    """worker(rank, world, port, out) on 2 spawned processes; returns out {rank: result}."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(worker, args=(2, port, out), nprocs=2, join=True)
+    return dict(out)
+
+
 def _count_reduces_worker(rank, world, port, out):
     import torch.distributed as dist
 
@@ -224,11 +234,7 @@ def _count_reduces_worker(rank, world, port, out):
 
 
 def test_one_all_reduce_per_step_and_ranks_agree():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_count_reduces_worker, args=(2, port, out), nprocs=2, join=True)
+    out = _run_on_two_gloo_ranks(_count_reduces_worker)
     (c0, h0), (c1, h1) = out[0], out[1]
     assert c0 == c1 == [18, 18], "one all_reduce of all 3 x 6 rows per optimizer step"
     assert h0 == h1  # every rank casts with the same scales
@@ -304,11 +310,7 @@ def test_ddp_broadcasts_no_recipe_state_and_steps_see_every_rank():
     """DDP (broadcast_buffers=True, the Trainer's default) leaves the recipe state out of its per-step buffer
     broadcast (the state agrees across ranks through the update's all_reduce), and the step pushes the max over
     every rank and micro-batch (rank 1's 8x batch)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_ddp_worker, args=(2, port, out), nprocs=2, join=True)
+    out = _run_on_two_gloo_ranks(_ddp_worker)
     (a0, b0), (a1, b1) = out[0], out[1]
     assert a0 == a1 == pytest.approx(batch(0).abs().max().item() * 8.0, rel=1e-6)
     assert b0 == b1 == 0, "bytes of recipe state DDP would broadcast before every forward"
