@@ -356,3 +356,24 @@ def test_recipe_travels_with_the_model(tmp_path, monkeypatch):
         R.apply_recipe(tiny_llama(layers=1))
     with pytest.raises(ValueError, match="without a recipe"):
         SurogateRecipeCallback(margin=1)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(modules_to_not_convert=["self_attn", "lm_head"]),
+    dict(modules_to_not_convert=["lm_head", r".*\.up_proj"], skip_quant_first_layers=1),
+    dict(modules_to_not_convert=["lm_head"], skip_quant_last_layers=1, module_filter_fn=lambda m, fqn: "k_proj" not in fqn),
+])
+def test_quantizer_and_recipe_select_the_same_modules(knobs):
+    """One module selection (nn.convert.module_plan): the same knobs convert the same linears whether they quantize
+    a base (SurogateConfig's quantizer) or apply a recipe."""
+    from surogate_hf.nn.convert import replace_with_quantized_modules
+
+    knobs = dict(knobs)
+    filt = knobs.pop("module_filter_fn", None)
+    q = tiny_llama(layers=3)
+    report = replace_with_quantized_modules(
+        q, "fp8", skip=knobs["modules_to_not_convert"], skip_first_layers=knobs.get("skip_quant_first_layers", 0),
+        skip_last_layers=knobs.get("skip_quant_last_layers", 0), module_filter=filt)
+    r = R.apply_recipe(tiny_llama(layers=3), "fp8-hybrid", module_filter_fn=filt, **knobs)
+    converted = sorted(n for n, m in r.named_modules() if isinstance(m, R.RecipeLinear) and m.quantize)
+    assert converted and converted == sorted(report.quantized)

@@ -81,6 +81,63 @@ def quantized_module_for(module: nn.Module, fmt_name: str, options: dict, dtype=
     )
 
 
+def check_skip_layers(first: int, last: int, n_layers: int) -> None:
+    """skip_quant_first_layers / skip_quant_last_layers must select decoder layers the model has."""
+    if not (first or last):
+        return
+    if n_layers <= 0:
+        raise ValueError(
+            f"skip_quant_first_layers={first} / skip_quant_last_layers={last}: no decoder layer list was found in "
+            "the model, so the knobs select nothing; drop them"
+        )
+    if first + last > n_layers:
+        raise ValueError(
+            f"skip_quant_first_layers ({first}) + skip_quant_last_layers ({last}) exceed the model's {n_layers} "
+            "decoder layers"
+        )
+
+
+def module_plan(
+    model: nn.Module,
+    is_candidate: Callable[[nn.Module], bool],
+    *,
+    skip: list[str] | tuple[str, ...] = (),
+    skip_first_layers: int = 0,
+    skip_last_layers: int = 0,
+    module_filter: Callable[[nn.Module, str], bool] | None = None,
+    only_in_layers: bool = False,
+) -> list[tuple[str, nn.Module, str | None]]:
+    """(fqn, module, why it stays in the model dtype or None) for every candidate module, in model order.
+
+    The one module selection of the package: the quantizer (replace_with_quantized_modules) and apply_recipe
+    both use it, so the same knob selects the same modules. Rules 2-4 of the module docstring: `skip` patterns
+    against the module and its ancestors (transformers' should_convert_module), the first / last decoder layers
+    (decoder_layer_names), then `module_filter(module, fqn)`; with `only_in_layers`, modules outside the decoder
+    layers stay too (the recipes convert the transformer blocks only).
+    """
+    layers = decoder_layer_names(model)
+    check_skip_layers(skip_first_layers, skip_last_layers, len(layers))
+    kept_layers = layers[:skip_first_layers] + (layers[len(layers) - skip_last_layers :] if skip_last_layers else [])
+    skip = list(skip)
+    plan = []
+    for name, module in model.named_modules():
+        if not is_candidate(module):
+            continue
+        in_layer = lambda prefixes: any(name.startswith(p + ".") for p in prefixes)  # noqa: E731
+        if skip and _matches_self_or_ancestor(name, skip):
+            why = "modules_to_not_convert / default skip"
+        elif in_layer(kept_layers):
+            why = "skip_quant_first_layers / skip_quant_last_layers"
+        elif only_in_layers and not in_layer(layers):
+            why = "outside the decoder layers"
+        elif module_filter is not None and not module_filter(module, name):
+            why = "module_filter"
+        else:
+            why = None
+        plan.append((name, module, why))
+    return plan
+
+
 def replace_with_quantized_modules(
     model: nn.Module,
     fmt_name: str,
@@ -95,37 +152,16 @@ def replace_with_quantized_modules(
     options = options or {}
     fmt = make_format(fmt_name, **options)
     report = ConversionReport()
-    skip = list(skip or [])
-
-    layer_skip: list[str] = []
-    if skip_first_layers or skip_last_layers:
-        layers = decoder_layer_names(model)
-        if not layers:
-            raise ValueError(
-                "skip_quant_first_layers / skip_quant_last_layers: no decoder layer list found in "
-                f"{type(model).__name__}"
-            )
-        if skip_first_layers + skip_last_layers > len(layers):
-            raise ValueError(
-                f"skip_quant_first_layers ({skip_first_layers}) + skip_quant_last_layers ({skip_last_layers}) "
-                f"exceed the model's {len(layers)} decoder layers"
-            )
-        layer_skip = layers[:skip_first_layers] + (layers[len(layers) - skip_last_layers :] if skip_last_layers else [])
-
+    plan = module_plan(
+        model, lambda m: type(m) is nn.Linear or is_experts_module(m), skip=skip or [],
+        skip_first_layers=skip_first_layers, skip_last_layers=skip_last_layers, module_filter=module_filter,
+    )
     bad_shape: dict[str, str] = {}
-    for name, module in list(model.named_modules()):
+    for name, module, why in plan:
+        if why is not None:
+            report.skipped[name] = why
+            continue
         experts = is_experts_module(module)
-        if not (type(module) is nn.Linear or experts):
-            continue
-        if skip and _matches_self_or_ancestor(name, skip):
-            report.skipped[name] = "modules_to_not_convert / default skip"
-            continue
-        if any(name == p or name.startswith(p + ".") for p in layer_skip):
-            report.skipped[name] = "skip_quant_first_layers / skip_quant_last_layers"
-            continue
-        if module_filter is not None and not module_filter(module, name):
-            report.skipped[name] = "module_filter"
-            continue
         problem = (
             experts_shape_problem(module, fmt) if experts else fmt.shape_problem(module.out_features, module.in_features)
         )

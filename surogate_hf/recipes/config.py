@@ -272,25 +272,11 @@ def resolve_recipe(model, recipe=None, **knobs) -> RecipeConfig | None:
 
 
 def check_skip_layers(cfg: RecipeConfig, n_layers: int) -> None:
-    """Refuse skip_quant_first_layers / skip_quant_last_layers that leave no decoder layer to convert.
+    """Refuse skip_quant_first_layers / skip_quant_last_layers that select no decoder layer the model has (more
+    than it has, or any on a model without a layer list): they would convert nothing and say nothing."""
+    from ..nn.convert import check_skip_layers as check
 
-    n_layers: the number of decoder layers found in the model (0 when none was found). Skipping every layer
-    exactly is allowed (the knobs then say what they do); more than the model has, or a skip on a model
-    without a layer list, would convert nothing and say nothing.
-    """
-    first, last = cfg.skip_quant_first_layers, cfg.skip_quant_last_layers
-    if not (first or last):
-        return
-    if n_layers <= 0:
-        raise ValueError(
-            f"skip_quant_first_layers={first} / skip_quant_last_layers={last}: no decoder layer list was found in "
-            "the model, so the knobs select nothing; drop them"
-        )
-    if first + last > n_layers:
-        raise ValueError(
-            f"skip_quant_first_layers ({first}) + skip_quant_last_layers ({last}) exceed the model's {n_layers} "
-            "decoder layers"
-        )
+    check(cfg.skip_quant_first_layers, cfg.skip_quant_last_layers, n_layers)
 
 
 def check_device(cfg: RecipeConfig, device: torch.device) -> None:

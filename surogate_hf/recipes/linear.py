@@ -17,7 +17,6 @@ changes otherwise (its version counter or storage); the gradient still lands on 
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 
 import torch
@@ -32,10 +31,10 @@ from .config import (
     TORCH_DTYPES,
     RecipeConfig,
     check_device,
-    check_skip_layers,
     dtype_name,
     resolve_recipe,
 )
+from ..nn.convert import module_plan
 from .fp8_hybrid import Fp8LinearFn, cast, warn_emulation_once
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
@@ -307,21 +306,6 @@ def _is_quantized_base(m: nn.Module) -> bool:
     return hasattr(m, "quant_format")
 
 
-def _layer_list(model: nn.Module):
-    """(name, ModuleList) of the transformer blocks: the ModuleList holding the most linears."""
-    best, best_n = None, 0
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0:
-            n = sum(isinstance(s, nn.Linear) or _is_quantized_base(s) for s in m.modules())
-            if n > best_n:
-                best, best_n = (name, m), n
-    return best
-
-
-def _matches(name: str, patterns) -> bool:
-    return any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns)
-
-
 def _infer_model_dtype(model: nn.Module) -> str:
     for name, m in model.named_modules():
         if _is_quantized_base(m):
@@ -357,14 +341,15 @@ def _apply_lora_dtype(model, cfg):
     set_lora_dtype(model, TORCH_DTYPES[cfg.lora_dtype])
 
 
-def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
+def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knobs) -> nn.Module:
     """Convert `model` in place to the precision recipe and return it.
 
     recipe: "bf16" | "fp8-hybrid" | "nvfp4" | RecipeConfig | None. None takes the recipe the launcher
     (`surogate-hf launch`) started this process with, else the one recorded in `model.config`
     (`surogate_recipe`, written here, so it is saved with every checkpoint and a reloaded model
     finds it); an explicit argument always wins. Call it before the optimizer is built and before
-    accelerator.prepare. Plain nn.Linear layers inside the transformer blocks get the recipe;
+    accelerator.prepare. module_filter_fn(module, fqn) -> bool can keep more linears in model_dtype (the
+    same hook, and the same module selection, as SurogateConfig's quantizer: nn.convert.module_plan). Plain nn.Linear layers inside the transformer blocks get the recipe;
     embeddings, norms, the attention core and lm_head (and `modules_to_not_convert`, and the first /
     last `skip_quant_*_layers` blocks) stay in model_dtype. Modules with a `quant_format` attribute
     (surogate_hf quantized bases) are never touched: in a PEFT model over them the recipe reaches
@@ -402,32 +387,20 @@ def apply_recipe(model: nn.Module, recipe=None, **knobs) -> nn.Module:
         if p.dtype != want:
             p.data = p.data.to(want)
 
-    # 2. which linears get the recipe
-    layers = _layer_list(model)
-    n_layers = len(layers[1]) if layers else 0
-    check_skip_layers(cfg, n_layers)
+    # 2. which linears get the recipe: nn.convert.module_plan, the quantizer's own selection (same knobs, same
+    #    modules), restricted to the decoder layers; the output embeddings always stay
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    skip_blocks = set(range(min(cfg.skip_quant_first_layers, n_layers)))
-    skip_blocks |= set(range(max(n_layers - cfg.skip_quant_last_layers, 0), n_layers))
-    targets, others = [], []
     for name, m in model.named_modules():
         if isinstance(m, RecipeLinear):
             raise ValueError(f"{name} is already a RecipeLinear")
-        if not isinstance(m, nn.Linear) or _is_quantized_base(m):
-            continue
-        if type(m) is not nn.Linear:
-            others.append(name)
-            continue
-        block = None
-        if layers and name.startswith(layers[0] + "."):
-            block = int(name[len(layers[0]) + 1 :].split(".")[0])
-        excluded = (
-            m is out_emb
-            or _matches(name, cfg.modules_to_not_convert)
-            or block is None
-            or block in skip_blocks
-        )
-        targets.append((name, m, not excluded))
+    plan = module_plan(
+        model, lambda m: type(m) is nn.Linear, skip=cfg.modules_to_not_convert,
+        skip_first_layers=cfg.skip_quant_first_layers, skip_last_layers=cfg.skip_quant_last_layers,
+        module_filter=module_filter_fn, only_in_layers=True,
+    )
+    targets = [(name, m, why is None and m is not out_emb) for name, m, why in plan]
+    others = [name for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not _is_quantized_base(m)]
     if others:
         warnings.warn(
             f"apply_recipe: left {len(others)} nn.Linear subclass(es) as they are (not plain nn.Linear, "
