@@ -26,10 +26,10 @@ def float_mm(a: torch.Tensor, b: torch.Tensor, gemm_dtype: torch.dtype, out_dtyp
 
 
 class FloatBackward:
-    """dgrad and wgrad in gradient_dtype from the saved (x, w) of a forward."""
+    """dgrad and wgrad in gradient_dtype (a knob name or a torch dtype) from the saved (x, w) of a forward."""
 
-    def __init__(self, gradient_dtype: str):
-        self.dtype = TORCH_DTYPES[gradient_dtype]
+    def __init__(self, gradient_dtype):
+        self.dtype = gradient_dtype if isinstance(gradient_dtype, torch.dtype) else TORCH_DTYPES[gradient_dtype]
 
     def backward(self, dy, x, w, need_dx: bool, need_dw: bool):
         dx = float_mm(dy, w.t(), self.dtype, dy.dtype) if need_dx else None
@@ -38,17 +38,11 @@ class FloatBackward:
 
 
 class FloatEngine:
-    """Forward in matmul_dtype (fp32 or bf16), backward in gradient_dtype (fp32 or bf16)."""
+    """The bf16 recipe's GEMM dtypes: forward in matmul_dtype, backward in gradient_dtype (fp32 or bf16); the
+    linear itself is recipes.linear._FloatLinearFn."""
 
     name = "float"
 
     def __init__(self, matmul_dtype: str, gradient_dtype: str):
         self.dtype = TORCH_DTYPES[matmul_dtype]
         self.bwd = FloatBackward(gradient_dtype)
-
-    def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):
-        return float_mm(x, w, self.dtype, x.dtype, bias), (x, w)
-
-    def backward(self, owner, dy, saved, need_dx, need_dw):
-        x, w = saved
-        return self.bwd.backward(dy, x, w, need_dx, need_dw)

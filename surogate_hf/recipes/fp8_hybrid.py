@@ -34,8 +34,6 @@ from .. import formats as F
 from ..ops import recipe as recipe_ops
 from .bf16 import FloatBackward
 
-ROLE_FORMATS = ("e4m3", "e4m3", "e5m2")
-
 _warned = set()  # (op, device type) already checked: one check and at most one warning each
 
 

@@ -3,9 +3,10 @@
 RecipeLinear keeps nn.Linear's `weight` / `bias` Parameters (same objects, same state_dict keys).
 FP8 layers keep their delayed-scaling state in the model's one flat Fp8ScalingState
 (`surogate_fp8_state` on the model apply_recipe converted; `fp8_state` on a layer built on its
-own); nvfp4 layers hold `fp4_sr_step`. The fp8 forward is fp8_hybrid.Fp8LinearFn, the others one
-autograd Function over an engine (bf16.FloatEngine, nvfp4.NVFP4Engine); the output and the input
-gradient are in the input's dtype, the weight gradient in the weight's (master) dtype.
+own); nvfp4 layers hold `fp4_sr_step`. The fp8 linear is fp8_hybrid.Fp8LinearFn, the bf16 one
+_FloatLinearFn (both take only tensors and constants, so dynamo traces them whole), nvfp4 an autograd
+Function over nvfp4.NVFP4Engine; the output and the input gradient are in the input's dtype, the weight
+gradient in the weight's (master) dtype.
 
 Master / work weights: when the weight's dtype (master_dtype) differs from model_dtype, the GEMMs
 use a work copy in model_dtype (fp8: the FP8 cast of the master, no bf16 copy in between), cached
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from .. import formats as F
 from ..ops import recipe as _recipe_ops  # noqa: F401  (registers surogate::fp8_scaled_mm, nvfp4_mm)
-from .bf16 import FloatEngine, float_mm
+from .bf16 import FloatBackward, FloatEngine, float_mm
 from .config import (
     CONFIG_ATTR,
     RECIPES,
@@ -106,8 +107,9 @@ class _FloatLinearFn(torch.autograd.Function):
         x2d, w = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx = float_mm(dy2d, w.t(), ctx.grad_dtype, dy.dtype).reshape(ctx.x_shape) if need_dx else None
-        dw = float_mm(dy2d.t(), x2d.t(), ctx.grad_dtype, torch.float32).to(ctx.w_dtype) if need_dw else None
+        dx, dw = FloatBackward(ctx.grad_dtype).backward(dy2d, x2d, w, need_dx, need_dw)
+        dx = dx.reshape(ctx.x_shape) if dx is not None else None
+        dw = dw.to(ctx.w_dtype) if dw is not None else None
         db = dy2d.float().sum(0).to(ctx.b_dtype) if need_db else None
         return dx, dw, db, None, None
 
