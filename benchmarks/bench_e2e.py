@@ -7,6 +7,7 @@ float8 under torch.compile. Every setup runs in this one process; failures are r
 from __future__ import annotations
 
 import argparse
+import json
 import gc
 import time
 
@@ -94,12 +95,15 @@ def ours_qlora(layers, fmt):
     return model
 
 
+RECIPE_KNOBS = {}  # --recipe-knobs: extra apply_recipe knobs for the recipe setups (ablations)
+
+
 def full(layers, recipe=None, compiled=False, torchao=False):
     model = base_model(layers)
     if recipe is not None:
         from surogate_hf.recipes.linear import apply_recipe
 
-        apply_recipe(model, recipe)
+        apply_recipe(model, recipe, **RECIPE_KNOBS)
     if torchao:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -190,6 +194,7 @@ def main():
     ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
     ap.add_argument("--traced-gemm", default=None, choices=["aten", "op"],
                     help="how the fp8 recipe's GEMM enters a compiled graph (recipes.fp8_hybrid.TRACED_GEMM)")
+    ap.add_argument("--recipe-knobs", default="{}", help='JSON knobs for apply_recipe, e.g. \'{"fp8_fast_accum": false}\'')
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
@@ -199,6 +204,7 @@ def main():
     args = ap.parse_args()
     global SHAPE
     SHAPE = args.shape
+    RECIPE_KNOBS.update(json.loads(args.recipe_knobs))
     if args.traced_gemm:
         import surogate_hf.recipes.fp8_hybrid as fh
 

@@ -5,6 +5,7 @@ kernel time means the step is bound by host-side work (Python, dispatch, launche
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections import defaultdict
 
@@ -50,8 +51,10 @@ def main():
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--recipe-knobs", default="{}", help="JSON knobs for apply_recipe (bench_e2e.py's flag)")
     args = ap.parse_args()
     E.SHAPE = args.shape
+    E.RECIPE_KNOBS.update(json.loads(args.recipe_knobs))
     layers = args.layers or E.SHAPES[args.shape][6]
     for key in args.setups.split(","):
         label, build = EXTRA[key] if key in EXTRA else E.SETUPS[key][:2]

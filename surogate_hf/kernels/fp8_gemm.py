@@ -165,7 +165,7 @@ def _aligned_scale(s):
     return s if s.data_ptr() % 16 == 0 else s.clone()
 
 
-def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
+def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype, use_fast_accum=False):
     m, k = a.shape
     n = b.shape[0]
     why = None
@@ -186,6 +186,6 @@ def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
     bt = b.contiguous().t()
     if bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32):
         # cuBLASLt adds the bias in fp32 in its epilogue before the single output rounding
-        return torch._scaled_mm(a, bt, sa, sb, bias=bias, out_dtype=out_dtype)
-    out = torch._scaled_mm(a, bt, sa, sb, out_dtype=torch.float32)
+        return torch._scaled_mm(a, bt, sa, sb, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    out = torch._scaled_mm(a, bt, sa, sb, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
     return (out + bias.float()).to(out_dtype)

@@ -36,7 +36,7 @@ _DTYPE_ALIASES = {
     "e2m1": "e2m1", "fp4": "e2m1",
 }
 # Knobs that only mean something under one recipe: passing them to another is a mistake, not a no-op.
-_FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
+_FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", "fp8_fast_accum")
 _FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht")
 _KNOB_ALIASES = {"fp8_amax_history": "amax_history_len"}
 
@@ -68,6 +68,9 @@ class RecipeConfig:
     amax_compute_algo: str = "max"
     margin: int = 0
     reduce_amax: bool = True
+    # the forward GEMM accumulates in the tensor cores' fast (reduced-precision, periodically promoted) mode,
+    # as Transformer Engine's and torchao's fp8 recipes do; dgrad and wgrad always accumulate in fp32
+    fp8_fast_accum: bool = True
     # nvfp4
     four_over_six: bool = True
     four_over_six_rule: str = "mse"
@@ -121,6 +124,8 @@ class RecipeConfig:
         if algo not in AMAX_ALGOS:
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r} is unknown; choose one of {AMAX_ALGOS}")
         set_("amax_compute_algo", algo)
+        if not isinstance(self.fp8_fast_accum, bool):
+            raise ValueError(f"fp8_fast_accum must be True or False, got {self.fp8_fast_accum!r}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
         if self.four_over_six_rule not in FOUR_OVER_SIX_RULES:

@@ -119,18 +119,22 @@ def _at(t, row):
     return t[row] if isinstance(row, int) else t.index_select(0, row.reshape(1)).squeeze(0)
 
 
-def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype):
-    """out [M, N] = (a [M, K] @ b [N, K]^T) * sa_inv * sb_inv (+ bias), fp32 accumulation, one rounding."""
+def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype, fast_accum: bool = False):
+    """out [M, N] = (a [M, K] @ b [N, K]^T) * sa_inv * sb_inv (+ bias), fp32 accumulation, one rounding.
+
+    fast_accum: let cuBLASLt accumulate in the tensor cores' fast mode (the fp8_fast_accum knob; forward only). The
+    reference (CPU, the op) always accumulates in fp32: the two differ by accumulation precision, nothing else."""
     if a.is_cuda and not torch.compiler.is_compiling():
         from ..kernels import fp8_gemm  # checks shapes, copies misaligned scales, warns once on a fallback
 
-        return fp8_gemm.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
+        return fp8_gemm.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype, use_fast_accum=fast_accum)
     if a.is_cuda and TRACED_GEMM == "aten" and _aten_ok(a, b, out_dtype):
         # in the graph as aten._scaled_mm: inductor calls cuBLASLt from its generated code (no Python op wrapper
         # on the host path of every GEMM)
+        sa, sb = sa_inv.reshape(()), sb_inv.reshape(())
         if bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32):
-            return torch._scaled_mm(a, b.t(), sa_inv.reshape(()), sb_inv.reshape(()), bias=bias, out_dtype=out_dtype)
-        out = torch._scaled_mm(a, b.t(), sa_inv.reshape(()), sb_inv.reshape(()), out_dtype=torch.float32)
+            return torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        out = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32, use_fast_accum=fast_accum)
         return (out + bias.float()).to(out_dtype)
     # CPU: the reference; traced otherwise: the op (its CUDA kernel is the function above) as one opaque node
     return torch.ops.surogate.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype)
@@ -155,18 +159,19 @@ class Fp8LinearFn(torch.autograd.Function):
     state's flat tensors; dy_amax: the layer's own [1] running amax of dy (folded into the flat state at the
     update; a buffer of its own because a compiled backward checks the version of what it reads, and the
     flat buffer moves with every other layer's casts); rows: the layer's (x, W, dy) rows (ints, or an int64 tensor when traced);
-    spec = (fwd_fmt, bwd_fmt, fp8_backward, record, current), bwd_fmt being the float gradient dtype's name
-    when fp8_backward is false.
+    spec = (fwd_fmt, bwd_fmt, fp8_backward, record, current, fast_accum), bwd_fmt being the float gradient
+    dtype's name when fp8_backward is false; fast_accum applies to the forward GEMM only (TE and torchao do the same:
+    dgrad and wgrad sum over the token dimension, where reduced-precision accumulation costs most).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, wq, wqt, w_sinv, scale, scale_inv, amax, dy_amax, rows, spec):
-        fwd_fmt, bwd_fmt, fp8_backward, record, current = spec
+        fwd_fmt, bwd_fmt, fp8_backward, record, current, fast_accum = spec
         row_x = rows[0]
         need_dw = ctx.needs_input_grad[1]
         x2d = x.reshape(-1, x.shape[-1])
         xq, xqt, x_sinv = cast(x2d, scale, scale_inv, amax, row_x, fwd_fmt, fp8_backward and need_dw, record, current)
-        y = scaled_mm(xq, wq, x_sinv, w_sinv, bias, x.dtype)
+        y = scaled_mm(xq, wq, x_sinv, w_sinv, bias, x.dtype, fast_accum)
         ctx.spec, ctx.row_dy, ctx.x_shape, ctx.w_dtype = spec, rows[2], x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         if fp8_backward:
@@ -178,7 +183,7 @@ class Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        fwd_fmt, bwd_fmt, fp8_backward, record, current = ctx.spec
+        fwd_fmt, bwd_fmt, fp8_backward, record, current, _ = ctx.spec
         row_dy = ctx.row_dy
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])

@@ -270,7 +270,7 @@ class RecipeLinear(nn.Linear):
             warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
         wq, wqt, w_sinv = self._fp8_weight(st, record, current, need_t)
         rows = self.fp8_rows_t if torch.compiler.is_compiling() else self.fp8_rows
-        spec = (F.E4M3, self._bwd_fmt, self._fp8_backward, record, current)
+        spec = (F.E4M3, self._bwd_fmt, self._fp8_backward, record, current, self.config.fp8_fast_accum)
         return Fp8LinearFn.apply(x, self.weight, self.bias, wq, wqt, w_sinv, st.scale, st.scale_inv, st.amax,
                                  self.fp8_dy_amax, rows, spec)
 
