@@ -101,3 +101,82 @@ def test_nvfp4_recipe_on_gpu_matches_cpu():
     lc, _ = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "nvfp4"), "cpu", steps=2)
     lg, _ = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "nvfp4"), "cuda", steps=2)
     assert lg == pytest.approx(lc, rel=2e-2)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 576), (333, 960), (4096, 2048), (77, 2880), (8192 * 16, 128), (50, 4096)])
+@pytest.mark.parametrize("formula", ["llama", "gemma"])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_fused_rmsnorm_kernels_match_the_reference(rows, dim, formula, w_dtype):
+    """Triton RMSNorm forward/backward against the stock formula (recipes.norm.rmsnorm_reference): within a bf16
+    ulp or two (row-sum order, rsqrt); the FP8 hand-off is the exact cast of the y the kernel wrote, its transpose,
+    and amax(|y|) folded into the state row."""
+    from surogate_hf.kernels import triton_norm as TN
+    from surogate_hf.recipes.norm import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, dim, generator=g) * 2).bfloat16().cuda()
+    w = (torch.randn(dim, generator=g) * 0.2 + (0.0 if formula == "gemma" else 1.0)).to(w_dtype).cuda()
+    scale = torch.tensor([7.0], device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    y, rstd, q, qt = TN.rmsnorm_fwd(x, w, 1e-6, formula == "gemma", torch.bfloat16,
+                                    (scale, amax.view(torch.int32), F.E4M3, True))
+    xr = x.clone().requires_grad_()
+    wr = w.clone().requires_grad_()
+    ref = rmsnorm_reference(xr, wr, 1e-6, formula, torch.bfloat16)
+    torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=1e-5)
+    assert torch.equal(_u8(q), _u8(F.cast_to_fp8(y.float() * 7.0, F.E4M3)))
+    assert torch.equal(_u8(qt), _u8(q.t().contiguous()))
+    assert amax.item() == y.float().abs().max().item()
+    dy = torch.randn(rows, dim, generator=g).bfloat16().cuda()
+    ref.backward(dy)
+    dx, dw = TN.rmsnorm_bwd(dy, x, w, rstd, formula == "gemma")
+    torch.testing.assert_close(dx, xr.grad, rtol=1.6e-2, atol=1e-2 * xr.grad.abs().max().item())
+    torch.testing.assert_close(dw.to(w_dtype), wr.grad, rtol=2e-2, atol=1e-2 * wr.grad.abs().max().item())
+
+
+@pytest.mark.skipif(not _fp8, reason=_fp8_why)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_recipe_with_fused_norms_on_gpu_matches_cpu(compiled):
+    """A Qwen3-shaped model (hidden 576, the real small-model width) with FusedRMSNorm and the FP8 hand-off:
+    GPU (eager Triton norms and hand-off, or compiled layers) against the CPU reference."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch._dynamo.reset()
+
+    def model():
+        torch.manual_seed(0)
+        cfg = Qwen3Config(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+        return R.apply_recipe(Qwen3ForCausalLM(cfg).bfloat16(), "fp8-hybrid", master_dtype="fp32",
+                              amax_history_len=4, fp8_fast_accum=False)
+
+    def train(m, device):
+        m = m.to(device)
+        if compiled and device == "cuda":
+            for layer in m.model.layers:
+                layer.compile(fullgraph=True)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=device == "cuda")
+        losses = []
+        for i in range(4):
+            ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(i)).to(device)
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, m
+
+    lc, mc = train(model(), "cpu")
+    lg, mg = train(model(), "cuda")
+    assert lg == pytest.approx(lc, rel=2e-2)
+    attn = mg.model.layers[0].self_attn
+    # eager links q/k/v to one x row; a graph compiled before any eager step keeps one row per linear
+    assert (attn.k_proj.fp8_rows[0] == attn.q_proj.fp8_rows[0]) != compiled
+
+    def rows(m):
+        return {r for x in m.modules() if isinstance(x, R.RecipeLinear) for r in x.fp8_rows}
+
+    assert rows(mc) <= rows(mg)  # a group's row is its first linear's own row
+    both = sorted(rows(mc))
+    torch.testing.assert_close(mg.surogate_fp8_state.amax_history[both].cpu(), mc.surogate_fp8_state.amax_history[both],
+                               rtol=3e-2, atol=0)

@@ -77,6 +77,9 @@ class RecipeConfig:
     no_fp4_stochastic_rounding: bool = False
     fp4_rht: bool = True
     seed: int = 0
+    # swap transformers' RMSNorms for recipes.norm.FusedRMSNorm (one kernel each way; hands its FP8-cast output
+    # to the FP8 linears it feeds); same weights, same state_dict keys, same formula
+    fused_norms: bool = True
     # which linears are converted
     skip_quant_first_layers: int = 0
     skip_quant_last_layers: int = 0
@@ -124,8 +127,9 @@ class RecipeConfig:
         if algo not in AMAX_ALGOS:
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r} is unknown; choose one of {AMAX_ALGOS}")
         set_("amax_compute_algo", algo)
-        if not isinstance(self.fp8_fast_accum, bool):
-            raise ValueError(f"fp8_fast_accum must be True or False, got {self.fp8_fast_accum!r}")
+        for knob in ("fp8_fast_accum", "fused_norms"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ValueError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
         if self.four_over_six_rule not in FOUR_OVER_SIX_RULES:

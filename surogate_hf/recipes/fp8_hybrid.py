@@ -159,18 +159,22 @@ class Fp8LinearFn(torch.autograd.Function):
     state's flat tensors; dy_amax: the layer's own [1] running amax of dy (folded into the flat state at the
     update; a buffer of its own because a compiled backward checks the version of what it reads, and the
     flat buffer moves with every other layer's casts); rows: the layer's (x, W, dy) rows (ints, or an int64 tensor when traced);
+    xq / xqt / x_sinv: x's cast when the kernel that produced x already wrote it (eager; None: cast here);
     spec = (fwd_fmt, bwd_fmt, fp8_backward, record, current, fast_accum), bwd_fmt being the float gradient
     dtype's name when fp8_backward is false; fast_accum applies to the forward GEMM only (TE and torchao do the same:
     dgrad and wgrad sum over the token dimension, where reduced-precision accumulation costs most).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wq, wqt, w_sinv, scale, scale_inv, amax, dy_amax, rows, spec):
+    def forward(ctx, x, weight, bias, wq, wqt, w_sinv, scale, scale_inv, amax, dy_amax, rows, spec,
+                xq=None, xqt=None, x_sinv=None):
         fwd_fmt, bwd_fmt, fp8_backward, record, current, fast_accum = spec
         row_x = rows[0]
         need_dw = ctx.needs_input_grad[1]
         x2d = x.reshape(-1, x.shape[-1])
-        xq, xqt, x_sinv = cast(x2d, scale, scale_inv, amax, row_x, fwd_fmt, fp8_backward and need_dw, record, current)
+        if xq is None:  # else: x's cast handed over by the kernel that produced x (recipes.norm), amax recorded there
+            xq, xqt, x_sinv = cast(x2d, scale, scale_inv, amax, row_x, fwd_fmt, fp8_backward and need_dw, record,
+                                   current)
         y = scaled_mm(xq, wq, x_sinv, w_sinv, bias, x.dtype, fast_accum)
         ctx.spec, ctx.row_dy, ctx.x_shape, ctx.w_dtype = spec, rows[2], x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -203,4 +207,4 @@ class Fp8LinearFn(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype) if dw is not None else None
         dx = dx.reshape(ctx.x_shape) if dx is not None else None
         db = dy2d.float().sum(0).to(ctx.b_dtype) if need_db else None
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None

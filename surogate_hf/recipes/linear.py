@@ -37,6 +37,7 @@ from .config import (
 )
 from ..nn.convert import module_plan
 from .fp8_hybrid import Fp8LinearFn, cast, warn_emulation_once
+from .norm import FusedRMSNorm, fuse_norms
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
@@ -261,18 +262,41 @@ class RecipeLinear(nn.Linear):
             self._fp8_w, self._fp8_w_key = cached, key
         return cached
 
+    def _share_input_row(self, row: int) -> None:
+        """Cast the input with state row `row` (a FusedRMSNorm's consumer group: the same tensor as its siblings)."""
+        self.scaling_state.share_x_row(self.fp8_layer, row)
+        self.fp8_rows = (row, *self.fp8_rows[1:])
+        with torch.no_grad():
+            self.fp8_rows_t[0] = row
+
+    def _input_handoff(self, x: Tensor, need_dw_t: bool):
+        """The FP8 cast of x a FusedRMSNorm already wrote (linking to that norm on first sight), or None."""
+        norm = getattr(x, "_surogate_norm", None)
+        if norm is None:
+            return None
+        if self.__dict__.get("_input_norm") is not norm:
+            if self.__dict__.get("_input_norm") is not None:
+                return None  # fed by another norm before: keep casting for ourselves
+            norm.link(self)
+            self.__dict__["_input_norm"] = norm
+        return norm.handoff(x, self.fp8_rows[0], need_dw_t)
+
     def _fp8_forward(self, x: Tensor) -> Tensor:
         st = self.scaling_state
         grad = torch.is_grad_enabled()
         record, current = grad, not st.initialized
         need_t = grad and x.requires_grad and self._fp8_backward
+        pre = (None, None, None)
         if not torch.compiler.is_compiling():
             warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
+            if record:
+                got = self._input_handoff(x, self._fp8_backward and self.weight.requires_grad)
+                pre = pre if got is None or current else got
         wq, wqt, w_sinv = self._fp8_weight(st, record, current, need_t)
         rows = self.fp8_rows_t if torch.compiler.is_compiling() else self.fp8_rows
         spec = (F.E4M3, self._bwd_fmt, self._fp8_backward, record, current, self.config.fp8_fast_accum)
         return Fp8LinearFn.apply(x, self.weight, self.bias, wq, wqt, w_sinv, st.scale, st.scale_inv, st.amax,
-                                 self.fp8_dy_amax, rows, spec)
+                                 self.fp8_dy_amax, rows, spec, *pre)
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.compiler.is_compiling() and x.device not in self._checked_devices:  # (a set a graph would guard on)
@@ -353,7 +377,8 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     accelerator.prepare. module_filter_fn(module, fqn) -> bool can keep more linears in model_dtype (the
     same hook, and the same module selection, as SurogateConfig's quantizer: nn.convert.module_plan). Plain nn.Linear layers inside the transformer blocks get the recipe;
     embeddings, norms, the attention core and lm_head (and `modules_to_not_convert`, and the first /
-    last `skip_quant_*_layers` blocks) stay in model_dtype. Modules with a `quant_format` attribute
+    last `skip_quant_*_layers` blocks) stay in model_dtype. With fused_norms (default) recognised transformers
+    RMSNorms become recipes.norm.FusedRMSNorm (same weight and key, same formula, fused kernels, FP8 hand-off). Modules with a `quant_format` attribute
     (surogate_hf quantized bases) are never touched: in a PEFT model over them the recipe reaches
     the LoRA adapter linears.
     """
@@ -438,10 +463,14 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         parent_name, _, child = name.rpartition(".")
         setattr(mods[parent_name] if parent_name else model, child, new)
 
-    # 4. non-matmul modules holding fp32 masters still hand model-dtype activations on
+    # 4. recognised RMSNorms -> FusedRMSNorm (its own output cast to model dtype when its weight is an fp32 master)
+    if cfg.fused_norms:
+        fuse_norms(model, model_dt if master_dt != model_dt else None)
+
+    # 5. other non-matmul modules holding fp32 masters still hand model-dtype activations on
     if master_dt != model_dt:
         for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) or _is_quantized_base(m):
+            if isinstance(m, nn.Linear) or _is_quantized_base(m) or isinstance(m, FusedRMSNorm):
                 continue
             if any(p.dtype != model_dt and p.is_floating_point() for p in m.parameters(recurse=False)):
                 m.register_forward_hook(_cast_output(model_dt))

@@ -10,6 +10,7 @@ Rows: layer i of n owns row 2i (its input x, E4M3), row 2i+1 (its weight W, E4M3
 
 Buffers:
   amax_history [R, H]  persistent, newest first (entry 0)
+  x_row        [n]     persistent: the x row layer i casts with (2i, or a sibling's: recipes.norm)
   scale        [R]     persistent, the scale the next casts use
   amax         [R]     not persistent: the running max of |x| seen by the casts since the last update
                        (casts only ever raise it, so an activation-checkpoint recompute, which casts
@@ -127,6 +128,9 @@ class Fp8ScalingState(nn.Module):
         rows = 3 * self.n_layers
         self.register_buffer("amax_history", torch.zeros(rows, int(history_len), dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.ones(rows, dtype=torch.float32, device=device))
+        # layer i's x row: 2i, or the row of the sibling linears it shares its input with (recipes.norm: the linears
+        # one FusedRMSNorm feeds cast with one row); persistent, so a reloaded or compiled model casts alike
+        self.register_buffer("x_row", torch.arange(0, 2 * self.n_layers, 2, device=device))
         self.register_buffer("amax", torch.zeros(rows, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("scale_inv", torch.ones(rows, 4, dtype=torch.float32, device=device), persistent=False)
         self.initialized = False
@@ -179,7 +183,19 @@ class Fp8ScalingState(nn.Module):
         """(x, W, dy) rows of layer `layer`."""
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} out of range for {self.n_layers} layers")
-        return 2 * layer, 2 * layer + 1, 2 * self.n_layers + layer
+        return int(self.x_row[layer]), 2 * layer + 1, 2 * self.n_layers + layer
+
+    def share_x_row(self, layer: int, row: int) -> None:
+        """Layer `layer` casts its input with row `row` from now on (another layer's x row: the same tensor)."""
+        if row % 2 or not 0 <= row < 2 * self.n_layers:
+            raise ValueError(f"share_x_row: {row} is not an x row of this state ({self.n_layers} layers)")
+        self.x_row[layer] = row
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # checkpoints written before x_row existed: every layer on its own row
+        state_dict.setdefault(prefix + "x_row", torch.arange(0, 2 * self.n_layers, 2))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         return (f"layers={self.n_layers}, history={self.amax_history.shape[1]}, algo={self.algo}, "
@@ -188,6 +204,9 @@ class Fp8ScalingState(nn.Module):
     def _after_load(self) -> None:
         # a checkpoint taken after at least one update has a non-empty history
         self.initialized = bool((self.amax_history != 0).any())
+        for i, layer in enumerate(self.__dict__["_layer_list"]):
+            if layer is not None and layer.fp8_rows[0] != int(self.x_row[i]):
+                layer._share_input_row(int(self.x_row[i]))
         with torch.no_grad():
             self.scale_inv.copy_(self.scale.reciprocal().unsqueeze(1).expand_as(self.scale_inv))
 
