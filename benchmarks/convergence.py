@@ -323,6 +323,14 @@ def main(argv=None) -> dict:
     print(f"convergence: {source}; {args.steps} steps x {args.batch} x {args.seq_len} tokens, device {args.device}")
 
     results = {}
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    meta.update(source=source, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                torch=torch.__version__)
+
+    def save(res):
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": res}, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="convergence_ckpt_") as tmp:
         ckpt = write_checkpoint(config, state, Path(tmp), args.seed)
         del state
@@ -336,13 +344,10 @@ def main(argv=None) -> dict:
                     msg = f"error: {type(e).__name__}: {msg}"
                 results[setup] = {"error": msg[:200]}
                 print(f"  {setup}: {msg}", flush=True)
+            save(results)  # after every setup: a run cut short by a time limit keeps what it measured
     gaps(results)
     print(table(results))
-    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    meta.update(source=source, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                torch=torch.__version__)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    save(results)
     plot(results, args.out.with_suffix(".png"), f"{source}; {args.steps} steps, seed {args.seed}")
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
     return results
