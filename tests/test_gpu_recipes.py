@@ -136,23 +136,24 @@ def test_fused_rmsnorm_kernels_match_the_reference(rows, dim, formula, w_dtype):
 
 @pytest.mark.skipif(not _fp8, reason=_fp8_why)
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fp8_recipe_with_fused_norms_on_gpu_matches_cpu(compiled):
-    """A Qwen3-shaped model (hidden 576, the real small-model width) with FusedRMSNorm and the FP8 hand-off:
-    GPU (eager Triton norms and hand-off, or compiled layers) against the CPU reference."""
+def test_fp8_recipe_with_fused_norms_on_gpu(compiled):
+    """A Qwen3-shaped model (hidden 576, the real small-model width): FusedRMSNorm with the FP8 hand-off (eager
+    Triton kernels) or compiled layers, against the same model on the GPU without the swap (the path
+    test_fp8_recipe_on_gpu_matches_cpu checks against the CPU) and against the CPU reference."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch._dynamo.reset()
 
-    def model():
+    def model(fused):
         torch.manual_seed(0)
         cfg = Qwen3Config(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
                           num_attention_heads=9, num_key_value_heads=3, head_dim=64)
         return R.apply_recipe(Qwen3ForCausalLM(cfg).bfloat16(), "fp8-hybrid", master_dtype="fp32",
-                              amax_history_len=4, fp8_fast_accum=False)
+                              amax_history_len=4, fp8_fast_accum=False, fused_norms=fused)
 
-    def train(m, device):
+    def train(m, device, compile_layers=False):
         m = m.to(device)
-        if compiled and device == "cuda":
+        if compile_layers:
             for layer in m.model.layers:
                 layer.compile(fullgraph=True)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=device == "cuda")
@@ -166,17 +167,14 @@ def test_fp8_recipe_with_fused_norms_on_gpu_matches_cpu(compiled):
             losses.append(loss.item())
         return losses, m
 
-    lc, mc = train(model(), "cpu")
-    lg, mg = train(model(), "cuda")
-    assert lg == pytest.approx(lc, rel=2e-2)
+    lc, _ = train(model(True), "cpu")
+    lu, mu = train(model(False), "cuda")
+    lg, mg = train(model(True), "cuda", compile_layers=compiled)
+    assert lg == pytest.approx(lu, rel=1e-2), (lg, lu, lc)
+    assert lg == pytest.approx(lc, rel=3e-2), (lg, lu, lc)
     attn = mg.model.layers[0].self_attn
     # eager links q/k/v to one x row; a graph compiled before any eager step keeps one row per linear
     assert (attn.k_proj.fp8_rows[0] == attn.q_proj.fp8_rows[0]) != compiled
-
-    def rows(m):
-        return {r for x in m.modules() if isinstance(x, R.RecipeLinear) for r in x.fp8_rows}
-
-    assert rows(mc) <= rows(mg)  # a group's row is its first linear's own row
-    both = sorted(rows(mc))
-    torch.testing.assert_close(mg.surogate_fp8_state.amax_history[both].cpu(), mc.surogate_fp8_state.amax_history[both],
-                               rtol=3e-2, atol=0)
+    used = sorted({r for x in mg.modules() if isinstance(x, R.RecipeLinear) for r in x.fp8_rows})
+    torch.testing.assert_close(mg.surogate_fp8_state.amax_history[used], mu.surogate_fp8_state.amax_history[used],
+                               rtol=5e-2, atol=0)

@@ -75,14 +75,32 @@ def _eager_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and not torch.compiler.is_compiling()
 
 
+class RowViews(tuple):
+    """A state row as the views an eager CUDA cast reads and writes, made once per layer (not per call: on a slow
+    host every view is a few microseconds of dispatch): (row, scale [1], running-amax int32 bits [1], dequant
+    scale 0-dim, 16-byte aligned for cuBLASLt)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, row: int, scale, scale_inv, amax_bits):
+        return cls((row, scale[row : row + 1], amax_bits, scale_inv[row, 0]))
+
+
 def cast(x2d, scale, scale_inv, amax, row, fmt, transpose: bool, record: bool, current: bool, amax_row=None):
     """Cast x2d [R, C] for state row `row`. Returns (q, q^T contiguous or None, dequant scale 0-dim fp32).
 
-    row: an int, or (traced) a 0-dim int64 tensor, so that one compiled graph serves every layer.
-    amax / amax_row: where the running amax goes (default: amax[row]).
+    row: an int, a RowViews (eager CUDA: its views, no indexing per call), or (traced) a 0-dim int64 tensor, so
+    that one compiled graph serves every layer.
+    amax / amax_row: where the running amax goes (default: amax[row]; a RowViews carries its own).
     current: scale by x's own amax (the first step); otherwise by scale[row]. record: raise amax[row] to
     amax(|x|) (training passes; evaluation leaves the state alone).
     """
+    if isinstance(row, RowViews):
+        if not current and record and _eager_cuda(x2d):
+            q, qt = _tr().cast_fp8_into(x2d.contiguous(), row[1], row[2], fmt, transpose)
+            return q, qt, row[3]
+        row = row[0]
     if amax_row is None:
         amax_row = row
     if _eager_cuda(x2d):
@@ -125,6 +143,11 @@ def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype, fast_accum: bool = False):
     fast_accum: let cuBLASLt accumulate in the tensor cores' fast mode (the fp8_fast_accum knob; forward only). The
     reference (CPU, the op) always accumulates in fp32: the two differ by accumulation precision, nothing else."""
     if a.is_cuda and not torch.compiler.is_compiling():
+        bias_ok = bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32)
+        if (bias_ok and sa_inv.dim() == 0 and sb_inv.dim() == 0 and a.is_contiguous() and b.is_contiguous()
+                and _aten_ok(a, b, out_dtype)):
+            # the recipe's own operands: contiguous, scales 0-dim views of 16-byte rows (or fresh): straight to cuBLASLt
+            return torch._scaled_mm(a, b.t(), sa_inv, sb_inv, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
         from ..kernels import fp8_gemm  # checks shapes, copies misaligned scales, warns once on a fallback
 
         return fp8_gemm.fp8_scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype, use_fast_accum=fast_accum)
@@ -200,7 +223,8 @@ class Fp8LinearFn(torch.autograd.Function):
             dw = None
             if need_dw:
                 out = ctx.w_dtype if ctx.w_dtype in _WGRAD_OUT else torch.float32
-                dw = scaled_mm(dyqt, xqt, dy_sinv, x_sinv, None, out).to(ctx.w_dtype)
+                dw = scaled_mm(dyqt, xqt, dy_sinv, x_sinv, None, out)
+                dw = dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype)
         else:
             x2d, w = ctx.saved_tensors
             dx, dw = FloatBackward(bwd_fmt).backward(dy2d, x2d, w, need_dx, need_dw)  # bwd_fmt: 'bf16' / 'fp32'

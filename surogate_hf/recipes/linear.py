@@ -36,7 +36,7 @@ from .config import (
     resolve_recipe,
 )
 from ..nn.convert import module_plan
-from .fp8_hybrid import Fp8LinearFn, cast, warn_emulation_once
+from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
 from .norm import FusedRMSNorm, fuse_norms
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
@@ -262,6 +262,19 @@ class RecipeLinear(nn.Linear):
             self._fp8_w, self._fp8_w_key = cached, key
         return cached
 
+    def _row_views(self, st: Fp8ScalingState):
+        """(x, W, dy) as fp8_hybrid.RowViews, rebuilt only when the rows or the state's storage change."""
+        key = (self.fp8_rows, st.scale.data_ptr(), st.scale_inv.data_ptr(), st.amax.data_ptr(),
+               self.fp8_dy_amax.data_ptr())
+        if self.__dict__.get("_views_key") != key:
+            bits = st.amax.view(torch.int32)
+            rx, rw, rdy = self.fp8_rows
+            self.__dict__["_views"] = (RowViews.of(rx, st.scale, st.scale_inv, bits[rx : rx + 1]),
+                                       RowViews.of(rw, st.scale, st.scale_inv, bits[rw : rw + 1]),
+                                       RowViews.of(rdy, st.scale, st.scale_inv, self.fp8_dy_amax.view(torch.int32)))
+            self.__dict__["_views_key"] = key
+        return self.__dict__["_views"]
+
     def _share_input_row(self, row: int) -> None:
         """Cast the input with state row `row` (a FusedRMSNorm's consumer group: the same tensor as its siblings)."""
         self.scaling_state.share_x_row(self.fp8_layer, row)
@@ -293,7 +306,12 @@ class RecipeLinear(nn.Linear):
                 got = self._input_handoff(x, self._fp8_backward and self.weight.requires_grad)
                 pre = pre if got is None or current else got
         wq, wqt, w_sinv = self._fp8_weight(st, record, current, need_t)
-        rows = self.fp8_rows_t if torch.compiler.is_compiling() else self.fp8_rows
+        if torch.compiler.is_compiling():
+            rows = self.fp8_rows_t
+        elif x.is_cuda:
+            rows = self._row_views(st)
+        else:
+            rows = self.fp8_rows
         spec = (F.E4M3, self._bwd_fmt, self._fp8_backward, record, current, self.config.fp8_fast_accum)
         return Fp8LinearFn.apply(x, self.weight, self.bias, wq, wqt, w_sinv, st.scale, st.scale_inv, st.amax,
                                  self.fp8_dy_amax, rows, spec, *pre)
