@@ -98,7 +98,7 @@ def ours_qlora(layers, fmt):
 RECIPE_KNOBS = {}  # --recipe-knobs: extra apply_recipe knobs for the recipe setups (ablations)
 
 
-def full(layers, recipe=None, compiled=False, torchao=False, fused_norms_only=False):
+def full(layers, recipe=None, compiled=False, torchao=False, fused_norms_only=False, knobs=None):
     model = base_model(layers)
     if fused_norms_only:  # stock bf16 linears, FusedRMSNorm only: the norm fusion's own share of a recipe's speed-up
         from surogate_hf.recipes.norm import fuse_norms
@@ -107,7 +107,7 @@ def full(layers, recipe=None, compiled=False, torchao=False, fused_norms_only=Fa
     if recipe is not None:
         from surogate_hf.recipes.linear import apply_recipe
 
-        apply_recipe(model, recipe, **RECIPE_KNOBS)
+        apply_recipe(model, recipe, **{**RECIPE_KNOBS, **(knobs or {})})
     if torchao:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -160,6 +160,10 @@ SETUPS = {
     "full_nvfp4": ("full fine-tune ours nvfp4 recipe, eager (Hopper: exact FP4 operands on bf16 tensor cores)",
                    lambda L: full(L, "nvfp4"), "full"),
     "full_fp8_compiled": ("full fine-tune ours fp8-hybrid, compiled layers", lambda L: full(L, "fp8-hybrid", True), "full"),
+    "full_fp8_blockwise": ("full fine-tune ours fp8-hybrid, fp8_scaling=blockwise (1x128/128x128), eager",
+                           lambda L: full(L, "fp8-hybrid", knobs={"fp8_scaling": "blockwise"}), "full"),
+    "full_fp8_blockwise_compiled": ("full fine-tune ours fp8-hybrid, fp8_scaling=blockwise, compiled layers",
+                                    lambda L: full(L, "fp8-hybrid", True, knobs={"fp8_scaling": "blockwise"}), "full"),
     "full_bf16_compiled": ("full fine-tune bf16, compiled layers", lambda L: full(L, compiled=True), "full"),
     "full_torchao_compiled": ("full fine-tune torchao float8 tensorwise, compiled layers",
                               lambda L: full(L, compiled=True, torchao=True), "full"),
@@ -174,6 +178,8 @@ TARGETS = {
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_fp8_compiled": [("full_bf16_compiled", 1.15), ("full_torchao_compiled", 1.10), ("full_bf16", 1.15)],
+    "full_fp8_blockwise": [("full_bf16", 1.15), ("full_fp8", 1.0)],
+    "full_fp8_blockwise_compiled": [("full_bf16_compiled", 1.15), ("full_fp8_compiled", 1.0)],
 }
 
 # a small model with real dims: the fp8-hybrid step must be no slower than the bf16 step (issue 12)

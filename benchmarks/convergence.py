@@ -15,7 +15,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     qlora-nvfp4+nvfp4         likewise qlora-mxfp4+nvfp4 and qlora-nf4+fp8-hybrid
     peft-bnb-nf4              the peer: stock PEFT QLoRA on bitsandbytes NF4 (CUDA + bitsandbytes only)
     full-bf16                 full fine-tune, apply_recipe("bf16"), fp32 masters: the reference of full-*
-    full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters
+    full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters (per-tensor delayed scaling)
+    full-fp8-blockwise        apply_recipe("fp8-hybrid", fp8_scaling="blockwise"): DeepSeek-V3's 1x128 / 128x128 tiles
     full-nvfp4                apply_recipe("nvfp4"), fp32 masters
 
 Output: a table of final validation loss and the gap in % to the reference, and
@@ -49,7 +50,7 @@ ALL_SETUPS = (
     + [f"qlora-{f}" for f in FORMATS]
     + [f"qlora-{f}+loftq" for f in FORMATS]
     + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
-    + ["full-bf16", "full-fp8-hybrid", "full-nvfp4"]
+    + ["full-bf16", "full-fp8-hybrid", "full-fp8-blockwise", "full-nvfp4"]
 )
 
 
@@ -172,7 +173,9 @@ def build(setup: str, ckpt: Path, args, device: str):
         lr = args.lr_lora
     elif setup.startswith("full-"):
         model = AutoModelForCausalLM.from_pretrained(ckpt, **load).to(device)
-        surogate_hf.apply_recipe(model, setup[len("full-") :], master_dtype="fp32")
+        name = setup[len("full-") :]
+        knobs = {"fp8_scaling": "blockwise"} if name == "fp8-blockwise" else {}
+        surogate_hf.apply_recipe(model, "fp8-hybrid" if knobs else name, master_dtype="fp32", **knobs)
         lr = args.lr_full
     else:
         raise ValueError(f"unknown setup {setup!r}")

@@ -15,7 +15,7 @@ from .quant import (
     quantize_nvfp4,
     rht,
 )
-from .recipe import delayed_scaling_update, fp8_scaled_mm, nvfp4_mm
+from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm
 from .linear import (
     fp8_block_linear,
     fp8_block_linear_dgrad,

@@ -114,6 +114,31 @@ def _(history, scale, amax, fp8_dtype, margin, use_max):
     return None
 
 
+@torch.library.custom_op(f"{NS}::fp8_tiles_wgrad", mutates_args=())
+def fp8_tiles_wgrad(dy: Tensor, x: Tensor, tile: int, out_dtype: torch.dtype) -> Tensor:
+    """Weight gradient of the fine-grained FP8 recipe (DeepSeek-V3): dW [N, K] = dy^T [N, T] @ x [T, K].
+
+    The reduction runs over tokens, so both operands are quantized to E4M3 in 1 x `tile` tiles ALONG THE TOKENS
+    (dy^T and x^T row-wise, i.e. `tile` x 1 tiles of dy [T, N] and x [T, K]; formats.quantize_fp8_tiles, current
+    scaling), products accumulate in fp32, one rounding to out_dtype. A native kernel may differ only by fp32
+    summation order.
+    """
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"fp8_tiles_wgrad: token counts differ, dy {tuple(dy.shape)} vs x {tuple(x.shape)}")
+    with _no_autocast(dy.device):
+        aq, a_s = F.quantize_fp8_tiles(dy.t(), tile)
+        bq, b_s = F.quantize_fp8_tiles(x.t(), tile)
+        a = F.dequantize_fp8_tiles(aq, a_s, tile, torch.float32)
+        b = F.dequantize_fp8_tiles(bq, b_s, tile, torch.float32)
+        out = a @ b.t()
+    return out.to(out_dtype)
+
+
+@fp8_tiles_wgrad.register_fake
+def _(dy, x, tile, out_dtype):
+    return dy.new_empty((dy.shape[1], x.shape[1]), dtype=out_dtype)
+
+
 def has_native_kernel(op_name: str, device: torch.device) -> bool:
     """True when a kernel other than the reference is registered for `op_name` on `device`'s backend."""
     device = torch.device(device)

@@ -36,7 +36,9 @@ _DTYPE_ALIASES = {
     "e2m1": "e2m1", "fp4": "e2m1",
 }
 # Knobs that only mean something under one recipe: passing them to another is a mistake, not a no-op.
-_FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", "fp8_fast_accum")
+_FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", "fp8_fast_accum", "fp8_scaling")
+_DELAYED_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
+FP8_SCALINGS = ("delayed", "blockwise")
 _FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht")
 _KNOB_ALIASES = {"fp8_amax_history": "amax_history_len"}
 
@@ -71,6 +73,9 @@ class RecipeConfig:
     # the forward GEMM accumulates in the tensor cores' fast (reduced-precision, periodically promoted) mode,
     # as Transformer Engine's and torchao's fp8 recipes do; dgrad and wgrad always accumulate in fp32
     fp8_fast_accum: bool = True
+    # "delayed": per-tensor scales from the amax history (TE DelayedScaling); "blockwise": DeepSeek-V3's fine-grained
+    # current scaling, activations and gradients in 1x128 tiles, weights in 128x128 blocks (recipes.fp8_blockwise)
+    fp8_scaling: str = "delayed"
     # nvfp4
     four_over_six: bool = True
     four_over_six_rule: str = "mse"
@@ -127,6 +132,18 @@ class RecipeConfig:
         if algo not in AMAX_ALGOS:
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r} is unknown; choose one of {AMAX_ALGOS}")
         set_("amax_compute_algo", algo)
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ValueError(f"fp8_scaling={self.fp8_scaling!r} is unknown; choose one of {FP8_SCALINGS}")
+        if self.fp8_scaling == "blockwise":
+            if self.recipe == "nvfp4":
+                raise ValueError("fp8_scaling only applies to the FP8 recipes, not recipe='nvfp4'")
+            for knob in _DELAYED_KNOBS:
+                f = next(f for f in dataclasses.fields(self) if f.name == knob)
+                if getattr(self, knob) != f.default:
+                    raise ValueError(
+                        f"{knob} is a delayed-scaling knob; fp8_scaling='blockwise' scales every tile by its own "
+                        "amax (no history), drop it"
+                    )
         for knob in ("fp8_fast_accum", "fused_norms"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
@@ -161,7 +178,7 @@ class RecipeConfig:
             if name not in valid:
                 raise ValueError(f"unknown recipe knob {k!r}; valid knobs: {sorted(valid | set(_KNOB_ALIASES))}")
             if name in _FP8_KNOBS and recipe == "nvfp4":
-                raise ValueError(f"{k} is a delayed-scaling (FP8) knob; recipe='nvfp4' has no delayed scaling")
+                raise ValueError(f"{k} is an FP8 recipe knob; recipe='nvfp4' has no FP8 GEMMs")
             if name in _FP4_KNOBS and recipe != "nvfp4":
                 raise ValueError(f"{k} only applies to recipe='nvfp4', not {recipe!r}")
             out[name] = v

@@ -36,6 +36,7 @@ from .config import (
     resolve_recipe,
 )
 from ..nn.convert import module_plan
+from . import fp8_blockwise
 from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
 from .norm import FusedRMSNorm, fuse_norms
 from .nvfp4 import NVFP4Engine
@@ -143,6 +144,7 @@ class RecipeLinear(nn.Linear):
         install_step_hook()  # weight caches are keyed on the optimizer-step generation
         self.pass_mode, self.fwd_sr_step = "train", -1
         self._has_sr_step = quantize and config.recipe == "nvfp4"
+        self._blockwise = False
         if not quantize:
             self.engine = FloatEngine(model_dtype, model_dtype)
         elif config.recipe == "nvfp4":
@@ -154,6 +156,10 @@ class RecipeLinear(nn.Linear):
             self.register_buffer("rht_signs", F.random_signs(config.seed, device=state_device), persistent=False)
             self._sr_step = 0
             self.register_load_state_dict_post_hook(lambda m, _keys: m._sync_sr_step())
+        elif config.uses_fp8() and config.fp8_scaling == "blockwise":
+            self.engine, self._blockwise = None, True
+            self._grad_fmt = fp8_blockwise.gradient_format(config)
+            self._fp8_w, self._fp8_w_key = None, None
         elif config.uses_fp8():
             self.engine = None
             grad = config.resolved_gradient_dtype()
@@ -215,7 +221,7 @@ class RecipeLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         mode = f"recipe={self.config.recipe}" if self.quantize else "model dtype (not quantized)"
-        engine = "fp8" if self.engine is None else self.engine.name
+        engine = ("fp8 blockwise" if self._blockwise else "fp8") if self.engine is None else self.engine.name
         return f"{super().extra_repr()}, {mode}, engine={engine}"
 
     # ---- nvfp4 stochastic-rounding step counter (buffer for checkpoints, int mirror for seeds)
@@ -275,6 +281,20 @@ class RecipeLinear(nn.Linear):
             self.__dict__["_views_key"] = key
         return self.__dict__["_views"]
 
+    def _fp8_block_forward(self, x: Tensor) -> Tensor:
+        """fp8_scaling='blockwise': the weight's 128x128 cast once per optimizer step (eager), in the graph when traced."""
+        if torch.compiler.is_compiling():
+            wq, ws = fp8_blockwise.quantize_weight(self.weight.detach())
+        else:
+            warn_emulation_once("fp8_block_linear", x.device, "the fine-grained FP8 recipe GEMM")
+            key = self._weight_key()
+            if key != self._fp8_w_key:
+                with torch.no_grad():
+                    self._fp8_w = fp8_blockwise.quantize_weight(self.weight.detach())
+                self._fp8_w_key = key
+            wq, ws = self._fp8_w
+        return fp8_blockwise.Fp8BlockwiseLinearFn.apply(x, self.weight, self.bias, wq, ws, self._grad_fmt)
+
     def _share_input_row(self, row: int) -> None:
         """Cast the input with state row `row` (a FusedRMSNorm's consumer group: the same tensor as its siblings)."""
         self.scaling_state.share_x_row(self.fp8_layer, row)
@@ -321,7 +341,7 @@ class RecipeLinear(nn.Linear):
             check_device(self.config, x.device)
             self._checked_devices.add(x.device)
         if self.engine is None:
-            return self._fp8_forward(x)
+            return self._fp8_block_forward(x) if self._blockwise else self._fp8_forward(x)
         if isinstance(self.engine, FloatEngine):
             spec = (self.engine.dtype, self.engine.bwd.dtype)
             return _FloatLinearFn.apply(x, self.weight, self.bias, self._work_weight(), spec)
@@ -464,7 +484,7 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     # 3. swap; FP8 layers share one flat delayed-scaling state, registered once on the model
     n_quant = sum(q for _, _, q in targets)
     state = None
-    if cfg.uses_fp8() and n_quant:
+    if cfg.uses_fp8() and cfg.fp8_scaling == "delayed" and n_quant:
         device = next(m.weight.device for _, m, q in targets if q)
         state = Fp8ScalingState(n_quant, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin, cfg.reduce_amax,
                                 device=device)
