@@ -572,10 +572,15 @@ class QuantizedLinear(nn.Linear):
         return gemm_plan(cache, None, self._slot_sources(), lambda: self.fmt.cuda_plan(self._tensors(), n, k))
 
     def forward(self, x: Tensor) -> Tensor:
-        if use_cuda_plan(x):
-            y = planned_linear(x, self._cuda_plan())
-        else:
-            y = quantized_linear(x, self.fmt, self._tensors(), self.out_features, self.in_features)
+        # a training recipe's GEMMs for this frozen base (recipes.qlora.BaseRecipeGemm, set by apply_recipe); None:
+        # the format's own GEMM is the recipe's
+        recipe_gemm = self.__dict__.get("recipe_gemm")
+        y = recipe_gemm(x) if recipe_gemm is not None else None
+        if y is None:
+            if use_cuda_plan(x):
+                y = planned_linear(x, self._cuda_plan())
+            else:
+                y = quantized_linear(x, self.fmt, self._tensors(), self.out_features, self.in_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

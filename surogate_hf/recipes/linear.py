@@ -38,7 +38,9 @@ from .config import (
 from ..nn.convert import module_plan
 from . import fp8_blockwise
 from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
+from ..nn.linear import QuantizedLinear
 from .norm import FusedRMSNorm, fuse_norms
+from .qlora import BaseRecipeGemm
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
@@ -416,9 +418,9 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     same hook, and the same module selection, as SurogateConfig's quantizer: nn.convert.module_plan). Plain nn.Linear layers inside the transformer blocks get the recipe;
     embeddings, norms, the attention core and lm_head (and `modules_to_not_convert`, and the first /
     last `skip_quant_*_layers` blocks) stay in model_dtype. With fused_norms (default) recognised transformers
-    RMSNorms become recipes.norm.FusedRMSNorm (same weight and key, same formula, fused kernels, FP8 hand-off). Modules with a `quant_format` attribute
-    (surogate_hf quantized bases) are never touched: in a PEFT model over them the recipe reaches
-    the LoRA adapter linears.
+    RMSNorms become recipes.norm.FusedRMSNorm (same weight and key, same formula, fused kernels, FP8 hand-off). Quantized QLoRA bases (nn.linear.QuantizedLinear) keep
+    their storage; their GEMMs follow the recipe (recipes.qlora: `base.recipe_gemm`), and in a PEFT model over them
+    the LoRA adapter linears become RecipeLinears.
     """
     cfg = resolve_recipe(model, recipe, **knobs)
     if cfg is None:
@@ -481,13 +483,21 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
                 f"these are not: {bad}. Add them to modules_to_not_convert to keep them in model_dtype"
             )
 
-    # 3. swap; FP8 layers share one flat delayed-scaling state, registered once on the model
+    # quantized QLoRA bases (surogate_hf's QuantizedLinear) get the recipe's GEMMs through recipes.qlora: their
+    # storage stays the format's, the compute precision becomes the recipe's (same module selection)
+    bases = [(name, m) for name, m, why in module_plan(
+        model, lambda m: isinstance(m, QuantizedLinear), skip=cfg.modules_to_not_convert,
+        skip_first_layers=cfg.skip_quant_first_layers, skip_last_layers=cfg.skip_quant_last_layers,
+        module_filter=module_filter_fn, only_in_layers=True) if why is None]
+
+    # 3. swap; FP8 layers (and FP8 bases) share one flat delayed-scaling state, registered once on the model
     n_quant = sum(q for _, _, q in targets)
+    delayed = cfg.uses_fp8() and cfg.fp8_scaling == "delayed"
     state = None
-    if cfg.uses_fp8() and cfg.fp8_scaling == "delayed" and n_quant:
-        device = next(m.weight.device for _, m, q in targets if q)
-        state = Fp8ScalingState(n_quant, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin, cfg.reduce_amax,
-                                device=device)
+    if delayed and n_quant + len(bases):
+        device = next(p.device for m in [m for _, m, q in targets if q] + [m for _, m in bases] for p in m.parameters())
+        state = Fp8ScalingState(n_quant + len(bases), cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin,
+                                cfg.reduce_amax, device=device)
         model.add_module(FP8_STATE_NAME, state)
         state.attach(model)
     index = 0
@@ -500,6 +510,8 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         index += int(quantize)
         parent_name, _, child = name.rpartition(".")
         setattr(mods[parent_name] if parent_name else model, child, new)
+    for i, (name, base) in enumerate(bases):
+        base.__dict__["recipe_gemm"] = BaseRecipeGemm(base, cfg, n_quant + i, state, n_quant + i if delayed else None)
 
     # 4. recognised RMSNorms -> FusedRMSNorm (its own output cast to model dtype when its weight is an fp32 master)
     if cfg.fused_norms:

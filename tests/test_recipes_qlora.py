@@ -1,0 +1,179 @@
+"""QLoRA x recipe (recipes.qlora): the base stores its format, the recipe sets the precision of the base GEMMs.
+Each (format, recipe) cell against its reference numerics on CPU, and QLoRA training with every recipe."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+from torch import nn
+
+import surogate_hf.recipes as R
+from surogate_hf import formats as F
+from surogate_hf.nn import linear as L
+
+FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def _base(fmt, n=160, k=256):
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+    base = L.LINEAR_CLASSES[fmt].from_linear(lin.bfloat16())
+    return nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"proj": base})])}), base
+
+
+def _run(base, x, dy):
+    x = x.clone().requires_grad_()
+    y = base(x)
+    y.backward(dy)
+    return y, x.grad
+
+
+def _inputs(k=256, n=160):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(3, 7, k, generator=g).bfloat16(), torch.randn(3, 7, n, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_recipe_is_weight_only(fmt):
+    model, base = _base(fmt)
+    x, dy = _inputs()
+    before = _run(base, x, dy)
+    R.apply_recipe(model, "bf16", model_dtype="bf16")
+    y, dx = _run(base, x, dy)
+    w = base.dequantize(torch.bfloat16)
+    if fmt == "fp8":  # W8A8 before; weight-only (bf16 activations) under the bf16 recipe
+        assert base.recipe_gemm.kind == "float"
+        assert torch.equal(y, Fn.linear(x, w)) and torch.equal(dx, Fn.linear(dy, w.t()))
+        assert not torch.equal(y, before[0])
+    else:  # the format's own GEMM already is weight-only in bf16
+        assert base.recipe_gemm.kind == "native"
+        assert torch.equal(y, before[0]) and torch.equal(dx, before[1])
+
+
+def _fp8_ref(a, fmt):
+    s = F.fp8_scale_from_amax(a.float().abs().amax(), fmt)
+    return F.cast_to_fp8(a.float() * s, fmt), s.reciprocal()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_hybrid_delayed_on_any_base(fmt):
+    """First step (current scaling): E4M3 x and decoded W forward, E5M2 dy x E4M3 W^T backward; the base's three
+    state rows record amax(x), amax(W), amax(dy)."""
+    model, base = _base(fmt)
+    x, dy = _inputs()
+    R.apply_recipe(model, "fp8-hybrid", model_dtype="bf16")
+    assert base.recipe_gemm.kind == "fp8"
+    y, dx = _run(base, x, dy)
+    w = base.dequantize(torch.bfloat16)
+    xq, xs = _fp8_ref(x.reshape(-1, 256), F.E4M3)
+    wq, ws = _fp8_ref(w, F.E4M3)
+    ref = torch.ops.surogate.fp8_scaled_mm(xq, wq, xs, ws, None, torch.bfloat16)
+    assert torch.equal(y.reshape(-1, 160), ref)
+    dq, ds = _fp8_ref(dy.reshape(-1, 160), F.E5M2)
+    wtq, wts = _fp8_ref(w.t().contiguous(), F.E4M3)
+    assert torch.equal(dx.reshape(-1, 256), torch.ops.surogate.fp8_scaled_mm(dq, wtq, ds, wts, None, torch.bfloat16))
+    st = model.surogate_fp8_state
+    rx, rw, _ = base.fp8_rows
+    assert st.amax[rx] == x.float().abs().max() and st.amax[rw] == w.float().abs().max()
+    assert base.fp8_dy_amax.item() == dy.float().abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_fp8_blockwise_on_a_non_fp8_base(fmt):
+    model, base = _base(fmt)
+    x, dy = _inputs()
+    R.apply_recipe(model, "fp8-hybrid", model_dtype="bf16", fp8_scaling="blockwise")
+    assert base.recipe_gemm.kind == "blockwise"
+    y, dx = _run(base, x, dy)
+    wq, ws = F.quantize_fp8_blocks(base.dequantize(torch.bfloat16))
+    assert torch.equal(y, torch.ops.surogate.fp8_block_linear(x, wq, ws, 128, 128))
+    assert torch.equal(dx, torch.ops.surogate.fp8_block_linear_dgrad(dy, wq, ws, 128, 128))
+
+
+def test_fp8_blockwise_on_an_fp8_base_is_its_own_gemm():
+    model, base = _base("fp8")
+    x, dy = _inputs()
+    before = _run(base, x, dy)
+    R.apply_recipe(model, "fp8-hybrid", model_dtype="bf16", fp8_scaling="blockwise")
+    assert base.recipe_gemm.kind == "native"
+    after = _run(base, x, dy)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nvfp4_recipe_on_any_base(fmt):
+    model, base = _base(fmt)
+    x, dy = _inputs()
+    R.apply_recipe(model, "nvfp4", model_dtype="bf16", no_fp4_stochastic_rounding=True)
+    assert base.recipe_gemm.kind == "nvfp4"
+    y, dx = _run(base, x, dy)
+    w = base.dequantize(torch.float32)
+    wq = F.quantize_nvfp4(w, block_2d=True)
+    xq = F.quantize_nvfp4(x.reshape(-1, 256))
+    ref = torch.ops.surogate.nvfp4_mm(*xq, *wq, None, torch.bfloat16)
+    assert torch.equal(y.reshape(-1, 160), ref)
+    from surogate_hf.recipes.nvfp4 import transpose_nvfp4_2d
+
+    dq = F.quantize_nvfp4(dy.reshape(-1, 160))
+    wt = transpose_nvfp4_2d(*wq)
+    assert torch.equal(dx.reshape(-1, 256), torch.ops.surogate.nvfp4_mm(*dq, *wt, None, torch.bfloat16))
+
+
+def _qlora(fmt, layers=2):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = Qwen3ForCausalLM(cfg).bfloat16()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and ".layers." in f".{name}":
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, L.LINEAR_CLASSES[fmt].from_linear(m))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
+
+
+@pytest.mark.parametrize("recipe, kw", [("bf16", {}), ("fp8-hybrid", {}), ("fp8-hybrid", {"fp8_scaling": "blockwise"}),
+                                        ("nvfp4", {})])
+@pytest.mark.parametrize("fmt", ["fp8", "nf4"])
+def test_qlora_trains_with_every_recipe(fmt, recipe, kw):
+    model = _qlora(fmt)
+    packed = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+    R.apply_recipe(model, recipe, **kw)
+    bases = [m for m in model.modules() if isinstance(m, L.QuantizedLinear)]
+    assert bases and all(b.__dict__.get("recipe_gemm") is not None for b in bases)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(5):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for n, p in model.named_parameters():
+        if "base_layer" in n:
+            assert torch.equal(p, packed[n]), f"{n}: the frozen base changed"
+    if recipe == "fp8-hybrid" and not kw:
+        (st,) = [m for m in model.modules() if isinstance(m, R.Fp8ScalingState)]
+        rows = [r for b in bases for r in b.fp8_rows[:2]]
+        assert (st.amax_history[rows, :4] > 0).all(), "every base's x and W rows were recorded and pushed"
+        # layer 0's q/k/v see a frozen embedding (no input gradient, no dy cast); every other base casts its dy
+        dy_rows = [b.fp8_rows[2] for b in bases[3:]]
+        assert (st.amax_history[dy_rows, :4] > 0).all()
