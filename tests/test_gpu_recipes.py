@@ -201,8 +201,8 @@ def test_qlora_base_gemms_follow_the_recipe_on_gpu(fmt, recipe, kw):
             lin.weight.normal_(0, 0.05)
         base = L.LINEAR_CLASSES[fmt].from_linear(lin.bfloat16()).to(dev)
         model = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"proj": base})])})
-        R.apply_recipe(model, recipe, model_dtype="bf16", fp8_fast_accum=False, **kw) if recipe != "nvfp4" else \
-            R.apply_recipe(model, recipe, model_dtype="bf16", **kw)
+        knobs = kw if recipe == "nvfp4" else {**kw, "fp8_fast_accum": False}
+        R.apply_recipe(model, recipe, model_dtype="bf16", **knobs)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(300, 576, generator=g).bfloat16().to(dev).requires_grad_()
         dy = torch.randn(300, 1536, generator=g).bfloat16().to(dev)
