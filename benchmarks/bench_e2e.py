@@ -80,7 +80,7 @@ def bnb_nf4(layers):
     return _lora(model, bf16_adapters=False)  # stock PEFT QLoRA: fp32 adapters
 
 
-def ours_qlora(layers, fmt):
+def ours_qlora(layers, fmt, recipe=None):
     from surogate_hf.integrations.peft import install_peft_dispatch, set_lora_dtype
     from surogate_hf.nn import linear as L
 
@@ -92,6 +92,10 @@ def ours_qlora(layers, fmt):
     install_peft_dispatch()
     model = _lora(model, True)
     set_lora_dtype(model, torch.bfloat16)
+    if recipe is not None:  # QLoRA x recipe: the base GEMMs (and the adapters) in the recipe's precision
+        from surogate_hf.recipes.linear import apply_recipe
+
+        apply_recipe(model, recipe, **RECIPE_KNOBS)
     return model
 
 
@@ -148,6 +152,10 @@ SETUPS = {
     "ours_fp8": ("ours fp8 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "fp8"), "lora"),
     "ours_fp8_compiled": ("ours fp8 QLoRA, bf16 adapters, compiled layers", compiled(lambda L: ours_qlora(L, "fp8")),
                           "lora"),
+    "ours_fp8_fp8_hybrid": ("ours fp8 QLoRA + fp8-hybrid recipe, bf16 adapters",
+                            lambda L: ours_qlora(L, "fp8", "fp8-hybrid"), "lora"),
+    "ours_nf4_fp8_hybrid": ("ours nf4 QLoRA + fp8-hybrid recipe, bf16 adapters",
+                            lambda L: ours_qlora(L, "nf4", "fp8-hybrid"), "lora"),
     "ours_nf4": ("ours nf4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nf4"), "lora"),
     "ours_nf4_compiled": ("ours nf4 QLoRA, bf16 adapters, compiled layers", compiled(lambda L: ours_qlora(L, "nf4")),
                           "lora"),
@@ -174,6 +182,8 @@ TARGETS = {
     "ours_fp8": [("peft_bf16", 1.3)],
     "ours_fp8_compiled": [("peft_bf16", 1.3), ("peft_bf16_compiled", 1.3)],
     "ours_nf4": [("bnb_nf4", 1.5)],
+    "ours_fp8_fp8_hybrid": [("peft_bf16", 1.25)],
+    "ours_nf4_fp8_hybrid": [("peft_bf16", 1.0)],
     "ours_nf4_compiled": [("bnb_nf4", 1.5)],
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
