@@ -18,6 +18,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters (per-tensor delayed scaling)
     full-fp8-blockwise        apply_recipe("fp8-hybrid", fp8_scaling="blockwise"): DeepSeek-V3's 1x128 / 128x128 tiles
     full-nvfp4                apply_recipe("nvfp4"), fp32 masters
+    full-nvfp4-{no46,nosr,norht,bf16ends}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
+                              Hadamard transform, or with the first block and the last two in bf16 (ablation)
 
 Output: a table of final validation loss and the gap in % to the reference, and
 benchmarks/results/convergence.json (curves) and convergence.png (plot); --out changes the stem.
@@ -52,6 +54,20 @@ ALL_SETUPS = (
     + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
     + ["full-bf16", "full-fp8-hybrid", "full-fp8-blockwise", "full-nvfp4"]
 )
+# full fine-tune setups: (recipe, knobs). The full-nvfp4-* rows ablate one ingredient of NVIDIA's NVFP4 recipe each
+# (issue 16 item 3): 4/6 block scales, stochastic rounding of gradients, the random Hadamard transform of the wgrad
+# operands, and the first / last blocks kept in bf16.
+FULL_SETUPS = {
+    "full-bf16": ("bf16", {}),
+    "full-fp8-hybrid": ("fp8-hybrid", {}),
+    "full-fp8-blockwise": ("fp8-hybrid", {"fp8_scaling": "blockwise"}),
+    "full-nvfp4": ("nvfp4", {}),
+    "full-nvfp4-no46": ("nvfp4", {"four_over_six": False}),
+    "full-nvfp4-nosr": ("nvfp4", {"no_fp4_stochastic_rounding": True}),
+    "full-nvfp4-norht": ("nvfp4", {"fp4_rht": False}),
+    "full-nvfp4-bf16ends": ("nvfp4", {"skip_quant_first_layers": 1, "skip_quant_last_layers": 2}),
+}
+ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 
 
 def reference_of(setup: str) -> str:
@@ -173,9 +189,10 @@ def build(setup: str, ckpt: Path, args, device: str):
         lr = args.lr_lora
     elif setup.startswith("full-"):
         model = AutoModelForCausalLM.from_pretrained(ckpt, **load).to(device)
-        name = setup[len("full-") :]
-        knobs = {"fp8_scaling": "blockwise"} if name == "fp8-blockwise" else {}
-        surogate_hf.apply_recipe(model, "fp8-hybrid" if knobs else name, master_dtype="fp32", **knobs)
+        if setup not in FULL_SETUPS:
+            raise ValueError(f"unknown setup {setup!r}")
+        recipe, knobs = FULL_SETUPS[setup]
+        surogate_hf.apply_recipe(model, recipe, master_dtype="fp32", **knobs)
         lr = args.lr_full
     else:
         raise ValueError(f"unknown setup {setup!r}")
