@@ -346,7 +346,11 @@ class RecipeLinear(nn.Linear):
             return self._fp8_block_forward(x) if self._blockwise else self._fp8_forward(x)
         if isinstance(self.engine, FloatEngine):
             spec = (self.engine.dtype, self.engine.bwd.dtype)
-            return _FloatLinearFn.apply(x, self.weight, self.bias, self._work_weight(), spec)
+            w = self.weight
+            if spec[0] == spec[1] == w.dtype == x.dtype and (self.bias is None or self.bias.dtype == w.dtype):
+                # every GEMM in the layer's own dtype: that is nn.Linear (its C++ autograd, no Python Function per call)
+                return torch.nn.functional.linear(x, w, self.bias)
+            return _FloatLinearFn.apply(x, w, self.bias, self._work_weight(), spec)
         self.pass_mode = _pass_mode()
         if self._has_sr_step:
             # Function.forward runs with grad mode off, so the step is taken here: one per
