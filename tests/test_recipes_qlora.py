@@ -177,3 +177,30 @@ def test_qlora_trains_with_every_recipe(fmt, recipe, kw):
         # layer 0's q/k/v see a frozen embedding (no input gradient, no dy cast); every other base casts its dy
         dy_rows = [b.fp8_rows[2] for b in bases[3:]]
         assert (st.amax_history[dy_rows, :4] > 0).all()
+
+
+@pytest.mark.parametrize("fmt, recipe, kw", [("mxfp4", "fp8-hybrid", {}), ("fp8", "bf16", {}),
+                                             ("nvfp4", "fp8-hybrid", {"fp8_scaling": "blockwise"})])
+def test_qlora_recipe_compiles_fullgraph_and_trains_like_eager(fmt, recipe, kw):
+    """Decoder layers compiled with fullgraph=True. (nf4 is left out: on CPU under inductor its double-quantized
+    absmax decodes to NaN when the slots are read inside the graph, with or without a recipe; a defect of the nf4
+    compile path found here, not of the recipes, and open.)"""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        model = _qlora(fmt, layers=1)
+        R.apply_recipe(model, recipe, **kw)
+        if compiled:
+            for layer in model.base_model.model.model.layers:
+                layer.compile(fullgraph=True)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-3)

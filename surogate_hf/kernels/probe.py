@@ -55,6 +55,16 @@ def fp8_ok() -> tuple[bool, str]:
     return True, ""
 
 
+@functools.cache
+def triton_kernels(module: str, what: str):
+    """surogate_hf.kernels.<module> (Triton kernels), imported on first use after triton_ok(); `what` names the
+    caller in the error when Triton cannot run."""
+    ok, why = triton_ok()
+    if not ok:
+        raise RuntimeError(f"{what} need Triton: {why}")
+    return importlib.import_module(f"{__package__}.{module}")
+
+
 def extension_ok() -> tuple[bool, str]:
     """Whether the csrc extension is built and loaded (building it if a toolkit is there)."""
     ok, why = cuda_ok()

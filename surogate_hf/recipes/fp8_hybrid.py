@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from .. import formats as F
+from ..kernels import probe
 from ..ops import recipe as recipe_ops
 from .bf16 import FloatBackward
 
@@ -54,21 +55,8 @@ def warn_emulation_once(op_name: str, device: torch.device, what: str) -> None:
     )
 
 
-_triton_recipe = None
-
-
 def _tr():
-    global _triton_recipe
-    if _triton_recipe is None:
-        from ..kernels import probe
-
-        ok, why = probe.triton_ok()
-        if not ok:
-            raise RuntimeError(f"the fp8 recipe's CUDA casts need Triton: {why}")
-        from ..kernels import triton_recipe
-
-        _triton_recipe = triton_recipe
-    return _triton_recipe
+    return probe.triton_kernels("triton_recipe", "the fp8 recipe's CUDA casts")
 
 
 def _eager_cuda(t: torch.Tensor) -> bool:

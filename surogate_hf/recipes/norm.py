@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import formats as F
+from ..kernels import probe
 
 # transformers RMSNorm classes by formula. "llama": weight * to_input_dtype(x32 * rstd);
 # "gemma": to_input_dtype((x32 * rstd) * (1 + weight32)). tests/test_recipes_norm.py checks each class that the
@@ -65,21 +66,8 @@ def rmsnorm_reference(x: Tensor, weight: Tensor, eps: float, formula: str, out_d
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
 
-_triton_norm = None
-
-
 def _tn():
-    global _triton_norm
-    if _triton_norm is None:
-        from ..kernels import probe
-
-        ok, why = probe.triton_ok()
-        if not ok:
-            raise RuntimeError(f"FusedRMSNorm's CUDA kernels need Triton: {why}")
-        from ..kernels import triton_norm
-
-        _triton_norm = triton_norm
-    return _triton_norm
+    return probe.triton_kernels("triton_norm", "FusedRMSNorm's CUDA kernels")
 
 
 class _RMSNormFn(torch.autograd.Function):

@@ -42,112 +42,103 @@ def _decode(fmt, n, k, keys, tensors, dtype) -> Tensor:
     return fmt.dequantize(dict(zip(keys, tensors)), n, k, dtype)
 
 
-class _FloatBaseFn(torch.autograd.Function):
-    """bf16 recipe on a base: weight-only GEMMs on the decoded weight (spec = (matmul dtype, gradient dtype))."""
+class _BaseGemmFn(torch.autograd.Function):
+    """y = x W^T over a frozen quantized base in a recipe's precision. `kind` names the class below holding the
+    forward and the dgrad (_GEMMS), `args` their recipe arguments; the packed slots are saved (no copy) and decoded
+    again for the dgrad. Only tensors and constants cross it, so dynamo traces it."""
 
     @staticmethod
-    def forward(ctx, x, spec, fmt, n, k, keys, *tensors):
-        x2d = x.reshape(-1, k)
-        y = float_mm(x2d, _decode(fmt, n, k, keys, tensors, spec[0]), spec[0], x.dtype)
-        ctx.spec, ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.x_shape = spec, fmt, n, k, keys, x.shape
-        ctx.save_for_backward(*tensors)
-        return y.reshape(*x.shape[:-1], n)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx = None
-        if ctx.needs_input_grad[0]:
-            w = _decode(ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.saved_tensors, ctx.spec[1])
-            dx, _ = FloatBackward(ctx.spec[1]).backward(dy.reshape(-1, ctx.n), None, w, True, False)
-            dx = dx.reshape(ctx.x_shape)
-        return (dx, None, None, None, None, None, *([None] * len(ctx.saved_tensors)))
-
-
-class _Fp8BaseFn(torch.autograd.Function):
-    """fp8-hybrid (delayed scaling) on a base: E4M3 x and W forward, E5M2 dy x E4M3 W^T backward.
-
-    state = (scale, scale_inv, amax, dy_amax) of the model's flat state; rows = the base's (x, W, dy) rows;
-    spec = (record, current, fast_accum)."""
-
-    @staticmethod
-    def forward(ctx, x, state, rows, spec, fmt, n, k, keys, *tensors):
-        scale, scale_inv, amax, dy_amax = state
-        record, current, fast_accum = spec
-        x2d = x.reshape(-1, k)
-        xq, _, x_sinv = cast(x2d, scale, scale_inv, amax, rows[0], F.E4M3, False, record, current)
-        w = _decode(fmt, n, k, keys, tensors, x.dtype)
-        wq, _, w_sinv = cast(w, scale, scale_inv, amax, rows[1], F.E4M3, False, record, current)
-        y = scaled_mm(xq, wq, x_sinv, w_sinv, None, x.dtype, fast_accum)
-        ctx.state, ctx.rows, ctx.current = state, rows, current
+    def forward(ctx, x, kind, args, fmt, n, k, keys, tensors):
+        # the slots come as one tuple: dynamo (torch 2.13) misbinds an autograd.Function's *varargs of two or more
+        # tensors
+        gemms = _GEMMS[kind]
+        ctx.gemms, ctx.args = gemms, args
         ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.x_shape = fmt, n, k, keys, x.shape
         ctx.save_for_backward(*tensors)
+        y = gemms.forward(x.reshape(-1, k), lambda dtype: _decode(fmt, n, k, keys, tensors, dtype), args)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
         dx = None
         if ctx.needs_input_grad[0]:
-            scale, scale_inv, amax, dy_amax = ctx.state
-            dy2d = dy.reshape(-1, ctx.n)
-            dyq, _, dy_sinv = cast(dy2d, scale, scale_inv, dy_amax, ctx.rows[2], F.E5M2, False, True, ctx.current,
-                                   amax_row=0)
-            w = _decode(ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.saved_tensors, dy.dtype)
-            # the forward's scale for W (no update in between); W^T [K, N] is the K-major operand of dx = dy W
-            _, wqt, w_sinv = cast(w, scale, scale_inv, amax, ctx.rows[1], F.E4M3, True, False, ctx.current)
-            dx = scaled_mm(dyq, wqt, dy_sinv, w_sinv, None, dy.dtype).reshape(ctx.x_shape)
-        return (dx, None, None, None, None, None, None, None, *([None] * len(ctx.saved_tensors)))
+            saved = ctx.saved_tensors
+            decode = lambda dtype: _decode(ctx.fmt, ctx.n, ctx.k, ctx.keys, saved, dtype)  # noqa: E731
+            dx = ctx.gemms.dgrad(dy.reshape(-1, ctx.n), decode, ctx.args).reshape(ctx.x_shape)
+        return dx, None, None, None, None, None, None, None
 
 
-class _BlockwiseBaseFn(torch.autograd.Function):
+class _Float:
+    """bf16 recipe: weight-only GEMMs on the decoded weight. args = (matmul dtype, gradient dtype)."""
+
+    @staticmethod
+    def forward(x2d, decode, args):
+        return float_mm(x2d, decode(args[0]), args[0], x2d.dtype)
+
+    @staticmethod
+    def dgrad(dy2d, decode, args):
+        return FloatBackward(args[1]).backward(dy2d, None, decode(args[1]), True, False)[0]
+
+
+class _Fp8Delayed:
+    """fp8-hybrid, delayed scaling: E4M3 x and W forward, E5M2 dy x E4M3 W^T dgrad.
+    args = ((scale, scale_inv, amax, dy_amax) of the flat state, the base's (x, W, dy) rows, record, current,
+    fast_accum)."""
+
+    @staticmethod
+    def forward(x2d, decode, args):
+        (scale, scale_inv, amax, _), rows, record, current, fast_accum = args
+        xq, _, x_sinv = cast(x2d, scale, scale_inv, amax, rows[0], F.E4M3, False, record, current)
+        wq, _, w_sinv = cast(decode(x2d.dtype), scale, scale_inv, amax, rows[1], F.E4M3, False, record, current)
+        return scaled_mm(xq, wq, x_sinv, w_sinv, None, x2d.dtype, fast_accum)
+
+    @staticmethod
+    def dgrad(dy2d, decode, args):
+        (scale, scale_inv, amax, dy_amax), rows, _, current, _ = args
+        dyq, _, dy_sinv = cast(dy2d, scale, scale_inv, dy_amax, rows[2], F.E5M2, False, True, current, amax_row=0)
+        # the forward's scale for W (no update in between); W^T [K, N] is the K-major operand of dx = dy W
+        _, wqt, w_sinv = cast(decode(dy2d.dtype), scale, scale_inv, amax, rows[1], F.E4M3, True, False, current)
+        return scaled_mm(dyq, wqt, dy_sinv, w_sinv, None, dy2d.dtype)
+
+
+class _Fp8Blockwise:
     """fp8-hybrid blockwise on a base whose storage is not 128x128 fp8: the decoded weight cast to 128x128 blocks."""
 
     @staticmethod
-    def forward(ctx, x, fmt, n, k, keys, *tensors):
-        w = _decode(fmt, n, k, keys, tensors, x.dtype)
-        wq, ws = torch.ops.surogate.quantize_fp8_blocks(w, _BLOCK[0], _BLOCK[1], False)
-        y = torch.ops.surogate.fp8_block_linear(x.reshape(-1, k), wq, ws, _BLOCK[0], _BLOCK[1])
-        ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.x_shape = fmt, n, k, keys, x.shape
-        ctx.save_for_backward(*tensors)
-        return y.reshape(*x.shape[:-1], n)
+    def _blocks(decode, dtype):
+        return torch.ops.surogate.quantize_fp8_blocks(decode(dtype), _BLOCK[0], _BLOCK[1], False)
 
     @staticmethod
-    def backward(ctx, dy):
-        dx = None
-        if ctx.needs_input_grad[0]:
-            w = _decode(ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.saved_tensors, dy.dtype)
-            wq, ws = torch.ops.surogate.quantize_fp8_blocks(w, _BLOCK[0], _BLOCK[1], False)
-            dx = torch.ops.surogate.fp8_block_linear_dgrad(dy.reshape(-1, ctx.n), wq, ws, _BLOCK[0], _BLOCK[1])
-            dx = dx.reshape(ctx.x_shape)
-        return (dx, None, None, None, None, *([None] * len(ctx.saved_tensors)))
-
-
-class _Nvfp4BaseFn(torch.autograd.Function):
-    """nvfp4 recipe on a base: FP4 x (1x16, RNE) and W (16x16 blocks of the decoded weight); dgrad FP4 dy (1x16,
-    stochastic rounding with seed `dgrad_seed`, or RNE) x the same W transposed. spec = (four_over_six, rule)."""
+    def forward(x2d, decode, args):
+        return torch.ops.surogate.fp8_block_linear(x2d, *_Fp8Blockwise._blocks(decode, x2d.dtype), *_BLOCK)
 
     @staticmethod
-    def forward(ctx, x, spec, dgrad_seed, fmt, n, k, keys, *tensors):
-        fos, rule, sr = spec
-        x2d = x.reshape(-1, k)
-        xq = torch.ops.surogate.quantize_nvfp4(x2d, False, fos, rule, False, 0, None)
-        wq = torch.ops.surogate.quantize_nvfp4(_decode(fmt, n, k, keys, tensors, torch.float32), True, fos, rule,
-                                               False, 0, None)
-        y = torch.ops.surogate.nvfp4_mm(*xq, *wq, None, x.dtype)
-        ctx.spec, ctx.seed = spec, dgrad_seed
-        ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.x_shape = fmt, n, k, keys, x.shape
-        ctx.save_for_backward(*tensors)
-        return y.reshape(*x.shape[:-1], n)
+    def dgrad(dy2d, decode, args):
+        return torch.ops.surogate.fp8_block_linear_dgrad(dy2d, *_Fp8Blockwise._blocks(decode, dy2d.dtype), *_BLOCK)
+
+
+class _Nvfp4:
+    """nvfp4 recipe: FP4 x (1x16, RNE) x W (16x16 blocks of the decoded weight); dgrad FP4 dy (1x16, stochastic
+    rounding with the seed in args, or RNE) x the same W transposed. args = (four_over_six, rule, sr, dgrad seed)."""
 
     @staticmethod
-    def backward(ctx, dy):
-        dx = None
-        if ctx.needs_input_grad[0]:
-            fos, rule, sr = ctx.spec
-            dyq = torch.ops.surogate.quantize_nvfp4(dy.reshape(-1, ctx.n), False, fos, rule, sr, ctx.seed, None)
-            w = _decode(ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.saved_tensors, torch.float32)
-            wt = transpose_nvfp4_2d(*torch.ops.surogate.quantize_nvfp4(w, True, fos, rule, False, 0, None))
-            dx = torch.ops.surogate.nvfp4_mm(*dyq, *wt, None, dy.dtype).reshape(ctx.x_shape)
-        return (dx, None, None, None, None, None, None, *([None] * len(ctx.saved_tensors)))
+    def _weight(decode, args):
+        return torch.ops.surogate.quantize_nvfp4(decode(torch.float32), True, args[0], args[1], False, 0, None)
+
+    @staticmethod
+    def forward(x2d, decode, args):
+        xq = torch.ops.surogate.quantize_nvfp4(x2d, False, args[0], args[1], False, 0, None)
+        return torch.ops.surogate.nvfp4_mm(*xq, *_Nvfp4._weight(decode, args), None, x2d.dtype)
+
+    @staticmethod
+    def dgrad(dy2d, decode, args):
+        fos, rule, sr, seed = args
+        dyq = torch.ops.surogate.quantize_nvfp4(dy2d, False, fos, rule, sr, seed, None)
+        wt = transpose_nvfp4_2d(*_Nvfp4._weight(decode, args))
+        return torch.ops.surogate.nvfp4_mm(*dyq, *wt, None, dy2d.dtype)
+
+
+_GEMMS = {"float": _Float, "fp8": _Fp8Delayed, "blockwise": _Fp8Blockwise, "nvfp4": _Nvfp4}
 
 
 class BaseRecipeGemm:
@@ -196,10 +187,10 @@ class BaseRecipeGemm:
         tensors = base._tensors()
         keys = tuple(tensors)
         if self.kind == "float":
-            return _FloatBaseFn.apply(x, self.float_spec, base.fmt, n, k, keys, *tensors.values())
-        if self.kind == "blockwise":
-            return _BlockwiseBaseFn.apply(x, base.fmt, n, k, keys, *tensors.values())
-        if self.kind == "nvfp4":
+            args = self.float_spec
+        elif self.kind == "blockwise":
+            args = ()
+        elif self.kind == "nvfp4":
             if not torch.compiler.is_compiling():
                 warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
             sr = not self.cfg.no_fp4_stochastic_rounding
@@ -207,14 +198,13 @@ class BaseRecipeGemm:
             if sr and torch.is_grad_enabled():
                 seed = sr_seed(self.cfg.seed, self.index, self.sr_step, ROLE_DGRAD)
                 self.sr_step += 1
-            spec = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr)
-            return _Nvfp4BaseFn.apply(x, spec, seed, base.fmt, n, k, keys, *tensors.values())
-        st = self.state
-        record = torch.is_grad_enabled()
-        compiling = torch.compiler.is_compiling()
-        if not compiling:
-            warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
-        rows = base.fp8_rows_t if compiling else base.fp8_rows
-        state = (st.scale, st.scale_inv, st.amax, base.fp8_dy_amax)
-        return _Fp8BaseFn.apply(x, state, rows, (record, not st.initialized, self.cfg.fp8_fast_accum), base.fmt, n,
-                                k, keys, *tensors.values())
+            args = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr, seed)
+        else:
+            st = self.state
+            compiling = torch.compiler.is_compiling()
+            if not compiling:
+                warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
+            rows = base.fp8_rows_t if compiling else base.fp8_rows
+            args = ((st.scale, st.scale_inv, st.amax, base.fp8_dy_amax), rows, torch.is_grad_enabled(),
+                    not st.initialized, self.cfg.fp8_fast_accum)
+        return _BaseGemmFn.apply(x, self.kind, args, base.fmt, n, k, keys, tuple(tensors.values()))
