@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.fp8 import FP8_MAX, fp8_dtype
-from ..formats.mxfp4 import check_mxfp4_scales
-from ..formats.nvfp4 import check_nvfp4_scales
+from ...formats.fp8 import FP8_MAX, fp8_dtype
+from ...formats.mxfp4 import check_mxfp4_scales
+from ...formats.nvfp4 import check_nvfp4_scales
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _GOLDEN = 0x9E3779B9
@@ -528,7 +528,7 @@ _nvfp4_2d = triton.autotune(_tile_configs((16,), (4, 8, 16)), key=_NVFP4_KEYS)(_
 
 def quantize_nvfp4(x: torch.Tensor, block_2d: bool, four_over_six: bool, rule: str, stochastic: bool, seed: int,
                    amax_t: torch.Tensor | None):
-    from ..formats.nvfp4 import check_nvfp4_shape
+    from ...formats.nvfp4 import check_nvfp4_shape
 
     if rule not in _RULES:
         raise ValueError(f"four_over_six rule must be one of {tuple(_RULES)}, got {rule!r}")
@@ -624,7 +624,7 @@ _mxfp4_tuned = triton.autotune(_tile_configs((8, 16, 32), (2, 4, 8)), key=["C"])
 
 
 def quantize_mxfp4(x: torch.Tensor):
-    from ..formats.mxfp4 import check_mxfp4_shape
+    from ...formats.mxfp4 import check_mxfp4_shape
 
     check_mxfp4_shape(x.shape)
     k = x.shape[-1]
