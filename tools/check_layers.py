@@ -9,6 +9,7 @@ Floors, low to high (docs/architecture.md):
     4 integrations   transformers / peft / accelerate glue, plus config.py (SurogateConfig is a transformers
                      QuantizationConfigMixin) and training.py (prepare_for_training, a PEFT helper)
     5 cli, data      the command line and its generated task data
+      testing        builders and fixtures shared by the tests (never imported by the package itself)
     6 surogate_hf    the package root (`__init__.py`): the public API over everything
 
 Module level means what runs when the module is imported: imports inside functions (lazy, on first use) are
@@ -35,6 +36,7 @@ FLOORS = {
     "training": 4,
     "cli": 5,
     "data": 5,
+    "testing": 5,
 }
 ROOT_FLOOR = 6
 PACKAGE = "surogate_hf"

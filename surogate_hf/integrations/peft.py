@@ -17,7 +17,7 @@ adapter_config.json, so `PeftModel.from_pretrained` and `model.load_adapter` cou
 below, `install_peft_dispatch()`, wraps `peft.tuners.lora.model.LoraModel._create_new_module` so that our
 dispatcher runs first and claims quantized bases only; every other module goes to PEFT unchanged. It is
 idempotent and is called from explicit entry points only: `surogate_hf.prepare_for_training` and the
-quantizer when it loads a model. tests/test_qlora_peft_hook.py fails when upstream changes what it relies on.
+quantizer when it loads a model. tests/integrations/test_qlora_peft_hook.py fails when upstream changes what it relies on.
 """
 
 from __future__ import annotations

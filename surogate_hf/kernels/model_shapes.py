@@ -1,7 +1,7 @@
 """Linear shapes of popular models (team notes, shapes.md): what the kernels are judged on.
 
 Many of these dims are multiples of 32 or 64 but not of 128 or 256 (576, 192, 960, 320, 2880): the
-path-decision test (tests/test_paths.py), the GPU kernel tests and benchmarks/bench_shapes.py walk them.
+path-decision test (tests/kernels/test_paths.py), the GPU kernel tests and benchmarks/bench_shapes.py walk them.
 """
 
 from __future__ import annotations

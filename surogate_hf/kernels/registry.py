@@ -227,7 +227,7 @@ def _fp8_native_ok(dtype, n, k, block_n, block_k, device_index) -> bool:
 # torch.compiler.assume_constant_result(_fp8_native_ok), spelled out: dynamo then calls it at trace time and uses
 # the result as a constant, so tracing never enters the checks or the first import of the kernels. The official
 # decorator imports torch._dynamo (and with it triton) at surogate_hf's import, and all it does is set this
-# marker; tests/test_ops.py::test_dynamo_constant_marker_is_what_the_official_decorator_sets fails if that changes.
+# marker; tests/ops/test_ops.py::test_dynamo_constant_marker_is_what_the_official_decorator_sets fails if that changes.
 _fp8_native_ok._dynamo_marked_constant = True
 
 

@@ -1,6 +1,6 @@
 """Triton launches for the FP8 recipe's casts into a model's flat delayed-scaling state.
 
-Same kernels as surogate::quantize_fp8_tensorwise(_t) (triton_quant), launched with pointers into
+Same kernels as surogate::quantize_fp8_tensorwise(_t) (triton_quant.fp8), launched with pointers into
 the state: the scale is read from its row and the amax is folded into the row's running max by the
 kernel's own atomic max (on the fp32 bits, which order like the values since amaxes are >= 0; NaN
 sorts above inf and so propagates). One launch per cast and no state-update ops on the host path.

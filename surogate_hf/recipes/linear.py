@@ -365,7 +365,7 @@ class RecipeLinear(nn.Linear):
 def _pass_mode() -> str:
     """Return "train", "eval" (no grad) or "replay": a forward run while the autograd engine executes a
     backward is an activation-checkpointing recompute (the test FSDP2 and torch's ModuleTracker use;
-    tests/test_recipes_training.py::test_gradient_checkpointing_replays_the_forward pins it)."""
+    tests/recipes/test_recipes_training.py::test_gradient_checkpointing_replays_the_forward pins it)."""
     if not torch.is_grad_enabled():
         return "eval"
     return "replay" if torch._C._current_graph_task_id() != -1 else "train"

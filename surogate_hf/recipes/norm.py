@@ -26,7 +26,7 @@ from .. import formats as F
 from ..kernels import probe
 
 # transformers RMSNorm classes by formula. "llama": weight * to_input_dtype(x32 * rstd);
-# "gemma": to_input_dtype((x32 * rstd) * (1 + weight32)). tests/test_recipes_norm.py checks each class that the
+# "gemma": to_input_dtype((x32 * rstd) * (1 + weight32)). tests/recipes/test_recipes_norm.py checks each class that the
 # installed transformers has against this table, bit for bit on CPU (and fails when upstream changes a formula).
 NORM_FORMULAS = {
     "LlamaRMSNorm": "llama",

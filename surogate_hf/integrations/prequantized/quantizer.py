@@ -70,7 +70,7 @@ def _checkpoint_dict(cfg) -> dict:
 # SurogateConfig keeps transformers' behaviour.
 # Entry point: not importing surogate_hf, but creating a SurogateConfig (SurogateConfig.__init__ calls
 # install_merge_patch(); the merge runs before any quantizer exists, and it only acts on such a config anyway).
-# tests/test_prequantized.py::test_merge_patch_still_needed fails when upstream stops raising (the patch can go)
+# tests/integrations/test_prequantized.py::test_merge_patch_still_needed fails when upstream stops raising (the patch can go)
 # or stops calling this method (the patch no longer applies).
 _original_merge = AutoHfQuantizer.merge_quantization_configs.__func__
 

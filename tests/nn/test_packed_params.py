@@ -12,7 +12,7 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from conftest import save_tiny_model
+from surogate_hf.testing.models import save_tiny_model
 from surogate_hf import SurogateConfig
 from surogate_hf.distributed import ddp_broadcast_bytes, packed_base_bytes
 from surogate_hf.nn import quantized_modules

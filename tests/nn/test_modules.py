@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import sqnr_db
+from surogate_hf.testing.models import sqnr_db
 from surogate_hf import formats as F
 from surogate_hf.nn import LINEAR_CLASSES, QuantizedExperts, make_format
 from surogate_hf.nn import linear as L

@@ -2,7 +2,7 @@
 
 Logit SQNR floors (dB) against the bf16 model, tiny random 4-layer models (hidden 128), 2x16 tokens.
 Errors compound over 28 quantized linears (fp8 also quantizes activations) of a random network, so these
-sit well below per-layer figures (tests/test_modules.py). Measured (llama / qwen3 / qwen3_moe):
+sit well below per-layer figures (tests/nn/test_modules.py). Measured (llama / qwen3 / qwen3_moe):
 fp8 20.6 / 20.3 / 21.4, nvfp4 14.5 / 13.4 / 14.0, mxfp4 9.2 / 8.8 / 11.4, nf4 11.9 / 12.3 / 13.8.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY_KINDS, build_tiny_model, sample_input_ids, save_tiny_model, sqnr_db
+from surogate_hf.testing.models import TINY_KINDS, build_tiny_model, sample_input_ids, save_tiny_model, sqnr_db
 from surogate_hf import SurogateConfig
 from surogate_hf.nn import QuantizedExperts, QuantizedLinear, SurogateWarning
 

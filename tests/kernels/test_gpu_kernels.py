@@ -608,7 +608,7 @@ def test_fp8_scaled_mm_accepts_scale_views_at_any_offset():
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 @pytest.mark.parametrize("recipe", ["fp8-hybrid", "nvfp4", "bf16"])
 def test_recipe_training_steps_on_gpu_match_cpu(recipe):
-    from conftest import build_tiny_model, sample_input_ids
+    from surogate_hf.testing.models import build_tiny_model, sample_input_ids
 
     import surogate_hf.recipes as R
 

@@ -8,12 +8,12 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch import nn
 
 import surogate_hf.recipes as R
 from surogate_hf import formats as F
 from surogate_hf.recipes.fp8_hybrid import cast
 from surogate_hf.recipes.scaling import Fp8ScalingState
+from surogate_hf.testing.recipes import TokenDataset, tiny_llama, tiny_mlp
 
 E4 = F.FP8_MAX[F.E4M3]
 E5 = F.FP8_MAX[F.E5M2]
@@ -120,29 +120,12 @@ def test_state_dict_round_trip_restores_first_step_flag():
 
 
 # ---------------------------------------------------------------- models: steps, optimizers, distributed
-def tiny(layers=2, dim=32, dtype=torch.float32):
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(layers))
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = blocks
-
-        def forward(self, x):
-            for b in self.layers:
-                x = x + b(x)
-            return x
-
-    return M().to(dtype)
-
-
 def batch(i, dim=32):
     return torch.randn(4, 8, dim, generator=torch.Generator().manual_seed(i))
 
 
 def test_one_update_per_optimizer_step_with_grad_accumulation():
-    m = R.apply_recipe(tiny(), "fp8-hybrid", amax_history_len=8)
+    m = R.apply_recipe(tiny_mlp(), "fp8-hybrid", amax_history_len=8)
     st = m.surogate_fp8_state
     assert st.n_layers == 4 and sum(isinstance(x, R.RecipeLinear) for x in m.modules()) == 4
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -160,7 +143,7 @@ def test_one_update_per_optimizer_step_with_grad_accumulation():
 def test_work_weights_follow_every_optimizer(recipe, knobs, opt_kw):
     """fp32 masters with bf16 compute: after an optimizer step the layers compute with the new weights, also
     with torch._fused_adamw_, which does not bump version counters (the forward must equal a fresh model's)."""
-    m = R.apply_recipe(tiny(), recipe, model_dtype="bf16", master_dtype="fp32", **knobs)
+    m = R.apply_recipe(tiny_mlp(), recipe, model_dtype="bf16", master_dtype="fp32", **knobs)
     assert m.layers[0][0].weight.dtype == torch.float32
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, **opt_kw)
     x = batch(0).bfloat16()
@@ -168,7 +151,7 @@ def test_work_weights_follow_every_optimizer(recipe, knobs, opt_kw):
         m(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    fresh = R.apply_recipe(tiny(), recipe, model_dtype="bf16", master_dtype="fp32", **knobs)
+    fresh = R.apply_recipe(tiny_mlp(), recipe, model_dtype="bf16", master_dtype="fp32", **knobs)
     fresh.load_state_dict(m.state_dict())
     with torch.no_grad():
         assert torch.equal(m(x), fresh(x)), "a layer kept computing with stale weights"
@@ -177,7 +160,6 @@ def test_work_weights_follow_every_optimizer(recipe, knobs, opt_kw):
 def test_trainer_defaults_train_fp32_masters(tmp_path):
     """The Trainer's default optimizer with recipe knobs model bf16 / master fp32: the trained model's outputs are
     those of its own state_dict reloaded (stale work copies would make them differ)."""
-    from test_recipes_training import _DS, tiny_llama
     from transformers import Trainer, TrainingArguments
 
     from surogate_hf.integrations.trainer import SurogateRecipeCallback
@@ -185,7 +167,7 @@ def test_trainer_defaults_train_fp32_masters(tmp_path):
     cb = SurogateRecipeCallback("bf16", model_dtype="bf16", master_dtype="fp32")
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
                              report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
-    t = Trainer(model=tiny_llama(layers=1), args=args, train_dataset=_DS(12), callbacks=[cb])
+    t = Trainer(model=tiny_llama(layers=1), args=args, train_dataset=TokenDataset(12), callbacks=[cb])
     t.train()
     assert "fused" in type(t.optimizer.optimizer).__name__.lower() or t.args.optim.value == "adamw_torch_fused"
     model = t.model
@@ -221,7 +203,7 @@ def _count_reduces_worker(rank, world, port, out):
 
     dist.all_reduce = counting
     try:
-        m = R.apply_recipe(tiny(layers=3), "fp8-hybrid", amax_history_len=4)
+        m = R.apply_recipe(tiny_mlp(layers=3), "fp8-hybrid", amax_history_len=4)
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
         x = batch(0) * (rank + 1)  # rank 1 sees twice the activations
         for _ in range(2):
@@ -259,8 +241,8 @@ def _train(m, steps=3, compiled=False):
 def test_compiled_fullgraph_trains_like_eager(recipe):
     """fullgraph=True: no graph break anywhere in the model; same losses and state as eager."""
     torch._dynamo.reset()
-    eager = R.apply_recipe(tiny(), recipe)
-    comp = R.apply_recipe(tiny(), recipe)
+    eager = R.apply_recipe(tiny_mlp(), recipe)
+    comp = R.apply_recipe(tiny_mlp(), recipe)
     le, lc = _train(eager), _train(comp, compiled=True)
     assert lc == pytest.approx(le, rel=1e-5, abs=1e-7)
     if recipe == "fp8-hybrid":
@@ -277,7 +259,7 @@ def test_regional_compile_shares_one_graph_across_layers():
     for layers in (2, 5):
         torch._dynamo.reset()
         counters.clear()
-        eager, comp = R.apply_recipe(tiny(layers), "fp8-hybrid"), R.apply_recipe(tiny(layers), "fp8-hybrid")
+        eager, comp = R.apply_recipe(tiny_mlp(layers), "fp8-hybrid"), R.apply_recipe(tiny_mlp(layers), "fp8-hybrid")
         for blk in comp.layers:
             blk.compile(fullgraph=True, backend="aot_eager")
         le, lc = _train(eager), _train(comp)
@@ -293,7 +275,7 @@ def _ddp_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        m = R.apply_recipe(tiny(layers=2), "fp8-hybrid", amax_history_len=4)
+        m = R.apply_recipe(tiny_mlp(layers=2), "fp8-hybrid", amax_history_len=4)
         ddp = DDP(m, broadcast_buffers=True)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         # micro-batch 0: rank 1 sees 8x larger activations; micro-batch 1: rank 1's are tiny
@@ -322,7 +304,7 @@ def test_a_deep_copy_trains_with_its_own_state():
     optimizer updates the copy's state from the copy's casts, and the original's state is left alone."""
     import copy
 
-    m = R.apply_recipe(tiny(), "fp8-hybrid", amax_history_len=4)
+    m = R.apply_recipe(tiny_mlp(), "fp8-hybrid", amax_history_len=4)
     c = copy.deepcopy(m)
     st, cst = m.surogate_fp8_state, c.surogate_fp8_state
     assert cst is not st and cst.root() is c and c.layers[0][0].scaling_state is cst

@@ -1,6 +1,6 @@
 """One rank of the multi-process CPU (gloo) checks; launched by tests/test_distributed.py as
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_worker.py OUT_DIR CASE_DIR...
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m surogate_hf.testing.dist_worker OUT_DIR CASE_DIR...
 
 (on CPU over gloo; with SUROGATE_DIST_DEVICE=cuda on one GPU per rank over NCCL, through the CUDA kernels).
 

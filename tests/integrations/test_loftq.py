@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import surogate_hf
-from conftest import sample_input_ids, save_tiny_model
+from surogate_hf.testing.models import sample_input_ids, save_tiny_model
 from surogate_hf.nn.linear import QuantizedLinear
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")

@@ -1,6 +1,6 @@
 """Tiny pre-quantized checkpoints written on CPU, in the layouts real exports use.
 
-Producers (the oracles of tests/test_prequantized.py):
+Producers (the oracles of tests/integrations/test_prequantized.py):
 - fine-grained FP8 (quant_method "fp8"): transformers' own `Fp8Quantize` (integrations/finegrained_fp8.py);
 - ModelOpt NVFP4 / FP8 / MIXED_PRECISION (quant_method "modelopt"): surogate_hf.formats, following the
   layout in shared/notes/formats.md (weight_scale_2 = amax / (6 * 448), i.e. no Four-Over-Six);

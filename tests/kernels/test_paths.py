@@ -98,7 +98,7 @@ def test_fp8_padding_is_exact():
 
 @pytest.mark.parametrize("fmt", P.FORMATS)
 def test_gpt_oss_experts_module_plans_the_fast_path(fmt):
-    from conftest import tiny_gpt_oss_config
+    from surogate_hf.testing.models import tiny_gpt_oss_config
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from surogate_hf.nn.experts import QuantizedExperts

@@ -16,7 +16,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.quantizers import auto as hf_auto
 
-import prequant_fixtures as P
+from surogate_hf.testing import prequant as P
 import surogate_hf
 import surogate_hf.integrations.modelopt  # noqa: F401  (until the package __init__ imports it)
 from surogate_hf import SurogateConfig

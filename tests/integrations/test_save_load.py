@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import sample_input_ids, save_tiny_model, sqnr_db
+from surogate_hf.testing.models import sample_input_ids, save_tiny_model, sqnr_db
 from surogate_hf import SurogateConfig
 from surogate_hf.nn import QuantizedExperts, QuantizedLinear
 from surogate_hf.nn.slots import get_slot, set_slot

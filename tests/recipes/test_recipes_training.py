@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import surogate_hf.recipes as R
 from surogate_hf.integrations.accelerate import check_accelerator, prepare
 from surogate_hf.integrations.trainer import SurogateRecipeCallback
-
-VOCAB = 64
+from surogate_hf.testing.recipes import TokenDataset, tiny_llama, token_batch
 
 
 @pytest.fixture(autouse=True)
@@ -30,30 +29,11 @@ def _quiet():
         yield
 
 
-def tiny_llama(seed=0, layers=2):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg)
-
-
-def batch(step, b=8, seq=32):
-    """Each token a fixed permutation of the previous one, 10% noise: learnable in a few dozen steps."""
-    g = torch.Generator().manual_seed(1000 + step)
-    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
-    ids = torch.empty(b, seq, dtype=torch.long)
-    ids[:, 0] = torch.randint(0, VOCAB, (b,), generator=g)
-    for t in range(1, seq):
-        noise = torch.rand(b, generator=g) < 0.1
-        ids[:, t] = torch.where(noise, torch.randint(0, VOCAB, (b,), generator=g), perm[ids[:, t - 1]])
-    return ids
-
-
 def train_loop(model, steps, lr=3e-3):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for s in range(steps):
-        ids = batch(s)
+        ids = token_batch(s)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -106,7 +86,7 @@ def test_conversion_scope():
 def test_master_fp32_model_bf16():
     m = R.apply_recipe(tiny_llama(), "fp8-hybrid", model_dtype="bf16", master_dtype="fp32")
     assert {p.dtype for p in m.parameters()} == {torch.float32}
-    ids = batch(0)
+    ids = token_batch(0)
     hidden = {}
     m.model.layers[0].register_forward_hook(lambda mod, i, o: hidden.setdefault("h", o[0] if isinstance(o, tuple) else o))
     loss = m(input_ids=ids, labels=ids).loss
@@ -125,7 +105,7 @@ def test_accelerator_entry_point():
     model, opt = prepare(acc, model, opt, recipe="fp8-hybrid", amax_history_len=16)
     assert isinstance(acc.unwrap_model(model).model.layers[0].mlp.up_proj, R.RecipeLinear)
     for s in range(3):
-        ids = batch(s)
+        ids = token_batch(s)
         acc.backward(model(input_ids=ids, labels=ids).loss)
         opt.step()
         opt.zero_grad()
@@ -139,17 +119,6 @@ def test_accelerator_entry_point():
         check_accelerator(FakeAcc())
 
 
-class _DS(torch.utils.data.Dataset):
-    def __init__(self, n=48):
-        self.rows = [batch(10_000 + i, b=1)[0] for i in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
 def _trainer(out, max_steps, recipe):
     args = TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=2, learning_rate=3e-3,
@@ -157,7 +126,7 @@ def _trainer(out, max_steps, recipe):
         dataloader_num_workers=0, lr_scheduler_type="constant", disable_tqdm=True,
     )
     cb = SurogateRecipeCallback(recipe, amax_history_len=8) if recipe == "fp8-hybrid" else SurogateRecipeCallback(recipe)
-    return Trainer(model=tiny_llama(layers=1), args=args, train_dataset=_DS(), callbacks=[cb])
+    return Trainer(model=tiny_llama(layers=1), args=args, train_dataset=TokenDataset(), callbacks=[cb])
 
 
 @pytest.mark.parametrize("recipe", ["fp8-hybrid", "nvfp4"])
@@ -200,13 +169,12 @@ def test_accelerate_launch_with_config_file(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""\
         import json, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_recipes_training import tiny_llama, _DS
+        from surogate_hf.testing.recipes import tiny_llama, TokenDataset
         from transformers import Trainer, TrainingArguments
         from surogate_hf.integrations.trainer import SurogateRecipeCallback
         args = TrainingArguments(output_dir={str(tmp_path / "out")!r}, max_steps=2, per_device_train_batch_size=4,
                                  report_to=[], save_strategy="no", disable_tqdm=True)
-        t = Trainer(model=tiny_llama(), args=args, train_dataset=_DS(8), callbacks=[SurogateRecipeCallback()])
+        t = Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(8), callbacks=[SurogateRecipeCallback()])
         t.train()
         lin = t.model.model.layers[0].self_attn.q_proj
         json.dump({{"recipe": t.model.surogate_recipe.recipe, "margin": t.model.surogate_recipe.margin,
@@ -214,7 +182,7 @@ def test_accelerate_launch_with_config_file(tmp_path):
                   open({str(tmp_path / "result.json")!r}, "w"))
         """))
     env = dict(os.environ, SUROGATE_RECIPE="fp8-hybrid", SUROGATE_RECIPE_KNOBS='{"margin": 1}',
-               PYTHONPATH=str(Path(__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(Path(__file__).parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     launcher = [sys.executable, "-m", "accelerate.commands.launch"]
     p = subprocess.run([*launcher, "--config_file", str(cfg), str(script)], env=env, capture_output=True, text=True,
                        timeout=240)
@@ -229,7 +197,7 @@ def test_accelerate_launch_with_config_file(tmp_path):
 def test_gradient_checkpointing_replays_the_forward(recipe, reentrant):
     """A recompute must cast like the original forward (same scale, same SR step, no extra history):
     gradients and recipe state equal those of a run without checkpointing."""
-    ids = batch(0, b=2)
+    ids = token_batch(0, b=2)
     runs = []
     for ckpt in (False, True):
         m = R.apply_recipe(tiny_llama(layers=1), recipe)
@@ -250,7 +218,7 @@ def test_gradient_checkpointing_replays_the_forward(recipe, reentrant):
 
 def test_eval_forward_leaves_recipe_state_alone():
     m = R.apply_recipe(tiny_llama(), "fp8-hybrid")
-    ids = batch(0)
+    ids = token_batch(0)
     m(input_ids=ids, labels=ids).loss.backward()
     before = {k: v.clone() for k, v in R.recipe_state(m).items()}
     with torch.no_grad():
@@ -273,7 +241,7 @@ def test_peft_lora_over_quantized_base_gets_recipe_on_adapters():
     assert isinstance(attn.q_proj.lora_A["default"], R.RecipeLinear)
     assert isinstance(attn.q_proj.lora_B["default"], R.RecipeLinear)
     assert attn.q_proj.lora_A["default"].weight.dtype == torch.float32  # lora_dtype masters
-    ids = batch(0)
+    ids = token_batch(0)
     pm(input_ids=ids, labels=ids).loss.backward()
     R.recipe_step(pm)
     a, b = attn.q_proj.lora_A["default"], attn.q_proj.lora_B["default"]

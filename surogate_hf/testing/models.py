@@ -1,22 +1,15 @@
-"""Shared helpers: tiny Llama / Qwen3 / Qwen3-MoE models built from configs (no downloads).
+"""Tiny Llama / Qwen3 / Qwen3-MoE / GPT-OSS models built from configs (no downloads), for the tests.
 
     tiny_config(kind, **overrides)           kind in TINY_KINDS, or "gpt_oss"
     build_tiny_model(kind, seed=0, dtype=torch.bfloat16, **overrides)
     save_tiny_model(kind, path, seed=0, dtype=torch.bfloat16, **overrides) -> path (safetensors + config.json)
     sqnr_db(ref, test)                       10*log10(|ref|^2 / |ref - test|^2), in fp32
     sample_input_ids(vocab_size, batch=2, seq=16, seed=0)
-
-Import them as `from conftest import ...` (pytest puts tests/ on sys.path).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 TINY_KINDS = ("llama", "qwen3", "qwen3_moe")
 

@@ -13,7 +13,7 @@ import surogate_hf.recipes as R
 from surogate_hf import formats as F
 from surogate_hf.recipes.fp8_hybrid import cast
 from surogate_hf.recipes.scaling import Fp8ScalingState
-from test_recipes_scaling import tiny
+from surogate_hf.testing.recipes import tiny_mlp
 
 _ok, _why = K.triton_ok()
 _fp8, _fp8_why = K.fp8_ok()
@@ -90,16 +90,16 @@ def test_fp8_recipe_on_gpu_matches_cpu(compiled):
     CPU reference: the same loss curve within GEMM summation order, and the same recipe state."""
     torch._dynamo.reset()
     kw = dict(model_dtype="bf16", master_dtype="fp32", amax_history_len=4)
-    lc, mc = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "fp8-hybrid", **kw), "cpu")
-    lg, mg = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "fp8-hybrid", **kw), "cuda", compiled=compiled)
+    lc, mc = _train(R.apply_recipe(tiny_mlp(dim=256).bfloat16(), "fp8-hybrid", **kw), "cpu")
+    lg, mg = _train(R.apply_recipe(tiny_mlp(dim=256).bfloat16(), "fp8-hybrid", **kw), "cuda", compiled=compiled)
     assert lg == pytest.approx(lc, rel=2e-2)
     torch.testing.assert_close(mg.surogate_fp8_state.amax_history.cpu(), mc.surogate_fp8_state.amax_history,
                                rtol=2e-2, atol=0)
 
 
 def test_nvfp4_recipe_on_gpu_matches_cpu():
-    lc, _ = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "nvfp4"), "cpu", steps=2)
-    lg, _ = _train(R.apply_recipe(tiny(dim=256).bfloat16(), "nvfp4"), "cuda", steps=2)
+    lc, _ = _train(R.apply_recipe(tiny_mlp(dim=256).bfloat16(), "nvfp4"), "cpu", steps=2)
+    lg, _ = _train(R.apply_recipe(tiny_mlp(dim=256).bfloat16(), "nvfp4"), "cuda", steps=2)
     assert lg == pytest.approx(lc, rel=2e-2)
 
 
