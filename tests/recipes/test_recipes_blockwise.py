@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import surogate_hf.recipes as R
+from surogate_hf.testing.models import build_tiny_model
 from surogate_hf import formats as F
 from surogate_hf.recipes.config import RecipeConfig
 
@@ -74,12 +75,7 @@ def test_knob_errors_name_the_knob():
 
 
 def _qwen3(layers=2):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    return Qwen3ForCausalLM(cfg)
+    return build_tiny_model("qwen3", dtype=torch.float32, num_hidden_layers=layers, vocab_size=128, hidden_size=128, intermediate_size=192).train()
 
 
 def _train(model, steps=6, run=None):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import surogate_hf.recipes as R
+from surogate_hf.testing.models import build_tiny_model
 from surogate_hf.recipes import fp8_hybrid
 from surogate_hf.recipes.norm import NORM_FORMULAS, FusedRMSNorm, fuse_norms
 
@@ -80,12 +81,7 @@ def test_out_dtype_is_the_stock_output_cast():
 
 
 def _qwen3(layers=2):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    return Qwen3ForCausalLM(cfg)
+    return build_tiny_model("qwen3", dtype=torch.float32, num_hidden_layers=layers, vocab_size=128, hidden_size=64, intermediate_size=96, head_dim=16).train()
 
 
 def _train(model, steps=4, checkpointing=False, seq=16):

@@ -11,6 +11,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 import surogate_hf.recipes as R
+from surogate_hf.testing.models import build_tiny_model
 from surogate_hf import formats as F
 from surogate_hf.nn import linear as L
 
@@ -133,12 +134,8 @@ def test_nvfp4_recipe_on_any_base(fmt):
 
 def _qlora(fmt, layers=2):
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    model = Qwen3ForCausalLM(cfg).bfloat16()
+    model = build_tiny_model("qwen3", num_hidden_layers=layers, vocab_size=128).train()
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Linear) and ".layers." in f".{name}":
             parent, _, child = name.rpartition(".")
