@@ -82,43 +82,42 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, q_ptr, qt_ptr, scale_ptr,
 
 
 @triton.jit
+def _bwd_chunk(dy_ptr, x_ptr, w_ptr, rows, rmask, c0, C, GEMMA: tl.constexpr, BC: tl.constexpr):
+    """One [BR, BC] chunk of the backward: its columns, masks, offsets, x, dy and g = dL/d(x * rstd) (llama: rounded
+    to x's dtype, as autograd does through `.to(input_dtype)`)."""
+    cols = c0 + tl.arange(0, BC)
+    cmask = cols < C
+    m = rmask[:, None] & cmask[None, :]
+    off = rows[:, None].to(tl.int64) * C + cols[None, :]
+    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if GEMMA:
+        g = dy * (1.0 + w[None, :])
+    else:
+        g = (dy * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return cols, cmask, m, off, x, dy, g
+
+
+@triton.jit
 def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, R, C,
                         GEMMA: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """dx = rstd * g - x * rstd^3 * mean(g * x), g = dL/d(x * rstd) (llama: rounded to x's dtype, as autograd
-    does through `.to(input_dtype)`); the band's partial dw goes to dw_part[band]."""
+    """dx = rstd * g - x * rstd^3 * mean(g * x); the band's partial dw goes to dw_part[band]."""
     X_DT = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
     dot = tl.zeros([BR], dtype=tl.float32)
     for c0 in range(0, C, BC):
-        cols = c0 + tl.arange(0, BC)
-        cmask = cols < C
-        m = rmask[:, None] & cmask[None, :]
-        off = rows[:, None].to(tl.int64) * C + cols[None, :]
-        x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        if GEMMA:
-            g = dy * (1.0 + w[None, :])
-        else:
-            g = (dy * w[None, :]).to(X_DT).to(tl.float32)
+        _, _, _, _, x, _, g = _bwd_chunk(dy_ptr, x_ptr, w_ptr, rows, rmask, c0, C, GEMMA, BC)
         dot += tl.sum(g * x, axis=1)
     coef = dot * rstd * rstd * rstd / C
     for c0 in range(0, C, BC):
-        cols = c0 + tl.arange(0, BC)
-        cmask = cols < C
-        m = rmask[:, None] & cmask[None, :]
-        off = rows[:, None].to(tl.int64) * C + cols[None, :]
-        x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        cols, cmask, m, off, x, dy, g = _bwd_chunk(dy_ptr, x_ptr, w_ptr, rows, rmask, c0, C, GEMMA, BC)
         h = x * rstd[:, None]
         if GEMMA:
-            g = dy * (1.0 + w[None, :])
             dwp = tl.sum(dy * h, axis=0)
         else:
-            g = (dy * w[None, :]).to(X_DT).to(tl.float32)
             dwp = tl.sum(dy * h.to(X_DT).to(tl.float32), axis=0)
         dx = g * rstd[:, None] - x * coef[:, None]
         tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=m)
