@@ -222,6 +222,13 @@ class Layout:
     working_names: ClassVar[dict[str, str]] = {}  # stored slot -> the module's working slot it fills
     carried: ClassVar[tuple[str, ...]] = ("input_scale",)  # stored slots the module carries for save only
     zero_scale_masks: ClassVar[dict[str, int]] = {}  # scale leaf -> code bits that make an element non-zero
+    metadata_slot: str | None = None  # a stored uint8 metadata tensor carried byte for byte (not a scale)
+    # Experts stored per expert are this layout's only where the weights are stored packed (the readers of
+    # transformers keep dense-stored ones dense: mxfp4, bitsandbytes).
+    packed_experts_only = False
+
+    def working_name(self, slot: str) -> str:
+        return self.working_names.get(slot, slot)
 
     def module_options(self, lf) -> dict[str, Any]:
         """Constructor options of the format's module / Format for a module stored as `lf`."""

@@ -93,6 +93,7 @@ class MXFP4Layout(Layout):
 
     kind = "mxfp4"
     format = "mxfp4"
+    packed_experts_only = True
 
     def check(self, module, key, lf, index):
         errors, n, k = [], module.out_features, module.in_features
@@ -124,9 +125,8 @@ class MXFP4ExpertsLayout(Layout):
     format = "mxfp4"
     experts = True
 
-    @staticmethod
-    def working_name(slot: str) -> str:
-        return slot.removesuffix("_blocks")
+    def working_name(self, slot):
+        return slot.removesuffix("_blocks")  # `{P}_blocks` -> `{P}`; `{P}_scales` unchanged
 
     def check(self, module, key, lf, index):
         errors, slots = [], {}

@@ -193,6 +193,7 @@ class NF4Layout(Layout):
     stored_names = NF4_STORED
     carried = ("input_scale", NF4_STATE_SLOT)
     metadata_slot = NF4_STATE_SLOT  # stored uint8 JSON, carried byte for byte
+    packed_experts_only = True
 
     def module_options(self, lf):
         return {"block_size": lf.nf4_block, "double_quant": lf.double_quant}
