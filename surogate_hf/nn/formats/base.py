@@ -227,6 +227,19 @@ class Layout:
     # transformers keep dense-stored ones dense: mxfp4, bitsandbytes).
     packed_experts_only = False
 
+    label = ""  # how messages name the stored format ("NVFP4", "ModelOpt FP8", ...)
+    block = 0  # elements per scale along in_features the stored layout needs (0: no constraint)
+
+    def preamble(self, module, key: str, index) -> tuple[int, int, list[str]]:
+        """(n, k, errors) of a linear `key`: in_features must tile into blocks, and `{key}.weight` must not be
+        stored dense; a check returns at once when errors is not empty."""
+        n, k = module.out_features, module.in_features
+        if self.block and k % self.block:
+            return n, k, [f"{key}: in_features {k} is not divisible by the {self.label} block ({self.block})"]
+        errors: list[str] = []
+        weight_disagrees(index, key, self.label, errors)
+        return n, k, errors
+
     def working_name(self, slot: str) -> str:
         return self.working_names.get(slot, slot)
 

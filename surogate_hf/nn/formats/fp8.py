@@ -21,20 +21,8 @@ from ... import formats as F
 from ... import ops
 from ...kernels import registry as _cuda
 from .base import (
-    SCALAR_SHAPES,
-    Format,
-    Layout,
-    OptionError,
-    Options,
-    _chunked,
-    check_bool,
-    expect,
-    input_scale,
-    is_int,
-    register,
-    stack_units,
-    unit_index,
-    weight_disagrees,
+    SCALAR_SHAPES, Format, Layout, OptionError, Options, _chunked, check_bool, expect, input_scale, is_int, register,
+    stack_units, unit_index,
 )
 
 FP8_BLOCK_SIDES = (16, 32, 64, 128, 256, 512)  # block sides online quantization accepts (GPU kernels tile in 2^n)
@@ -218,14 +206,15 @@ class FP8BlockLayout(_FP8Layout):
 
     kind = "fp8_block"
     scale = "weight_scale_inv"
+    label = "FP8 block-quantized"
     zero_scale_masks = {"weight_scale_inv": 0x7F}
 
     def module_options(self, lf):
         return {"block_size": lf.block, "ue8m0": lf.ue8m0}
 
     def check(self, module, key, lf, index):
-        errors, n, k = [], module.out_features, module.in_features
-        if weight_disagrees(index, key, "FP8 block-quantized", errors):
+        n, k, errors = self.preamble(module, key, index)
+        if errors:
             return {}, {}, errors
         w = expect(index, f"{key}.weight", ("F8_E4M3",), (n, k), errors, "FP8 E4M3 weight")
         alias = next((a for a in FP8_SCALE_ALIASES if f"{key}.{a}" in index), None)
@@ -251,6 +240,7 @@ class FP8TensorLayout(_FP8Layout):
 
     kind = "fp8_tensor"
     scale = "weight_scale"
+    label = "ModelOpt FP8"
     working_names = {"weight_scale": "weight_scale_inv"}
     zero_scale_masks = {"weight_scale": 0x7F}
 
@@ -258,8 +248,8 @@ class FP8TensorLayout(_FP8Layout):
         return {"block_size": None}
 
     def check(self, module, key, lf, index):
-        errors, n, k = [], module.out_features, module.in_features
-        if weight_disagrees(index, key, "ModelOpt FP8", errors):
+        n, k, errors = self.preamble(module, key, index)
+        if errors:
             return {}, {}, errors
         w = expect(index, f"{key}.weight", ("F8_E4M3",), (n, k), errors, "ModelOpt FP8 weight")
         s = expect(index, f"{key}.weight_scale", ("F32",), list(SCALAR_SHAPES), errors, "ModelOpt FP8 per-tensor weight_scale")

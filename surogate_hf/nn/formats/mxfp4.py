@@ -17,7 +17,7 @@ import torch
 from ... import ops
 from ...formats.mxfp4 import MXFP4_BLOCK
 from ...kernels import registry as _cuda
-from .base import Format, Layout, Options, _chunked, describe, expect, register, weight_disagrees
+from .base import Format, Layout, Options, _chunked, describe, expect, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +94,12 @@ class MXFP4Layout(Layout):
     kind = "mxfp4"
     format = "mxfp4"
     packed_experts_only = True
+    label = "MXFP4"
+    block = MXFP4_BLOCK
 
     def check(self, module, key, lf, index):
-        errors, n, k = [], module.out_features, module.in_features
-        if k % MXFP4_BLOCK:
-            return {}, {}, [f"{key}: in_features {k} is not divisible by the MXFP4 block ({MXFP4_BLOCK})"]
-        if weight_disagrees(index, key, "MXFP4", errors):
+        n, k, errors = self.preamble(module, key, index)
+        if errors:
             return {}, {}, errors
         w = expect(index, f"{key}.weight", ("U8",), (n, k // 2), errors, "MXFP4 packed E2M1 weight (uint8 [N, K/2])")
         s = expect(index, f"{key}.weight_scale", ("U8",), (n, k // MXFP4_BLOCK), errors,

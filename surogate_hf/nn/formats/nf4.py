@@ -22,17 +22,7 @@ from ... import formats as F
 from ... import ops
 from ...kernels import registry as _cuda
 from .base import (
-    Format,
-    Layout,
-    OptionError,
-    Options,
-    check_bool,
-    expect,
-    is_int,
-    register,
-    stack_units,
-    unit_index,
-    weight_disagrees,
+    Format, Layout, OptionError, Options, check_bool, expect, is_int, register, stack_units, unit_index,
 )
 
 NF4_BLOCK_SIZES = F.nf4.NF4_BLOCK_SIZES
@@ -193,6 +183,7 @@ class NF4Layout(Layout):
     stored_names = NF4_STORED
     carried = ("input_scale", NF4_STATE_SLOT)
     metadata_slot = NF4_STATE_SLOT  # stored uint8 JSON, carried byte for byte
+    label = "NF4 (bitsandbytes)"
     packed_experts_only = True
 
     def module_options(self, lf):
@@ -200,8 +191,8 @@ class NF4Layout(Layout):
 
     def refine(self, lf, module, key, index):
         """blocksize and double quantization are per tensor, in the stored QuantState."""
-        errors: list[str] = []
-        if weight_disagrees(index, key, "NF4 (bitsandbytes)", errors):
+        n, k, errors = self.preamble(module, key, index)
+        if errors:
             return lf, errors
         state_key = f"{key}.{NF4_STORED[NF4_STATE_SLOT]}"
         if state_key not in index:
@@ -215,7 +206,6 @@ class NF4Layout(Layout):
             state = quant_state_json(index.read(state_key))
         except ValueError as exc:
             return lf, [f"{state_key}: not a bitsandbytes QuantState JSON ({exc})"]
-        n, k = module.out_features, module.in_features
         block = state.get("blocksize")
         nested = "nested_blocksize" in state or "nested_offset" in state
         if state.get("quant_type") != "nf4":

@@ -18,17 +18,7 @@ from ... import ops
 from ...formats.nvfp4 import FOUR_OVER_SIX_RULES, NVFP4_BLOCK
 from ...kernels import registry as _cuda
 from .base import (
-    SCALAR_SHAPES,
-    Format,
-    Layout,
-    OptionError,
-    Options,
-    _chunked,
-    check_bool,
-    expect,
-    input_scale,
-    register,
-    weight_disagrees,
+    SCALAR_SHAPES, Format, Layout, OptionError, Options, _chunked, check_bool, expect, input_scale, register,
 )
 
 
@@ -122,15 +112,15 @@ class NVFP4Layout(Layout):
     kind = "nvfp4"
     format = "nvfp4"
     zero_scale_masks = {"weight_scale": 0x77}  # packed E2M1 bytes: every bit but each nibble's sign
+    label = "NVFP4"
+    block = NVFP4_BLOCK
 
     def module_options(self, lf):
         return {"four_over_six": False}  # ModelOpt's encode (global = 6 * 448 / amax) when re-quantizing
 
     def check(self, module, key, lf, index):
-        errors, n, k = [], module.out_features, module.in_features
-        if k % NVFP4_BLOCK:
-            return {}, {}, [f"{key}: in_features {k} is not divisible by the NVFP4 block ({NVFP4_BLOCK})"]
-        if weight_disagrees(index, key, "NVFP4", errors):
+        n, k, errors = self.preamble(module, key, index)
+        if errors:
             return {}, {}, errors
         w = expect(index, f"{key}.weight", ("U8",), (n, k // 2), errors, "NVFP4 packed E2M1 weight (uint8 [N, K/2])")
         s = expect(index, f"{key}.weight_scale", ("F8_E4M3",), (n, k // NVFP4_BLOCK), errors,
