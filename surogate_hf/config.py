@@ -19,6 +19,8 @@ Options (validated on creation; a bad value raises ValueError naming the option)
 
 The options of one format must stay at their defaults under another format (and under format=None, where
 the checkpoint fixes everything): a value there would be ignored, so it is an error naming the option.
+Each format's options are its home's `Options` dataclass (surogate_hf/nn/formats/<format>.py): it validates
+them, and its CONFIG_FIELDS says which field here sets which option (nf4_block_size -> NF4Options.block_size).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .formats.nf4 import NF4_BLOCK_SIZES  # noqa: F401  (re-exported: the option values, named where they live)
 from .formats.nvfp4 import FOUR_OVER_SIX_RULES  # noqa: F401
-from .nn.formats import FORMAT_CLASSES, FORMATS
+from .nn.formats import FORMAT_CLASSES, FORMATS  # noqa: F401  (FORMATS re-exported)
 from .nn.formats.fp8 import FP8_BLOCK_SIDES  # noqa: F401
 
 QUANT_METHOD = "surogate"
@@ -102,8 +104,9 @@ class SurogateConfig(QuantizationConfigMixin):
         """Validate and normalise every option; raise ValueError naming the offending one."""
         fmt = self.format
         if fmt is not None:
-            if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
-                raise ValueError(f"SurogateConfig: unknown format {fmt!r}; expected one of {FORMATS} or None")
+            if not isinstance(fmt, str) or fmt.lower() not in FORMAT_CLASSES:  # the registry: every format's home
+                known = tuple(FORMAT_CLASSES)
+                raise ValueError(f"SurogateConfig: unknown format {fmt!r}; expected one of {known} or None")
             self.format = fmt.lower()
 
         # Every format's options are validated (also those of other formats, which must stay at their defaults):

@@ -28,12 +28,12 @@ from torch import Tensor, nn
 
 from ..kernels import paths as _paths
 from . import slots as S
-from .formats import FP8Format, Format, MXFP4Format, NF4Format, NVFP4Format, make_format
+from .formats import FORMAT_CLASSES, FP8Format, Format, MXFP4Format, NF4Format, NVFP4Format, make_format
 from .formats.base import QUANTIZE_CHUNK_ELEMENTS, _row_chunks  # noqa: F401  (their home: nn/formats/base.py)
 
 __all__ = [  # the Format classes and make_format live in nn/formats/ (one home per format); re-exported here
     "FP8Format", "FP8Linear", "Format", "LINEAR_CLASSES", "MXFP4Format", "MXFP4Linear", "NF4Format", "NF4Linear",
-    "NVFP4Format", "NVFP4Linear", "QuantizedLinear", "make_format",
+    "NVFP4Format", "NVFP4Linear", "QuantizedLinear", "linear_class", "make_format",
 ]
 
 
@@ -327,3 +327,22 @@ LINEAR_CLASSES: dict[str, type[QuantizedLinear]] = {
     "mxfp4": MXFP4Linear,
     "nf4": NF4Linear,
 }
+
+
+class _RegisteredFormatLinear(QuantizedLinear):
+    """The quantized linear of a format registered in nn/formats/ without a named class here."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, **options):
+        fmt = make_format(self.quant_format, **options)
+        super().__init__(in_features, out_features, bias, device, dtype, fmt=fmt)
+
+
+def linear_class(name: str) -> type[QuantizedLinear]:
+    """The quantized linear of format `name`: its named class above, else one made (once) for the format's home,
+    so a new format needs no class here. Raises ValueError naming the known formats."""
+    cls = LINEAR_CLASSES.get(name)
+    if cls is None:
+        if name not in FORMAT_CLASSES:
+            raise ValueError(f"unknown format {name!r}; expected one of {tuple(FORMAT_CLASSES)}")
+        cls = LINEAR_CLASSES[name] = type(f"{name.upper()}Linear", (_RegisteredFormatLinear,), {"quant_format": name})
+    return cls

@@ -13,7 +13,7 @@ from ...nn import slots as S
 from ...nn.experts import QuantizedExperts
 from ...nn.formats import LAYOUTS, make_format
 from ...nn.formats.fp8 import e8m0_bytes_to_float, float_to_e8m0
-from ...nn.linear import LINEAR_CLASSES, keep_buffer_dtype
+from ...nn.linear import keep_buffer_dtype, linear_class
 from .checkpoint import FusedLayout, ModulePlan, _fmt, _st_dtype
 from .scheme import LayerFormat, PrequantizedCheckpointError
 
@@ -55,8 +55,8 @@ def _build_module(plan: ModulePlan, dense: torch.nn.Module):
         raise PrequantizedCheckpointError(f"{plan.key}: no linear module for stored format {kind!r}")
     bias = dense.bias is not None
     dtype = dense.weight.dtype
-    m = LINEAR_CLASSES[layout.format](dense.in_features, dense.out_features, bias, "meta", dtype,
-                                      **layout.module_options(plan.fmt))
+    m = linear_class(layout.format)(dense.in_features, dense.out_features, bias, "meta", dtype,
+                                    **layout.module_options(plan.fmt))
     derived = layout.derived_slots(plan.fmt)
     for slot in derived:
         del m._parameters[slot]  # not a stored tensor: adopt_stored derives it from the carried metadata
