@@ -19,6 +19,8 @@ Options (validated on creation; a bad value raises ValueError naming the option)
 
 The options of one format must stay at their defaults under another format (and under format=None, where
 the checkpoint fixes everything): a value there would be ignored, so it is an error naming the option.
+Each format's options are its home's `Options` dataclass (surogate_hf/nn/formats/<format>.py): it validates
+them, and its CONFIG_FIELDS says which field here sets which option (nf4_block_size -> NF4Options.block_size).
 """
 
 from __future__ import annotations
@@ -29,21 +31,16 @@ from typing import Any
 from transformers.quantizers.auto import register_quantization_config
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
-FOUR_OVER_SIX_RULES = ("mse", "mae", "abs_max")
-NF4_BLOCK_SIZES = (64, 128)
-FP8_BLOCK_SIDES = (16, 32, 64, 128, 256, 512)
+from .formats.nf4 import NF4_BLOCK_SIZES  # noqa: F401  (re-exported: the option values, named where they live)
+from .formats.nvfp4 import FOUR_OVER_SIX_RULES  # noqa: F401
+from .nn.formats import FORMAT_CLASSES, FORMATS  # noqa: F401  (FORMATS re-exported)
+from .nn.formats.fp8 import FP8_BLOCK_SIDES  # noqa: F401
+
 QUANT_METHOD = "surogate"
 
-# Options that only mean something for one format; a non-default value under another format is an error.
-_FORMAT_OPTIONS = {
-    "block_size": "fp8",
-    "ue8m0": "fp8",
-    "four_over_six": "nvfp4",
-    "four_over_six_rule": "nvfp4",
-    "nf4_block_size": "nf4",
-    "nf4_double_quant": "nf4",
-}
+# Options that only mean something for one format (each format's Options.CONFIG_FIELDS, nn/formats/); a
+# non-default value under another format is an error.
+_FORMAT_OPTIONS = {field: name for name, cls in FORMAT_CLASSES.items() for field in cls.options_class.CONFIG_FIELDS}
 
 _FIELDS = (
     "format",
@@ -57,10 +54,6 @@ _FIELDS = (
     "skip_quant_first_layers",
     "skip_quant_last_layers",
 )
-
-
-def _is_bool(v) -> bool:
-    return isinstance(v, bool)
 
 
 def _is_int(v) -> bool:
@@ -111,41 +104,18 @@ class SurogateConfig(QuantizationConfigMixin):
         """Validate and normalise every option; raise ValueError naming the offending one."""
         fmt = self.format
         if fmt is not None:
-            if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
-                raise ValueError(f"SurogateConfig: unknown format {fmt!r}; expected one of {FORMATS} or None")
+            if not isinstance(fmt, str) or fmt.lower() not in FORMAT_CLASSES:  # the registry: every format's home
+                known = tuple(FORMAT_CLASSES)
+                raise ValueError(f"SurogateConfig: unknown format {fmt!r}; expected one of {known} or None")
             self.format = fmt.lower()
 
-        bs = self.block_size
-        if isinstance(bs, str):
-            if bs.lower() != "tensor":
-                raise ValueError(f"SurogateConfig: block_size must be two ints, None or 'tensor'; got {bs!r}")
-            bs = None
-        if bs is not None:
-            try:
-                bs = tuple(bs)
-            except TypeError:
-                raise ValueError(f"SurogateConfig: block_size must be two ints, None or 'tensor'; got {bs!r}") from None
-            if len(bs) != 2 or not all(_is_int(b) for b in bs):
-                raise ValueError(f"SurogateConfig: block_size must be two ints, None or 'tensor'; got {self.block_size!r}")
-            if not all(b in FP8_BLOCK_SIDES for b in bs):
-                raise ValueError(
-                    f"SurogateConfig: unsupported block_size {bs}; each side must be one of {FP8_BLOCK_SIDES}"
-                )
-        self.block_size = bs
-
-        for name in ("ue8m0", "four_over_six", "nf4_double_quant"):
-            if not _is_bool(getattr(self, name)):
-                raise ValueError(f"SurogateConfig: {name} must be True or False, got {getattr(self, name)!r}")
-        if self.ue8m0 and self.block_size is None:
-            raise ValueError("SurogateConfig: ue8m0 scales need block scaling; block_size is per-tensor (None)")
-        if self.four_over_six_rule not in FOUR_OVER_SIX_RULES:
-            raise ValueError(
-                f"SurogateConfig: four_over_six_rule must be one of {FOUR_OVER_SIX_RULES}, got {self.four_over_six_rule!r}"
-            )
-        if self.nf4_block_size not in NF4_BLOCK_SIZES or not _is_int(self.nf4_block_size):
-            raise ValueError(
-                f"SurogateConfig: unsupported nf4_block_size {self.nf4_block_size!r}; expected one of {NF4_BLOCK_SIZES}"
-            )
+        # Every format's options are validated (also those of other formats, which must stay at their defaults):
+        # each home's Options dataclass checks and normalises them and names the SurogateConfig field.
+        for cls in FORMAT_CLASSES.values():
+            fields = cls.options_class.CONFIG_FIELDS
+            opts = cls.options_class.from_config({f: getattr(self, f) for f in fields})
+            for field, option in fields.items():
+                setattr(self, field, getattr(opts, option))
 
         for name, owner in _FORMAT_OPTIONS.items():
             if self.format != owner and getattr(self, name) != _DEFAULTS[name]:
@@ -196,14 +166,11 @@ class SurogateConfig(QuantizationConfigMixin):
 
     # ------------------------------------------------------------ helpers
     def format_options(self) -> dict[str, Any]:
-        """Constructor keywords of the quantized module class for `self.format`."""
-        if self.format == "fp8":
-            return {"block_size": self.block_size, "ue8m0": self.ue8m0}
-        if self.format == "nvfp4":
-            return {"four_over_six": self.four_over_six, "four_over_six_rule": self.four_over_six_rule}
-        if self.format == "nf4":
-            return {"block_size": self.nf4_block_size, "double_quant": self.nf4_double_quant}
-        return {}
+        """Constructor keywords of the quantized module class for `self.format` (the format's Options fields)."""
+        if self.format is None:
+            return {}
+        fields = FORMAT_CLASSES[self.format].options_class.CONFIG_FIELDS
+        return {option: getattr(self, field) for field, option in fields.items()}
 
 
 _DEFAULTS = {name: inspect.signature(SurogateConfig.__init__).parameters[name].default for name in _FORMAT_OPTIONS}

@@ -33,7 +33,6 @@ the write to restore it.
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import torch
@@ -52,7 +51,7 @@ from ..nn.convert import (
 )
 from ..nn.experts import QuantizedExperts, is_experts_module
 from ..nn import slots as S
-from ..nn.linear import NF4Format, QuantizedLinear, make_format
+from ..nn.linear import QuantizedLinear, make_format
 from .checkpoint_files import open_safetensors
 
 _FLOAT_SAFETENSORS_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -238,25 +237,6 @@ class SurogateHfQuantizer(HfQuantizer):
 
 
 # ============================================================================ saving
-def _unit_export(fmt, t: dict, n: int, k: int, prefix: str, dtype) -> dict[str, torch.Tensor]:
-    """One [n, k] weight unit as the standard checkpoint tensors `{prefix}weight...`."""
-    if isinstance(fmt, NF4Format):
-        from ..formats.nf4 import nf4_state_to_dict
-
-        packed = t[""].reshape(-1, 1)
-        out = {prefix + "weight": packed}
-        out.update(nf4_state_to_dict(fmt.quant_state(t, n, k, dtype), prefix + "weight"))
-        return out
-    if fmt.name == "mxfp4":
-        packed, scales = fmt._canon(t, n, k)
-        return {prefix + "weight": packed, prefix + "weight_scale": scales}
-    return {prefix + "weight" + s: v for s, v in t.items()}
-
-
-def _linear_tensors(m: QuantizedLinear) -> dict[str, torch.Tensor]:
-    return m._tensors()  # logical dtypes and shapes, as the checkpoint layouts store them
-
-
 def _per_expert_keys(model, name: str, m: QuantizedExperts, p: str):
     """Map the fused parameter `{name}.{p}` to its on-disk tensors through the model's conversion
     mapping: [(key, expert, first_row, last_row)], or None when it is stored fused (unchanged)."""
@@ -299,26 +279,18 @@ def _expert_slice(m: QuantizedExperts, p: str, e: int, r0: int, r1: int) -> tupl
                 f"surogate_hf: rows {r0}:{r1} of {p} do not form one quantized unit of {rows} rows; cannot save"
             )
         return m.unit_tensors(p, e, r0 // rows), rows, k
-    t = m.unit_tensors(p, e, 0)
-    if fmt.name == "nvfp4":
-        return {"": t[""][r0:r1], "_scale": t["_scale"][r0:r1], "_scale_2": t["_scale_2"]}, r1 - r0, k
-    if fmt.name == "mxfp4":
-        return {"": t[""][r0:r1], "_scales": t["_scales"][r0:r1]}, r1 - r0, k
-    raise AssertionError(fmt.name)
-
-
-def _native_expert_names(fmt_name: str, p: str, suffix: str) -> str:
-    if fmt_name == "mxfp4" and suffix == "":
-        return p + "_blocks"
-    return p + suffix
+    return fmt.expert_rows(m.unit_tensors(p, e, 0), r0, r1), r1 - r0, k
 
 
 def export_state_dict(model, config: SurogateConfig):
-    """(state_dict in the standard layout of config.format, quantization_config dict for config.json)."""
-    fmt_name = config.format
+    """(state_dict in the standard layout of config.format, quantization_config dict for config.json).
+
+    Format-agnostic: each format's home (nn/formats/) writes its units (`Format.to_checkpoint`), names its
+    natively fused expert tensors and describes the layout (`Format.checkpoint_config`)."""
+    fmt = make_format(config.format, **config.format_options())
     sd = dict(model.state_dict())
     dense_names = []
-    partial_fp8 = []
+    linears = {}
     for name, module in model.named_modules():
         if type(module) is torch.nn.Linear or is_experts_module(module):
             dense_names.append(name)
@@ -327,69 +299,23 @@ def export_state_dict(model, config: SurogateConfig):
         for slot in m.slot_names():
             sd.pop(prefix + slot, None)
         if isinstance(m, QuantizedLinear):
-            sd.update(_unit_export(m.fmt, _linear_tensors(m), m.out_features, m.in_features, prefix, m.dtype))
-            if fmt_name == "fp8" and m.fmt.block_size is not None:
-                bn, bk = m.fmt.block_size
-                if (m.out_features > bn and m.out_features % bn) or (m.in_features > bk and m.in_features % bk):
-                    partial_fp8.append(name)
+            # the slots' logical dtypes and shapes, as the checkpoint layouts store them
+            sd.update(m.fmt.to_checkpoint(m._tensors(), m.out_features, m.in_features, prefix, m.dtype))
+            linears[name] = (m.out_features, m.in_features)
             continue
         for p in m.projections:
             entries, native_key = _per_expert_keys(model, name, m, p)
             if entries is None:
                 disk_prefix = native_key[: -len(p)]
                 for s in m.fmt.slots(*m.units(p)[1:], expert=True):
-                    sd[disk_prefix + _native_expert_names(fmt_name, p, s)] = S.get_slot(m, p + s)
+                    sd[disk_prefix + m.fmt.expert_checkpoint_name(p, s)] = S.get_slot(m, p + s)
                 continue
             for key, e, r0, r1 in entries:
                 t, n, k = _expert_slice(m, p, e, r0, r1)
                 # clone: safetensors refuses tensors sharing storage (slices of one expert buffer)
                 t = {s: v.clone() for s, v in t.items()}
-                sd.update(_unit_export(m.fmt, t, n, k, key[: -len("weight")], m.dtype))
-    if partial_fp8:
-        warnings.warn(
-            "surogate_hf: fp8 layers with a dimension above the block size and not a multiple of it use partial "
-            f"edge blocks (DeepSeek-V3 layout; vLLM reads it, stock transformers' dequantize does not): {partial_fp8}",
-            SurogateWarning,
-            stacklevel=3,
-        )
-    return sd, _export_quantization_config(config, dense_names)
-
-
-def _export_quantization_config(config: SurogateConfig, dense_names: list[str]) -> dict:
-    fmt = config.format
-    if fmt == "fp8":
-        from transformers.utils.quantization_config import FineGrainedFP8Config
-
-        d = FineGrainedFP8Config(
-            activation_scheme="dynamic",
-            weight_block_size=None if config.block_size is None else list(config.block_size),
-            modules_to_not_convert=dense_names,
-        ).to_dict()
-        d["quant_method"] = "fp8"
-        return d
-    if fmt == "nvfp4":
-        from .. import __version__
-
-        return {
-            "quant_method": "modelopt",
-            "quant_algo": "NVFP4",
-            "group_size": 16,
-            "kv_cache_quant_algo": None,
-            "exclude_modules": dense_names,
-            "ignore": dense_names,
-            "producer": {"name": "surogate_hf", "version": __version__},
-        }
-    if fmt == "mxfp4":
-        return {"quant_method": "mxfp4", "modules_to_not_convert": dense_names}
-    if fmt == "nf4":
-        from transformers import BitsAndBytesConfig
-
-        d = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=config.nf4_double_quant,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-            llm_int8_skip_modules=dense_names,
-        ).to_dict()
-        return json.loads(json.dumps(d, default=str))
-    raise ValueError(f"surogate_hf: no checkpoint layout for format {fmt!r}")
+                sd.update(m.fmt.to_checkpoint(t, n, k, key[: -len("weight")], m.dtype))
+    caveat = fmt.save_caveats(linears)
+    if caveat:
+        warnings.warn(caveat, SurogateWarning, stacklevel=3)
+    return sd, fmt.checkpoint_config(dense_names)

@@ -17,5 +17,6 @@ from .linear import (
     NF4Linear,
     NVFP4Linear,
     QuantizedLinear,
+    linear_class,
     make_format,
 )

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .experts import QuantizedExperts, experts_shape_problem, is_experts_module
-from .linear import LINEAR_CLASSES, QuantizedLinear, make_format
+from .linear import QuantizedLinear, linear_class, make_format
 
 
 class SurogateWarning(UserWarning):
@@ -76,7 +76,7 @@ def quantized_module_for(module: nn.Module, fmt_name: str, options: dict, dtype=
     if is_experts_module(module):
         return QuantizedExperts(module, make_format(fmt_name, **options), dtype=dtype)
     dtype = dtype or module.weight.dtype
-    return LINEAR_CLASSES[fmt_name](
+    return linear_class(fmt_name)(
         module.in_features, module.out_features, bias=module.bias is not None, device="meta", dtype=dtype, **options
     )
 

@@ -11,7 +11,7 @@ output-major, [N, K], whatever the dense parameter's orientation):
     unit    = one expert's weight, or, for formats with `per_component` (fp8, nf4) and a concatenated
               [gate; up] projection, each half separately (so blocks never straddle gate and up, and a
               fused expert splits exactly into the per-projection tensors of the standard layouts)
-    slots   = `{P}{suffix}` (frozen integer-storage Parameters, nn/slots.py) for each slot of the unit (see nn/linear.py), shaped [E, *unit] or, with two
+    slots   = `{P}{suffix}` (frozen integer-storage Parameters, nn/slots.py) for each slot of the unit (see nn/formats/), shaped [E, *unit] or, with two
               units per expert, [E, 2, *unit]:
       fp8    `{P}` e4m3 [E, N, K] ([E, 2, I, K] split), `{P}_scale_inv` fp32 [E, ceil(N/bn), ceil(K/bk)]
              ([E, 2, ceil(I/bn), ceil(K/bk)]), [E] / [E, 2] per tensor

@@ -14,8 +14,8 @@ and shapes below, held as integer-storage Parameters, see nn/slots.py):
 The bias, when present, is a frozen Parameter in the model dtype. No dense weight is ever kept:
 forward and the input gradient decode inside the ops (one layer at a time on CPU).
 
-`Format` objects below describe one 2-D weight unit [N, K] of a format (slots, quantize, dequantize,
-linear, dgrad); the experts module reuses them per expert.
+`Format` objects (nn/formats/, one home per format) describe one 2-D weight unit [N, K] of a format (slots,
+quantize, dequantize, linear, dgrad, GEMM plan, checkpoint layout); the experts module reuses them per expert.
 """
 
 from __future__ import annotations
@@ -26,338 +26,15 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from .. import formats as F
-from .. import ops
 from ..kernels import paths as _paths
-from ..kernels import registry as _cuda
-from ..formats.mxfp4 import MXFP4_BLOCK
-from ..formats.nvfp4 import NVFP4_BLOCK
 from . import slots as S
-
-_NESTED_BLOCK = 256  # bitsandbytes' block size for double-quantized absmaxes
-# Large weights are quantized in row chunks of about this many elements: the reference quantizers
-# keep ~8 fp32 temporaries per element, so chunking bounds the load-time work space to a few MB per
-# chunk instead of ~16x the dense tensor. Results are bit-identical to one-shot quantization (the
-# per-tensor quantities, the NVFP4 global and the per-tensor FP8 scale, come from the whole tensor).
-QUANTIZE_CHUNK_ELEMENTS = 1 << 18
-
-
-def _row_chunks(n: int, k: int, multiple: int = 1):
-    rows = max(multiple, (QUANTIZE_CHUNK_ELEMENTS // max(k, 1)) // multiple * multiple)
-    return [(r, min(r + rows, n)) for r in range(0, n, rows)]
-
-
-def _chunked(w: Tensor, multiple: int, fn) -> dict[str, Tensor]:
-    """Apply fn to row chunks of w and concatenate each output along rows (0-d outputs: first chunk's)."""
-    parts = [fn(w[a:b]) for a, b in _row_chunks(w.shape[0], w.shape[1], multiple)]
-    if len(parts) == 1:
-        return parts[0]
-    return {key: parts[0][key] if parts[0][key].dim() == 0 else torch.cat([p[key] for p in parts]) for key in parts[0]}
-
-
-# ============================================================================ formats
-class Format:
-    """One weight format, for a 2-D unit [n, k] (rows = output features, k = reduction dim)."""
-
-    name = ""
-    # Whether the halves of a fused [gate; up] projection are quantized as separate units, so a fused
-    # expert weight splits exactly into the per-projection tensors of the standard layouts.
-    per_component = False
-
-    def shape_problem(self, n: int, k: int) -> str | None:
-        """Why this format cannot hold an [n, k] weight, or None."""
-        return None
-
-    def slots(self, n: int, k: int, expert: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        raise NotImplementedError
-
-    def quantize(self, w: Tensor, expert: bool = False) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def dequantize(self, t: dict[str, Tensor], n: int, k: int, dtype: torch.dtype) -> Tensor:
-        raise NotImplementedError
-
-    def linear(self, x: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
-        raise NotImplementedError
-
-    def dgrad(self, dy: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
-        raise NotImplementedError
-
-    def cuda_plan(self, t: dict[str, Tensor], n: int, k: int):
-        """(forward, dgrad, args) of the registered CUDA implementations with the GEMM's arguments
-        prepared once (see `GemmPlan`): forward(x, *args), dgrad(dy, *args)."""
-        raise NotImplementedError
-
-    def bytes_per_param(self) -> float:
-        raise NotImplementedError
-
-    def path_options(self) -> dict:
-        """This format's options that kernels.paths.plan_gemm takes (fp8 block size, NF4 block size)."""
-        return {}
-
-    def gemm_path(self, m: int, n: int, k: int, dtype: torch.dtype, capability, **device) -> "_paths.GemmPath":
-        """The CUDA path an [n, k] unit of this format takes for m tokens of `dtype` on a GPU of compute
-        capability `capability` (None: no GPU): the very decision the kernels make (kernels.paths.plan_gemm)."""
-        return _paths.plan_gemm(self.name, m, k, n, dtype, None if capability is None else tuple(capability),
-                                **self.path_options(), **device)
-
-
-class FP8Format(Format):
-    name = "fp8"
-    per_component = True
-
-    def __init__(self, block_size=(128, 128), ue8m0: bool = False):
-        self.block_size = None if block_size is None else (int(block_size[0]), int(block_size[1]))
-        self.ue8m0 = bool(ue8m0)
-
-    def slots(self, n, k, expert=False):
-        scale = () if self.block_size is None else (-(-n // self.block_size[0]), -(-k // self.block_size[1]))
-        return {"": ((n, k), F.E4M3), "_scale_inv": (scale, torch.float32)}
-
-    def quantize(self, w, expert=False):
-        if self.block_size is None:
-            scale = F.fp8_scale_from_amax(w.detach().abs().amax(), F.E4M3)
-
-            def one(c):
-                q, s = F.quantize_fp8_tensorwise(c, F.E4M3, scale=scale)
-                return {"": q, "_scale_inv": s.reshape(()).float()}
-
-            return _chunked(w, 1, one)
-        bn, bk = self.block_size
-
-        def one(c):
-            q, s = ops.quantize_fp8_blocks(c, bn, bk, self.ue8m0)
-            return {"": q, "_scale_inv": s}
-
-        return _chunked(w, bn, one)
-
-    def _blocks(self, t, n, k):
-        # per-tensor scaling is one block covering the whole weight
-        if self.block_size is None:
-            return n, k, t["_scale_inv"].reshape(1, 1)
-        return self.block_size[0], self.block_size[1], t["_scale_inv"]
-
-    def dequantize(self, t, n, k, dtype):
-        bn, bk, s = self._blocks(t, n, k)
-        return ops.dequantize_fp8_blocks(t[""], s, bn, bk, dtype)
-
-    def linear(self, x, t, n, k):
-        bn, bk, s = self._blocks(t, n, k)
-        if x.is_cuda:  # torch.compile graphs: the extension's C++ op when it applies
-            y = _cuda.fp8_block_linear_native(x, t[""], s, bn, bk, False)
-            if y is not None:
-                return y
-        # activations always use 1x128 tiles (or 1xK) as in the fine-grained recipe
-        return ops.fp8_block_linear(x, t[""], s, bn, bk)
-
-    def dgrad(self, dy, t, n, k):
-        bn, bk, s = self._blocks(t, n, k)
-        if dy.is_cuda:
-            dx = _cuda.fp8_block_linear_native(dy, t[""], s, bn, bk, True)
-            if dx is not None:
-                return dx
-        return ops.fp8_block_linear_dgrad(dy, t[""], s, bn, bk)
-
-    def cuda_plan(self, t, n, k):
-        bn, bk, s = self._blocks(t, n, k)
-        return _cuda.plan_fp8(t[""], s, bn, bk)
-
-    def bytes_per_param(self):
-        if self.block_size is None:
-            return 1.0
-        return 1.0 + 4.0 / (self.block_size[0] * self.block_size[1])
-
-    def path_options(self):
-        return {"block_size": self.block_size}
-
-
-class NVFP4Format(Format):
-    name = "nvfp4"
-
-    def __init__(self, four_over_six: bool = True, four_over_six_rule: str = "mse"):
-        self.four_over_six = bool(four_over_six)
-        self.rule = four_over_six_rule
-
-    def shape_problem(self, n, k):
-        if k % NVFP4_BLOCK:
-            return f"NVFP4 needs in_features % {NVFP4_BLOCK} == 0, got {k}"
-        return None
-
-    def slots(self, n, k, expert=False):
-        return {
-            "": ((n, k // 2), torch.uint8),
-            "_scale": ((n, k // NVFP4_BLOCK), F.E4M3),
-            "_scale_2": ((), torch.float32),
-        }
-
-    def quantize(self, w, expert=False):
-        amax = w.detach().abs().amax().float()
-
-        def one(c):
-            packed, scale, g = ops.quantize_nvfp4(c, False, self.four_over_six, self.rule, False, 0, amax)
-            return {"": packed, "_scale": scale, "_scale_2": g.reshape(())}
-
-        return _chunked(w, 1, one)
-
-    def dequantize(self, t, n, k, dtype):
-        return ops.dequantize_nvfp4(t[""], t["_scale"], t["_scale_2"], dtype)
-
-    def linear(self, x, t, n, k):
-        return ops.nvfp4_linear(x, t[""], t["_scale"], t["_scale_2"])
-
-    def dgrad(self, dy, t, n, k):
-        return ops.nvfp4_linear_dgrad(dy, t[""], t["_scale"], t["_scale_2"])
-
-    def cuda_plan(self, t, n, k):
-        return _cuda.plan_nvfp4(t[""], t["_scale"], t["_scale_2"])
-
-    def bytes_per_param(self):
-        return 0.5 + 1.0 / NVFP4_BLOCK
-
-
-class MXFP4Format(Format):
-    """Linear: weight [n, k/2] + weight_scale [n, k/32]. Experts use GPT-OSS' shapes and names:
-    `{P}` packed as [n, k/32, 16] (GPT-OSS' `{P}_blocks`) and `{P}_scales` [n, k/32]."""
-
-    name = "mxfp4"
-
-    def shape_problem(self, n, k):
-        if k % MXFP4_BLOCK:
-            return f"MXFP4 needs in_features % {MXFP4_BLOCK} == 0, got {k}"
-        return None
-
-    def slots(self, n, k, expert=False):
-        if expert:
-            return {"": ((n, k // MXFP4_BLOCK, 16), torch.uint8), "_scales": ((n, k // MXFP4_BLOCK), torch.uint8)}
-        return {"": ((n, k // 2), torch.uint8), "_scale": ((n, k // MXFP4_BLOCK), torch.uint8)}
-
-    def quantize(self, w, expert=False):
-        n, k = w.shape
-        t = _chunked(w, 1, lambda c: dict(zip(("p", "s"), ops.quantize_mxfp4(c))))
-        packed, scales = t["p"], t["s"]
-        if expert:
-            return {"": packed.reshape(n, k // MXFP4_BLOCK, 16), "_scales": scales}
-        return {"": packed, "_scale": scales}
-
-    @staticmethod
-    def _canon(t, n, k):
-        scales = t["_scales"] if "_scales" in t else t["_scale"]
-        return t[""].reshape(n, k // 2), scales.reshape(n, k // MXFP4_BLOCK)
-
-    def dequantize(self, t, n, k, dtype):
-        return ops.dequantize_mxfp4(*self._canon(t, n, k), dtype)
-
-    def linear(self, x, t, n, k):
-        return ops.mxfp4_linear(x, *self._canon(t, n, k))
-
-    def dgrad(self, dy, t, n, k):
-        return ops.mxfp4_linear_dgrad(dy, *self._canon(t, n, k))
-
-    def cuda_plan(self, t, n, k):
-        return _cuda.plan_mxfp4(*self._canon(t, n, k))
-
-    def bytes_per_param(self):
-        return 0.5 + 1.0 / MXFP4_BLOCK
-
-
-class NF4Format(Format):
-    name = "nf4"
-    per_component = True
-
-    def __init__(self, block_size: int = 64, double_quant: bool = True):
-        if block_size not in F.nf4.NF4_BLOCK_SIZES:
-            raise ValueError(f"nf4 block_size must be one of {F.nf4.NF4_BLOCK_SIZES}, got {block_size}")
-        self.block_size = int(block_size)
-        self.double_quant = bool(double_quant)
-
-    def shape_problem(self, n, k):
-        # bitsandbytes 0.50's CPU dequantize_4bit mis-decodes blocks that straddle rows (k % block != 0)
-        # while its quantize flattens them: such layers stay dense so what we write decodes alike everywhere.
-        if k % self.block_size:
-            return f"NF4 needs in_features % {self.block_size} == 0, got {k}"
-        return None
-
-    def slots(self, n, k, expert=False):
-        nb = n * k // self.block_size
-        s = {
-            "": ((n * k // 2, 1), torch.uint8),
-            "_absmax": ((nb,), torch.uint8 if self.double_quant else torch.float32),
-            "_quant_map": ((16,), torch.float32),
-        }
-        if self.double_quant:
-            s["_nested_absmax"] = ((-(-nb // _NESTED_BLOCK),), torch.float32)
-            s["_nested_quant_map"] = ((256,), torch.float32)
-            s["_offset"] = ((), torch.float32)
-        return s
-
-    def quantize(self, w, expert=False):
-        packed, qs = F.quantize_nf4(w, self.block_size, self.double_quant)
-        t = {"": packed.reshape(-1, 1), "_absmax": qs.absmax, "_quant_map": qs.code.float()}
-        if qs.nested:
-            t["_nested_absmax"] = qs.state2.absmax.float()
-            t["_nested_quant_map"] = qs.state2.code.float()
-            t["_offset"] = torch.as_tensor(qs.offset, dtype=torch.float32).reshape(())
-        return t
-
-    def quant_state(self, t, n, k, dtype):
-        """The bitsandbytes QuantState of a unit (dtype = the dtype bitsandbytes decodes to)."""
-        from bitsandbytes.functional import QuantState
-
-        state2 = None
-        offset = None
-        if self.double_quant:
-            state2 = QuantState(
-                absmax=t["_nested_absmax"], code=t["_nested_quant_map"], blocksize=_NESTED_BLOCK, dtype=torch.float32
-            )
-            offset = t["_offset"]
-        return QuantState(
-            absmax=t["_absmax"],
-            shape=torch.Size((n, k)),
-            code=t["_quant_map"],
-            blocksize=self.block_size,
-            quant_type="nf4",
-            dtype=dtype,
-            offset=offset,
-            state2=state2,
-        )
-
-    def _absmax(self, t, n, k):
-        return F.nf4_absmax(self.quant_state(t, n, k, torch.float32))
-
-    def dequantize(self, t, n, k, dtype):
-        # the same decode the linear ops use (bitsandbytes' dequantize_4bit agrees for k % block == 0)
-        return F.dequantize_nf4_raw(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, (n, k), dtype)
-
-    def linear(self, x, t, n, k):
-        return ops.nf4_linear(x, t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
-
-    def dgrad(self, dy, t, n, k):
-        return ops.nf4_linear_dgrad(dy, t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
-
-    def cuda_plan(self, t, n, k):
-        # The plan holds the de-nested fp32 absmax (4 bytes per block: +0.0625 B/param at block 64,
-        # on the device only, never saved): undoing double quantization per call was a bitsandbytes
-        # call (QuantState + dequantize_blockwise + offset add) on every forward and dgrad.
-        return _cuda.plan_nf4(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
-
-    def path_options(self):
-        return {"nf4_block": self.block_size}
-
-    def bytes_per_param(self):
-        if not self.double_quant:
-            return 0.5 + 4.0 / self.block_size
-        return 0.5 + 1.0 / self.block_size + 4.0 / (self.block_size * _NESTED_BLOCK)
-
-
-_FORMAT_CLASSES = {"fp8": FP8Format, "nvfp4": NVFP4Format, "mxfp4": MXFP4Format, "nf4": NF4Format}
-
-
-def make_format(name: str, **options) -> Format:
-    try:
-        cls = _FORMAT_CLASSES[name]
-    except KeyError:
-        raise ValueError(f"unknown format {name!r}; expected one of {tuple(_FORMAT_CLASSES)}") from None
-    return cls(**options)
+from .formats import FORMAT_CLASSES, FP8Format, Format, MXFP4Format, NF4Format, NVFP4Format, make_format
+from .formats.base import QUANTIZE_CHUNK_ELEMENTS, _row_chunks  # noqa: F401  (their home: nn/formats/base.py)
+
+__all__ = [  # the Format classes and make_format live in nn/formats/ (one home per format); re-exported here
+    "FP8Format", "FP8Linear", "Format", "LINEAR_CLASSES", "MXFP4Format", "MXFP4Linear", "NF4Format", "NF4Linear",
+    "NVFP4Format", "NVFP4Linear", "QuantizedLinear", "linear_class", "make_format",
+]
 
 
 # ============================================================================ autograd
@@ -655,3 +332,22 @@ LINEAR_CLASSES: dict[str, type[QuantizedLinear]] = {
     "mxfp4": MXFP4Linear,
     "nf4": NF4Linear,
 }
+
+
+class _RegisteredFormatLinear(QuantizedLinear):
+    """The quantized linear of a format registered in nn/formats/ without a named class here."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, **options):
+        fmt = make_format(self.quant_format, **options)
+        super().__init__(in_features, out_features, bias, device, dtype, fmt=fmt)
+
+
+def linear_class(name: str) -> type[QuantizedLinear]:
+    """The quantized linear of format `name`: its named class above, else one made (once) for the format's home,
+    so a new format needs no class here. Raises ValueError naming the known formats."""
+    cls = LINEAR_CLASSES.get(name)
+    if cls is None:
+        if name not in FORMAT_CLASSES:
+            raise ValueError(f"unknown format {name!r}; expected one of {tuple(FORMAT_CLASSES)}")
+        cls = LINEAR_CLASSES[name] = type(f"{name.upper()}Linear", (_RegisteredFormatLinear,), {"quant_format": name})
+    return cls

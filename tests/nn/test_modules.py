@@ -7,7 +7,7 @@ from torch import nn
 from surogate_hf.testing.models import sqnr_db
 from surogate_hf import formats as F
 from surogate_hf.nn import LINEAR_CLASSES, QuantizedExperts, make_format
-from surogate_hf.nn import linear as L
+from surogate_hf.nn.formats import base as FB
 from surogate_hf.nn import slots as S
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")
@@ -183,10 +183,10 @@ def test_chunked_quantization_is_bit_identical(monkeypatch):
     w[5, 7] = 3.0  # the tensor amax sits in one chunk only
     for name, opts in (("fp8", {}), ("fp8", {"block_size": None}), ("nvfp4", {}), ("mxfp4", {})):
         f = make_format(name, **opts)
-        monkeypatch.setattr(L, "QUANTIZE_CHUNK_ELEMENTS", 1 << 30)
+        monkeypatch.setattr(FB, "QUANTIZE_CHUNK_ELEMENTS", 1 << 30)
         whole = f.quantize(w)
-        monkeypatch.setattr(L, "QUANTIZE_CHUNK_ELEMENTS", 1 << 14)
-        assert len(L._row_chunks(700, 384, 128 if name == "fp8" and opts == {} else 1)) > 1
+        monkeypatch.setattr(FB, "QUANTIZE_CHUNK_ELEMENTS", 1 << 14)
+        assert len(FB._row_chunks(700, 384, 128 if name == "fp8" and opts == {} else 1)) > 1
         parts = f.quantize(w)
         for key in whole:
             assert torch.equal(_bits(whole[key]), _bits(parts[key])), (name, opts, key)

@@ -5,45 +5,25 @@ Every check runs before any weight loads; errors are collected so one exception 
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from ...nn.experts import experts_projections, is_experts_module
+from ...nn.formats import LAYOUTS
+from ...nn.formats.base import FLOAT_DTYPES, SCALAR_SHAPES  # noqa: F401  (re-exported)
+from ...nn.formats.base import describe as _fmt
+from ...nn.formats.fp8 import FP8_SCALE_ALIASES  # noqa: F401  (re-exported)
+from ...nn.formats.nf4 import BNB_COMPANION as _BNB_COMPANION
+from ...nn.formats.nf4 import NF4_NESTED_BLOCK, NF4_STATE_SLOT, NF4_STORED  # noqa: F401  (re-exported)
 from ..checkpoint_files import open_safetensors
-from .scheme import (
-    MXFP4_GROUP,
-    NVFP4_GROUP,
-    CheckpointScheme,
-    LayerFormat,
-    PrequantizedCheckpointError,
-    _is_gpt_oss_experts,
-)
+from .scheme import CheckpointScheme, LayerFormat, PrequantizedCheckpointError, _is_gpt_oss_experts
 
-FP8_SCALE_ALIASES = ("weight_scale_inv", "scale", "qscale_weight")  # real exports; transformers renames the same
-SCALAR_SHAPES = ((), (1,))
+# The per-layout checks (headers, QuantState, scale geometry) live with each format in nn/formats/ (`Layout`);
+# this module walks the model, asks `LAYOUTS[kind]`, and collects every error before anything loads.
 QUANT_LEAVES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale", "activation_scale")
-FLOAT_DTYPES = ("BF16", "F16", "F32")
-
-# bitsandbytes NF4: module slot (NF4Linear buffer) -> checkpoint suffix. Buffer names cannot hold dots, so the
-# quantizer renames the stored keys onto the slots while loading (transformers reverts that when saving);
-# the QuantState JSON is carried as a uint8 slot and its nested_offset becomes NF4Linear's weight_offset.
-NF4_STORED = {
-    "weight": "weight",
-    "weight_absmax": "weight.absmax",
-    "weight_quant_map": "weight.quant_map",
-    "weight_nested_absmax": "weight.nested_absmax",
-    "weight_nested_quant_map": "weight.nested_quant_map",
-    "weight_quant_state": "weight.quant_state.bitsandbytes__nf4",
-}
-NF4_STATE_SLOT = "weight_quant_state"
-NF4_BLOCKS = (64, 128)
-NF4_NESTED_BLOCK = 256
-_BNB_COMPANION = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__\w+)$")
 
 
 _ST_DTYPES = {
@@ -135,10 +115,6 @@ def _checkpoint_name(name: str, index: CheckpointIndex, prefix: str, probe: str)
     return name
 
 
-def _fmt(info: TensorInfo | None) -> str:
-    return "absent" if info is None else f"{info.dtype} {list(info.shape)}"
-
-
 def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tuple[list[ModulePlan], list[str]]:
     """Decide every module's stored format and check the headers against it. Returns (plans, errors)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -168,10 +144,11 @@ def plan_modules(model, scheme: CheckpointScheme, index: CheckpointIndex) -> tup
             continue
         probe = "gate_up_proj_blocks" if fmt.kind == "mxfp4_experts" else "weight"
         key = _checkpoint_name(name, index, prefix, probe)
-        fmt, errs = _refine(fmt, module, key, index)
+        layout = LAYOUTS[fmt.kind]
+        fmt, errs = layout.refine(fmt, module, key, index)
         slots, stored = {}, {}
         if not errs:
-            slots, stored, errs = _CHECKS[fmt.kind](module, key, fmt, index)
+            slots, stored, errs = layout.check(module, key, fmt, index)
         errors.extend(f"{e} [{fmt.origin}]" for e in errs)
         if not errs:
             plans.append(ModulePlan(name, key, fmt, slots, stored))
@@ -202,173 +179,6 @@ def _stored_packed(index, key: str) -> bool:
     return info is not None and info.dtype not in FLOAT_DTYPES
 
 
-def _expect(index, key, dtypes, shape, errors, what) -> TensorInfo | None:
-    info = index.get(key)
-    if info is None:
-        errors.append(f"missing {what}: {key} not found in the checkpoint")
-        return None
-    if info.dtype not in dtypes:
-        errors.append(f"{key} has dtype {info.dtype}, expected {' or '.join(dtypes)} ({what})")
-        return None
-    if shape is not None and info.shape not in (shape if isinstance(shape, list) else [shape]):
-        want = " or ".join(str(list(s)) for s in (shape if isinstance(shape, list) else [shape]))
-        errors.append(f"{key} has shape {list(info.shape)}, expected {want} ({what})")
-        return None
-    return info
-
-
-def _weight_disagrees(index, key, expected: str, errors) -> bool:
-    info = index.get(f"{key}.weight")
-    if info is not None and info.dtype in FLOAT_DTYPES:
-        errors.append(f"{key}.weight is {_fmt(info)}: stored dense, but the config says it is {expected}")
-        return True
-    return False
-
-
-def _plan_fp8_block(module, key, fmt, index):
-    errors, n, k = [], module.out_features, module.in_features
-    if _weight_disagrees(index, key, "FP8 block-quantized", errors):
-        return {}, {}, errors
-    w = _expect(index, f"{key}.weight", ("F8_E4M3",), (n, k), errors, "FP8 E4M3 weight")
-    alias = next((a for a in FP8_SCALE_ALIASES if f"{key}.{a}" in index), None)
-    if alias is None:
-        errors.append(f"missing scale: {key}.weight_scale_inv (or .scale / .qscale_weight) not found in the checkpoint")
-        return {}, {}, errors
-    bn, bk = fmt.block or (n, k)  # no weight_block_size: one scale for the whole tensor (transformers' reading)
-    grid = (math.ceil(n / bn), math.ceil(k / bk))
-    dtypes = ("F32", "F8_E8M0", "U8") if fmt.ue8m0 else ("F32",)
-    s = _expect(index, f"{key}.{alias}", dtypes, [grid] if fmt.block else [grid, (), (1,)], errors,
-                f"fp8 block scale for block {bn}x{bk}")
-    slots = {"weight": w, "weight_scale_inv": s}
-    return slots, {"weight": "weight", "weight_scale_inv": alias}, errors
-
-
-def _plan_fp8_tensor(module, key, fmt, index):
-    errors, n, k = [], module.out_features, module.in_features
-    if _weight_disagrees(index, key, "ModelOpt FP8", errors):
-        return {}, {}, errors
-    w = _expect(index, f"{key}.weight", ("F8_E4M3",), (n, k), errors, "ModelOpt FP8 weight")
-    s = _expect(index, f"{key}.weight_scale", ("F32",), list(SCALAR_SHAPES), errors, "ModelOpt FP8 per-tensor weight_scale")
-    slots = {"weight": w, "weight_scale": s}
-    if f"{key}.input_scale" in index:
-        slots["input_scale"] = _expect(index, f"{key}.input_scale", ("F32",), list(SCALAR_SHAPES), errors, "input_scale")
-    return slots, {s_: s_ for s_ in slots}, errors
-
-
-def _plan_nvfp4(module, key, fmt, index):
-    errors, n, k = [], module.out_features, module.in_features
-    if k % NVFP4_GROUP:
-        return {}, {}, [f"{key}: in_features {k} is not divisible by the NVFP4 block ({NVFP4_GROUP})"]
-    if _weight_disagrees(index, key, "NVFP4", errors):
-        return {}, {}, errors
-    w = _expect(index, f"{key}.weight", ("U8",), (n, k // 2), errors, "NVFP4 packed E2M1 weight (uint8 [N, K/2])")
-    s = _expect(index, f"{key}.weight_scale", ("F8_E4M3",), (n, k // NVFP4_GROUP), errors,
-                "NVFP4 block scale (E4M3 [N, K/16])")
-    g = _expect(index, f"{key}.weight_scale_2", ("F32",), list(SCALAR_SHAPES), errors, "NVFP4 global scale weight_scale_2")
-    slots = {"weight": w, "weight_scale": s, "weight_scale_2": g}
-    if f"{key}.input_scale" in index:
-        slots["input_scale"] = _expect(index, f"{key}.input_scale", ("F32",), list(SCALAR_SHAPES), errors, "input_scale")
-    return slots, {s_: s_ for s_ in slots}, errors
-
-
-def _plan_mxfp4(module, key, fmt, index):
-    """Dense linear: weight uint8 [N, K/2] (two E2M1, even element in the low nibble) + weight_scale E8M0 bytes."""
-    errors, n, k = [], module.out_features, module.in_features
-    if k % MXFP4_GROUP:
-        return {}, {}, [f"{key}: in_features {k} is not divisible by the MXFP4 block ({MXFP4_GROUP})"]
-    if _weight_disagrees(index, key, "MXFP4", errors):
-        return {}, {}, errors
-    w = _expect(index, f"{key}.weight", ("U8",), (n, k // 2), errors, "MXFP4 packed E2M1 weight (uint8 [N, K/2])")
-    s = _expect(index, f"{key}.weight_scale", ("U8",), (n, k // MXFP4_GROUP), errors,
-                "MXFP4 E8M0 block scale (uint8 [N, K/32])")
-    return {"weight": w, "weight_scale": s}, {"weight": "weight", "weight_scale": "weight_scale"}, errors
-
-
-def _refine(fmt: LayerFormat, module, key: str, index) -> tuple[LayerFormat, list[str]]:
-    """nf4: blocksize and double quantization are per tensor, in the stored QuantState; other kinds as given."""
-    if fmt.kind != "nf4":
-        return fmt, []
-    errors: list[str] = []
-    if _weight_disagrees(index, key, "NF4 (bitsandbytes)", errors):
-        return fmt, errors
-    state_key = f"{key}.{NF4_STORED[NF4_STATE_SLOT]}"
-    if state_key not in index:
-        other = [k for k in index.tensors if k.startswith(f"{key}.weight.quant_state.")]
-        if other:
-            return fmt, [f"{other[0]}: bitsandbytes 4-bit type other than nf4 is not supported"]
-        return fmt, [f"missing NF4 QuantState: {state_key} not found in the checkpoint"]
-    if index.get(state_key).dtype != "U8":
-        return fmt, [f"{state_key} has dtype {index.get(state_key).dtype}, expected U8 (bitsandbytes QuantState JSON)"]
-    try:
-        state = json.loads(bytes(index.read(state_key).reshape(-1).tolist()))
-    except ValueError as exc:
-        return fmt, [f"{state_key}: not a bitsandbytes QuantState JSON ({exc})"]
-    n, k = module.out_features, module.in_features
-    block = state.get("blocksize")
-    nested = "nested_blocksize" in state or "nested_offset" in state
-    if state.get("quant_type") != "nf4":
-        errors.append(f"{state_key}: quant_type {state.get('quant_type')!r}, expected 'nf4'")
-    if list(state.get("shape") or []) != [n, k]:
-        errors.append(f"{state_key}: shape {state.get('shape')}, expected [{n}, {k}] (the module's [out, in])")
-    if block not in NF4_BLOCKS:
-        errors.append(f"{state_key}: blocksize {block!r} unsupported; expected one of {NF4_BLOCKS}")
-    elif k % block:
-        # bitsandbytes' CPU dequantize misdecodes blocks that straddle rows; NF4Linear keeps whole-row blocks
-        errors.append(f"{key}: in_features {k} is not divisible by the NF4 blocksize ({block})")
-    if nested and (state.get("nested_blocksize") != NF4_NESTED_BLOCK or not isinstance(state.get("nested_offset"), (int, float))):
-        errors.append(f"{state_key}: nested_blocksize {state.get('nested_blocksize')!r} / nested_offset "
-                      f"{state.get('nested_offset')!r}; expected {NF4_NESTED_BLOCK} and a number")
-    has_nested = f"{key}.{NF4_STORED['weight_nested_absmax']}" in index
-    if nested != has_nested:
-        errors.append(f"{state_key}: the QuantState says nested={nested} but {key}.weight.nested_absmax is "
-                      f"{'present' if has_nested else 'absent'}")
-    if errors:
-        return fmt, errors
-    return LayerFormat("nf4", origin=fmt.origin, nf4_block=int(block), double_quant=nested,
-                       packed_only=fmt.packed_only), []
-
-
-def _plan_nf4(module, key, fmt, index):
-    """bitsandbytes layout, checked against the QuantState read by `_refine` (fmt.nf4_block, fmt.double_quant)."""
-    errors, n, k = [], module.out_features, module.in_features
-    nb = n * k // fmt.nf4_block
-    want = {
-        "weight": (("U8",), (n * k // 2, 1), "NF4 packed weight (uint8 [N*K/2, 1])"),
-        "weight_absmax": (("U8",) if fmt.double_quant else ("F32",), (nb,), "NF4 block absmax"),
-        "weight_quant_map": (("F32",), (16,), "NF4 quant_map"),
-    }
-    if fmt.double_quant:
-        want["weight_nested_absmax"] = (("F32",), (-(-nb // NF4_NESTED_BLOCK),), "NF4 nested absmax")
-        want["weight_nested_quant_map"] = (("F32",), (256,), "NF4 nested quant_map")
-    slots = {s: _expect(index, f"{key}.{NF4_STORED[s]}", d, shp, errors, what) for s, (d, shp, what) in want.items()}
-    slots[NF4_STATE_SLOT] = index.get(f"{key}.{NF4_STORED[NF4_STATE_SLOT]}")
-    return slots, {s: NF4_STORED[s] for s in slots}, errors
-
-
-def _plan_mxfp4_experts(module, key, fmt, index):
-    errors, slots = [], {}
-    e = module.num_experts
-    h, i = module.hidden_size, module.intermediate_size
-    for proj, rows, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-        if k % MXFP4_GROUP:
-            errors.append(f"{key}.{proj}: input dimension {k} is not divisible by the MXFP4 block ({MXFP4_GROUP})")
-            continue
-        dense = index.get(f"{key}.{proj}")
-        if dense is not None:
-            errors.append(f"{key}.{proj} is stored dense ({_fmt(dense)}), but the config says MXFP4 experts")
-            continue
-        slots[f"{proj}_blocks"] = _expect(index, f"{key}.{proj}_blocks", ("U8",), (e, rows, k // MXFP4_GROUP, 16), errors,
-                                          "MXFP4 expert blocks (uint8 [E, rows, K/32, 16])")
-        slots[f"{proj}_scales"] = _expect(index, f"{key}.{proj}_scales", ("U8",), (e, rows, k // MXFP4_GROUP), errors,
-                                          "MXFP4 expert E8M0 scales (uint8 [E, rows, K/32])")
-    return slots, {s: s for s in slots}, errors
-
-
-_CHECKS = {"fp8_block": _plan_fp8_block, "fp8_tensor": _plan_fp8_tensor, "nvfp4": _plan_nvfp4, "mxfp4": _plan_mxfp4,
-           "nf4": _plan_nf4, "mxfp4_experts": _plan_mxfp4_experts}
-FUSABLE = ("fp8_block", "fp8_tensor", "nvfp4", "mxfp4", "nf4")  # kinds per-expert linears can be fused from
-
-
 def _components(p: str, comps: int) -> list[str]:
     if p == "gate_up_proj":
         return ["gate_proj", "up_proj"] if comps == 2 else []
@@ -390,9 +200,10 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
         return None, [f"{name}: its experts' projections are stored in different formats ({sorted(map(str, kinds))}); "
                       "surogate_hf's fused experts hold one format per experts module"]
     fmt = next(iter(fmts.values()))
-    if fmt.kind not in FUSABLE:
+    layout = LAYOUTS[fmt.kind]
+    if layout.experts:
         return None, [f"{name}: experts in {fmt.kind} are not supported"]
-    if fmt.kind in ("mxfp4", "nf4") and not _stored_packed(index, f"{key}.0.{first}"):
+    if layout.packed_experts_only and not _stored_packed(index, f"{key}.0.{first}"):
         return None, []  # transformers' mxfp4 / bitsandbytes readers keep such experts dense: stored dense here
     errors = []
     if any(module._parameters.get(p + "_bias") is not None for p in projections):
@@ -405,7 +216,6 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
                           f"{fmt.kind} [{fmt.origin}]")
     if errors:
         return None, errors
-    check = _CHECKS[fmt.kind]
     slots, stored_names, suffix, stored, has_input = {}, {}, {}, {}, set()
     unit_fmts = set()
     for p, (n, k, _) in projections.items():
@@ -414,11 +224,11 @@ def _plan_fused_experts(name, module, scheme, index, prefix):
             for e in range(num_experts):
                 unit_key = f"{key}.{e}.{c}"
                 unit = SimpleNamespace(out_features=rows, in_features=k)
-                ufmt, errs = _refine(fmt, unit, unit_key, index)
+                ufmt, errs = layout.refine(fmt, unit, unit_key, index)
                 s_, names = {}, {}
                 if not errs:
                     unit_fmts.add(ufmt)
-                    s_, names, errs = check(unit, unit_key, ufmt, index)
+                    s_, names, errs = layout.check(unit, unit_key, ufmt, index)
                 errors.extend(f"{x} [{fmt.origin}]" for x in errs)
                 has_input.add("input_scale" in s_)
                 for slot, info in s_.items():
@@ -450,7 +260,7 @@ def check_scale_values(plans: list[ModulePlan], index: CheckpointIndex) -> list[
     for p in plans:
         for slot in p.slots:
             leaf = slot.rsplit(".", 1)[-1]
-            if leaf != "weight" and not leaf.endswith("_blocks") and leaf != NF4_STATE_SLOT:
+            if leaf != "weight" and not leaf.endswith("_blocks") and leaf != LAYOUTS[p.fmt.kind].metadata_slot:
                 by_file.setdefault(index.get(f"{p.key}.{p.stored_names[slot]}").file, []).append((p, slot))
     errors = []
     for path, entries in by_file.items():
@@ -458,30 +268,22 @@ def check_scale_values(plans: list[ModulePlan], index: CheckpointIndex) -> list[
             for p, slot in entries:
                 key, leaf = f"{p.key}.{p.stored_names[slot]}", slot.rsplit(".", 1)[-1]
                 scale = f.get_tensor(key)
-                problems = _scale_problems(key, leaf, scale, p.fmt.kind)
-                if not problems and (p.fmt.kind, leaf) in _BLOCK_SCALES and bool((scale.float() == 0).any()):
+                problems = LAYOUTS[p.fmt.kind].scale_problems(key, leaf, scale)
+                if not problems and leaf in LAYOUTS[p.fmt.kind].zero_scale_masks and bool((scale.float() == 0).any()):
                     problems = _zero_scale_problems(p, slot, key, scale, index)
                 errors.extend(problems)
     return errors
 
 
-# (kind, scale leaf) -> mask of the stored code bits that make an element non-zero (E4M3 bytes: all but the sign;
-# packed E2M1 bytes: all but each nibble's sign). A zero scale over such codes decodes them to zero.
-_BLOCK_SCALES = {("fp8_block", "weight_scale_inv"): 0x7F, ("fp8_tensor", "weight_scale"): 0x7F, ("nvfp4", "weight_scale"): 0x77}
-
-
 def _zero_scale_problems(p: ModulePlan, slot: str, key: str, scale: torch.Tensor, index: CheckpointIndex) -> list[str]:
     """A zero scale is only right over a block of zero codes; over non-zero codes it silently zeroes the weights."""
     stem = slot.rpartition(".")[0]
+    layout = LAYOUTS[p.fmt.kind]
     codes = index.read(f"{p.key}.{p.stored_names[stem + '.weight' if stem else 'weight']}")
-    nonzero = (codes.contiguous().view(torch.uint8) & _BLOCK_SCALES[(p.fmt.kind, slot.rsplit('.', 1)[-1])]) != 0
+    # mask: the stored code bits that make an element non-zero (a zero scale over such codes decodes them to zero)
+    nonzero = (codes.contiguous().view(torch.uint8) & layout.zero_scale_masks[slot.rsplit('.', 1)[-1]]) != 0
     n, kb = nonzero.shape
-    if p.fmt.kind == "nvfp4":
-        bn, bk = 1, NVFP4_GROUP // 2  # one E4M3 scale per 16 elements = 8 packed bytes of a row
-    elif p.fmt.kind == "fp8_block" and p.fmt.block is not None and scale.numel() > 1:
-        bn, bk = p.fmt.block
-    else:
-        bn, bk = n, kb  # one scale for the whole tensor
+    bn, bk = layout.scale_block(p.fmt, n, kb, scale)  # rows and code columns one scale element covers
     gn, gk = math.ceil(n / bn), math.ceil(kb / bk)
     padded = torch.zeros(gn * bn, gk * bk, dtype=torch.bool, device=nonzero.device)  # not the meta default of loading
     padded[:n, :kb] = nonzero
@@ -490,31 +292,6 @@ def _zero_scale_problems(p: ModulePlan, slot: str, key: str, scale: torch.Tensor
     if not bad:
         return []
     return [f"{key}: {bad} zero scale(s) over blocks of non-zero codes (they would decode to zeros)"]
-
-
-def _scale_problems(key: str, leaf: str, t: torch.Tensor, kind: str = "") -> list[str]:
-    if kind == "nf4":
-        if t.dtype == torch.uint8:  # double-quantized absmax: 8-bit codes, every byte is valid
-            return []
-        v = t.float()
-        nonfinite = int((~torch.isfinite(v)).sum())
-        if nonfinite:
-            return [f"{key}: {nonfinite} NaN/inf value(s)"]
-        if leaf in ("weight_absmax", "weight_nested_absmax") and bool((v < 0).any()):
-            return [f"{key}: negative absmax value(s) (min {v.min().item():g})"]
-        return []  # quant maps hold signed levels
-    if t.dtype == torch.uint8:  # E8M0 bytes (MXFP4 scales, ue8m0 FP8 scales): 255 is NaN
-        bad = int((t == 255).sum())
-        return [f"{key}: {bad} E8M0 scale byte(s) are 255 (NaN)"] if bad else []
-    v = t.float()
-    nonfinite = int((~torch.isfinite(v)).sum())
-    if nonfinite:
-        return [f"{key}: {nonfinite} NaN/inf value(s) in the scale"]
-    if bool((v < 0).any()):
-        return [f"{key}: negative scale value(s) (min {v.min().item():g})"]
-    if leaf == "weight_scale_2" and bool((v == 0).all()):
-        return [f"{key}: the global scale is zero"]
-    return []
 
 
 def raise_if_errors(errors: list[str], scheme: CheckpointScheme, limit: int = 20) -> None:

@@ -3,33 +3,25 @@ export back to the stored layout, and the loading op that fuses per-expert MoE l
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers.core_model_loading import ConversionOps
 
-from ... import formats as F
-from ...formats.mxfp4 import e8m0_to_float
 from ...nn import slots as S
 from ...nn.experts import QuantizedExperts
-from ...nn.linear import (
-    FP8Format,
-    FP8Linear,
-    MXFP4Format,
-    MXFP4Linear,
-    NF4Format,
-    NF4Linear,
-    NVFP4Format,
-    NVFP4Linear,
-    keep_buffer_dtype,
-)
-from .checkpoint import _ST_DTYPES, NF4_STATE_SLOT, FusedLayout, ModulePlan, _fmt, _st_dtype
+from ...nn.formats import LAYOUTS, make_format
+from ...nn.formats.fp8 import e8m0_bytes_to_float, float_to_e8m0
+from ...nn.linear import keep_buffer_dtype, linear_class
+from .checkpoint import FusedLayout, ModulePlan, _fmt, _st_dtype
 from .scheme import LayerFormat, PrequantizedCheckpointError
 
+# What differs between layouts (slot names, stored encodings, carried metadata, fusing per-expert tensors) is
+# asked of the layout's home in nn/formats/ (`LAYOUTS[kind]`); this module builds, adopts and exports generically.
 
 _STORED_ATTR = "_surogate_stored"  # on each loaded module: {stored slot name: StoredSlot}
+_LAYOUT_ATTR = "_surogate_layout"  # on each loaded module: its layout kind (nn/formats LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -37,31 +29,11 @@ class StoredSlot:
     working: str | None  # the module's own slot it feeds (None: carried only, e.g. a static input_scale)
     dtype: torch.dtype
     shape: tuple[int, ...]
-    encoding: str = "same"  # same | e8m0 (power-of-two scale bytes) | reshape | bnb_state (QuantState JSON, carried)
+    encoding: str = "same"  # same | e8m0 (power-of-two scale bytes) | reshape | metadata (e.g. QuantState JSON, carried)
+    derived: tuple[str, ...] = ()  # metadata: the working slots filled from it (Layout.derive)
 
 
-_NF4_OFFSET = "_offset"  # NF4 unit slot filled from the QuantState JSON's nested_offset (not a stored tensor)
-_FUSED_STATES_ATTR = "_surogate_bnb_states"  # fused nf4 experts: {"{expert}.{component}": QuantState JSON bytes}
-
-
-def _bnb_state(t: torch.Tensor) -> dict:
-    return json.loads(bytes(t.reshape(-1).tolist()))
-
-
-def _nf4_offset(t: torch.Tensor, device) -> torch.Tensor:
-    return torch.tensor(float(_bnb_state(t)["nested_offset"]), dtype=torch.float32, device=device)
-
-
-def _e8m0_bytes_to_float(t: torch.Tensor) -> torch.Tensor:
-    return e8m0_to_float(t.view(torch.uint8) if t.dtype != torch.uint8 else t)
-
-
-def _float_to_e8m0(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 powers of two back to the stored E8M0 (float8_e8m0fnu or its uint8 bytes); exact or an error."""
-    e = t.float().to(torch.float8_e8m0fnu)
-    if not torch.equal(e.float(), t.float()):
-        raise ValueError("ue8m0 scales changed after loading: a scale is no longer a power of two")
-    return e if dtype == torch.float8_e8m0fnu else e.view(torch.uint8)
+_FUSED_STATES_ATTR = "_surogate_bnb_states"  # fused experts: {"{expert}.{component}": metadata bytes (QuantState JSON)}
 
 
 def _stored_buffer(m, slot: str, dtype: torch.dtype, shape) -> None:
@@ -76,60 +48,52 @@ def _build_module(plan: ModulePlan, dense: torch.nn.Module):
     kind = plan.fmt.kind
     if plan.fused is not None:
         return _build_fused_experts(plan, dense)
-    if kind == "mxfp4_experts":
-        return _build_experts(plan, dense)
+    layout = LAYOUTS.get(kind)
+    if layout is not None and layout.experts:
+        return _build_experts(plan, dense, layout)
+    if layout is None:
+        raise PrequantizedCheckpointError(f"{plan.key}: no linear module for stored format {kind!r}")
     bias = dense.bias is not None
     dtype = dense.weight.dtype
-    if kind == "fp8_block":
-        m = FP8Linear(dense.in_features, dense.out_features, bias, "meta", dtype,
-                      block_size=plan.fmt.block, ue8m0=plan.fmt.ue8m0)
-    elif kind == "fp8_tensor":
-        m = FP8Linear(dense.in_features, dense.out_features, bias, "meta", dtype, block_size=None)
-    elif kind == "nvfp4":
-        m = NVFP4Linear(dense.in_features, dense.out_features, bias, "meta", dtype, four_over_six=False)
-    elif kind == "mxfp4":
-        m = MXFP4Linear(dense.in_features, dense.out_features, bias, "meta", dtype)
-    elif kind == "nf4":
-        m = NF4Linear(dense.in_features, dense.out_features, bias, "meta", dtype,
-                      block_size=plan.fmt.nf4_block, double_quant=plan.fmt.double_quant)
-        if plan.fmt.double_quant:
-            del m._parameters["weight" + _NF4_OFFSET]  # not a stored tensor: adopt_stored reads it from the JSON
-    else:
-        raise PrequantizedCheckpointError(f"{plan.key}: no linear module for stored format {kind!r}")
+    m = linear_class(layout.format)(dense.in_features, dense.out_features, bias, "meta", dtype,
+                                    **layout.module_options(plan.fmt))
+    derived = layout.derived_slots(plan.fmt)
+    for slot in derived:
+        del m._parameters[slot]  # not a stored tensor: adopt_stored derives it from the carried metadata
     stored = {}
     for slot, info in plan.slots.items():
         dt = _st_dtype(info)
-        working = {"weight_scale": "weight_scale_inv"}.get(slot, slot) if kind == "fp8_tensor" else slot
+        working = layout.working_name(slot)
         encoding = "same"
-        if slot in ("input_scale", NF4_STATE_SLOT):
+        if slot in layout.carried:
             working = None  # carried for save (a static activation scale; bitsandbytes' QuantState JSON)
-            encoding = "bnb_state" if slot == NF4_STATE_SLOT else encoding
+            encoding = "metadata" if slot == layout.metadata_slot else encoding
         if working is not None:
             want_shape, want_dtype, _ = S.slot_specs(m)[working]
-            if dt in (torch.uint8, _ST_DTYPES["F8_E8M0"]) and working == "weight_scale_inv":
-                encoding = "e8m0"  # ue8m0 exponents -> the fp32 powers of two FP8Linear works with
-            elif dt != want_dtype:
+            encoding = layout.stored_encoding(working, dt)
+            if encoding is None and dt != want_dtype:
                 raise PrequantizedCheckpointError(f"{plan.key}.{slot}: stored {info.dtype}, {type(m).__name__} needs {want_dtype}")
-            elif tuple(info.shape) != tuple(want_shape):
-                encoding = "reshape"
+            elif encoding is None:
+                encoding = "reshape" if tuple(info.shape) != tuple(want_shape) else "same"
         if working != slot and working is not None:
             del m._parameters[working]  # filled from the stored slot after loading
         if working is None:  # carried for save: a slot of its own, stored form = logical form
             S.declare_slots(m, {slot: (tuple(info.shape), dt, 0)})
         _stored_buffer(m, slot, dt, info.shape)
-        stored[slot] = StoredSlot(working, dt, tuple(info.shape), encoding)
+        stored[slot] = StoredSlot(working, dt, tuple(info.shape), encoding, derived if encoding == "metadata" else ())
     keep_buffer_dtype(m, *stored)  # e.g. an fp32 input_scale must survive model.to(bf16) bit for bit
     setattr(m, _STORED_ATTR, stored)
+    setattr(m, _LAYOUT_ATTR, kind)
     return m
 
 
-def _build_experts(plan: ModulePlan, dense):
-    """GPT-OSS experts: QuantizedExperts' MXFP4 slots `{P}` / `{P}_scales` are the stored `{P}_blocks` /
-    `{P}_scales` byte for byte; only the blocks' name differs."""
-    m = QuantizedExperts(dense, MXFP4Format(), dtype=dense.gate_up_proj.dtype, device="meta")
+def _build_experts(plan: ModulePlan, dense, layout):
+    """Natively fused experts (GPT-OSS MXFP4): QuantizedExperts' slots are the stored tensors byte for byte;
+    only names may differ (`layout.working_name`)."""
+    m = QuantizedExperts(dense, _unit_format(plan.fmt), dtype=dense.gate_up_proj.dtype, device="meta")
     stored = {}
     for slot, info in plan.slots.items():
-        working = slot.removesuffix("_blocks")
+        working = layout.working_name(slot)
         want_shape, want_dtype, _ = S.slot_specs(m)[working]
         if (_st_dtype(info), tuple(info.shape)) != (want_dtype, tuple(want_shape)):
             raise PrequantizedCheckpointError(
@@ -141,6 +105,7 @@ def _build_experts(plan: ModulePlan, dense):
         _stored_buffer(m, slot, want_dtype, info.shape)
         stored[slot] = StoredSlot(working, want_dtype, tuple(info.shape))
     setattr(m, _STORED_ATTR, stored)
+    setattr(m, _LAYOUT_ATTR, plan.fmt.kind)
     return m
 
 
@@ -149,15 +114,8 @@ _FUSED_ATTR = "_surogate_fused"  # on each fused experts module: its FusedLayout
 
 
 def _unit_format(fmt: LayerFormat):
-    if fmt.kind == "fp8_block":
-        return FP8Format(fmt.block, fmt.ue8m0)
-    if fmt.kind == "fp8_tensor":
-        return FP8Format(None)
-    if fmt.kind == "mxfp4":
-        return MXFP4Format()
-    if fmt.kind == "nf4":
-        return NF4Format(fmt.nf4_block, fmt.double_quant)
-    return NVFP4Format(four_over_six=False)  # ModelOpt's encode (global = 6 * 448 / amax) when re-quantizing
+    layout = LAYOUTS[fmt.kind]
+    return make_format(layout.format, **layout.module_options(fmt))
 
 
 def _build_fused_experts(plan: ModulePlan, dense):
@@ -169,18 +127,9 @@ def _build_fused_experts(plan: ModulePlan, dense):
         for p, comps in lay.projections.items():
             S.register_slot(m, f"{p}_input_scale", (lay.num_experts, len(comps)), torch.float32, "meta")
     setattr(m, _FUSED_ATTR, lay)
-    if lay.kind == "nf4":
+    if LAYOUTS[lay.kind].metadata_slot:
         setattr(m, _FUSED_STATES_ATTR, {})
     return m
-
-
-def _scale_to_working(t: torch.Tensor, shape) -> torch.Tensor:
-    t = _e8m0_bytes_to_float(t) if t.dtype in (torch.uint8, _ST_DTYPES["F8_E8M0"]) else t.float()
-    return t.reshape(shape)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.int32), b.reshape(-1).view(torch.int32))
 
 
 class FuseStoredExperts(ConversionOps):
@@ -215,58 +164,20 @@ class FuseStoredExperts(ConversionOps):
                 )
             return ts
 
-        out = {}
-        if lay.kind in ("fp8_block", "fp8_tensor"):
-            scale_slot = "weight_scale_inv" if lay.kind == "fp8_block" else "weight_scale"
-            ws = [torch.stack(stored(c, "weight")) for c in comps]
-            ss = [torch.stack([_scale_to_working(t, slot_shapes["_scale_inv"][0]) for t in stored(c, scale_slot)]) for c in comps]
-            out[full_layer_name] = torch.stack(ws, 1) if n_units > 1 else ws[0]
-            out[full_layer_name + "_scale_inv"] = torch.stack(ss, 1) if n_units > 1 else ss[0]
-        elif lay.kind == "mxfp4":  # no per-tensor scale: the components' rows concatenate exactly
-            w = [torch.cat([stored(c, "weight")[e] for c in comps]) for e in range(lay.num_experts)]
-            s = [torch.cat([stored(c, "weight_scale")[e] for c in comps]) for e in range(lay.num_experts)]
-            out[full_layer_name] = torch.stack(w).reshape((lay.num_experts,) + slot_shapes[""][0])
-            out[full_layer_name + "_scales"] = torch.stack(s)
-        elif lay.kind == "nf4":  # per-component units: each stored QuantState is stacked as is
-            states = getattr(m, _FUSED_STATES_ATTR)  # carried for save, byte for byte
+        layout = LAYOUTS[lay.kind]
+        if layout.metadata_slot:  # carried for save, byte for byte
+            states = getattr(m, _FUSED_STATES_ATTR)
             for c in comps:
-                for e, t in enumerate(stored(c, NF4_STATE_SLOT)):
+                for e, t in enumerate(stored(c, layout.metadata_slot)):
                     states[f"{e}.{c}"] = bytes(t.reshape(-1).tolist())
-            for suffix, (shape, _) in slot_shapes.items():
-                per_comp = []
-                for c in comps:
-                    if suffix == _NF4_OFFSET:
-                        per_comp.append(torch.stack([_nf4_offset(t, t.device) for t in stored(c, NF4_STATE_SLOT)]))
-                    else:
-                        per_comp.append(torch.stack([t.reshape(shape) for t in stored(c, "weight" + suffix)]))
-                out[full_layer_name + suffix] = torch.stack(per_comp, 1) if n_units > 1 else per_comp[0]
-        else:
-            per = {c: (stored(c, "weight"), stored(c, "weight_scale"), stored(c, "weight_scale_2")) for c in comps}
-            packed, block, glob = [], [], []
-            for e in range(lay.num_experts):
-                parts = [(per[c][0][e], per[c][1][e], per[c][2][e].reshape(())) for c in comps]
-                if all(_same_bits(g, parts[0][2]) for _, _, g in parts):
-                    packed.append(torch.cat([w for w, _, _ in parts]))
-                    block.append(torch.cat([s for _, s, _ in parts]))
-                    glob.append(parts[0][2].float())
-                    continue
-                if not FuseStoredExperts._warned:
-                    FuseStoredExperts._warned = True
-                    warnings.warn(
-                        f"{module_name}.{proj}: the stored {' and '.join(comps)} of an expert have different NVFP4 global "
-                        "scales, while the fused projection holds one per expert; dequantizing, fusing and "
-                        "re-quantizing them (values change within NVFP4 rounding). Export with a unified amax "
-                        "for fused layers to load them exactly.",
-                        stacklevel=2,
-                    )
-                dense = torch.cat([F.dequantize_nvfp4(w, s, g, torch.float32) for w, s, g in parts])
-                q = m.fmt.quantize(dense, expert=True)
-                packed.append(q[""])
-                block.append(q["_scale"])
-                glob.append(q["_scale_2"].reshape(()))
-            out[full_layer_name] = torch.stack(packed)
-            out[full_layer_name + "_scale"] = torch.stack(block)
-            out[full_layer_name + "_scale_2"] = torch.stack(glob)
+
+        def warn(message):
+            if not FuseStoredExperts._warned:
+                FuseStoredExperts._warned = True
+                warnings.warn(f"{module_name}.{proj}: {message}", stacklevel=4)  # convert's caller
+
+        fused = layout.fuse(stored, comps, lay.num_experts, slot_shapes, n_units, m.fmt, warn)
+        out = {full_layer_name + suffix: t for suffix, t in fused.items()}
         if lay.input_scale:
             out[f"{module_name}.{proj}_input_scale"] = torch.stack(
                 [torch.stack([t.reshape(()).float() for t in stored(c, "input_scale")]) for c in comps], 1
@@ -302,35 +213,24 @@ def export_fused(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str]
         if lay.input_scale:
             replaced.add(f"{prefix}{proj}_input_scale")
         crows = rows * n_units // len(comps)
+        layout = LAYOUTS[lay.kind]
         for e in range(lay.num_experts):
             for j, c in enumerate(comps):
                 def put(slot, value):
                     dtype, shape = lay.stored[(c, slot)]
-                    if dtype in (torch.uint8, _ST_DTYPES["F8_E8M0"]) and slot == "weight_scale_inv":
-                        value = _float_to_e8m0(value, dtype)
+                    if layout.stored_encoding(slot, dtype) == "e8m0":
+                        value = float_to_e8m0(value, dtype)
                     out[f"{prefix}{e}.{c}.{lay.suffix[(c, slot)]}"] = value.to(dtype).reshape(shape).clone()
 
-                if lay.kind in ("fp8_block", "fp8_tensor"):
-                    idx = (e, j) if n_units > 1 else (e,)
-                    put("weight", t[""][idx])
-                    put("weight_scale_inv" if lay.kind == "fp8_block" else "weight_scale", t["_scale_inv"][idx])
-                elif lay.kind == "mxfp4":
-                    put("weight", t[""][e, j * crows : (j + 1) * crows])
-                    put("weight_scale", t["_scales"][e, j * crows : (j + 1) * crows])
-                elif lay.kind == "nf4":
-                    idx = (e, j) if n_units > 1 else (e,)
-                    for cc, slot in lay.suffix:
-                        if cc != c:
-                            continue
-                        if slot == NF4_STATE_SLOT:  # the stored QuantState JSON, byte for byte
-                            data = getattr(module, _FUSED_STATES_ATTR)[f"{e}.{c}"]
-                            out[f"{prefix}{e}.{c}.{lay.suffix[(c, slot)]}"] = torch.tensor(list(data), dtype=torch.uint8)
-                        else:
-                            put(slot, t[slot.removeprefix("weight")][idx])
-                else:
-                    put("weight", t[""][e, j * crows : (j + 1) * crows])
-                    put("weight_scale", t["_scale"][e, j * crows : (j + 1) * crows])
-                    put("weight_scale_2", t["_scale_2"][e])
+                tensors = layout.split(t, e, j, crows, n_units)
+                for cc, slot in lay.suffix:  # in stored order
+                    if cc != c:
+                        continue
+                    if slot == layout.metadata_slot:  # the stored metadata (QuantState JSON), byte for byte
+                        data = getattr(module, _FUSED_STATES_ATTR)[f"{e}.{c}"]
+                        out[f"{prefix}{e}.{c}.{lay.suffix[(c, slot)]}"] = torch.tensor(list(data), dtype=torch.uint8)
+                    elif slot in tensors:
+                        put(slot, tensors[slot])
                 if lay.input_scale:
                     put("input_scale", S.get_slot(module, f"{proj}_input_scale")[e, j])
     return out, replaced
@@ -342,9 +242,10 @@ def adopt_stored(module) -> None:
     nn/slots.py); freeze the base."""
     stored: dict[str, StoredSlot] = getattr(module, _STORED_ATTR, {})
     for slot, s in stored.items():
-        if s.encoding == "bnb_state" and module.fmt.double_quant:
+        if s.derived:  # working slots held in carried metadata (NF4's weight_offset in the QuantState JSON)
             t = S.raw_slot(module, slot)
-            S.set_slot(module, "weight" + _NF4_OFFSET, _nf4_offset(t, t.device))
+            for name, value in LAYOUTS[getattr(module, _LAYOUT_ATTR)].derive(slot, t, module.fmt).items():
+                S.set_slot(module, name, value)
         t = S.raw_slot(module, slot)
         if t.is_meta:
             raise PrequantizedCheckpointError(f"{slot} of {type(module).__name__} was not filled by the checkpoint")
@@ -352,7 +253,7 @@ def adopt_stored(module) -> None:
             S.set_slot(module, slot, t)
             continue
         if s.encoding == "e8m0":
-            t = _e8m0_bytes_to_float(t)
+            t = e8m0_bytes_to_float(t)
         if s.working != slot:
             module._buffers.pop(slot, None)
         S.set_slot(module, s.working, t.reshape(S.slot_specs(module)[s.working][0]))
@@ -371,9 +272,9 @@ def export_stored(module, prefix: str) -> tuple[dict[str, torch.Tensor], set[str
         src = s.working or slot
         t = S.get_slot(module, src)
         if s.encoding == "e8m0":
-            t = _float_to_e8m0(t, s.dtype)
+            t = float_to_e8m0(t, s.dtype)
         out[prefix + slot] = t.to(s.dtype).reshape(s.shape)
         replaced.add(prefix + src)
-        if s.encoding == "bnb_state":  # weight_offset lives in the JSON on disk
-            replaced.add(prefix + "weight" + _NF4_OFFSET)
+        if s.encoding == "metadata":  # slots derived from it (weight_offset) live in the metadata on disk
+            replaced.update(prefix + d for d in s.derived)
     return out, replaced

@@ -13,7 +13,8 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .checkpoint import NF4_STORED, CheckpointIndex, ModulePlan, check_scale_values, plan_modules, raise_if_errors
+from ...nn.formats import LAYOUTS
+from .checkpoint import CheckpointIndex, ModulePlan, check_scale_values, plan_modules, raise_if_errors
 from .modules import _FUSED_ATTR, _STORED_ATTR, FuseStoredExperts, _build_module, adopt_stored, export_fused, export_stored
 from .scheme import CheckpointScheme, PrequantizedCheckpointError, read_config_json_quantization, read_legacy_modelopt_config
 
@@ -210,9 +211,9 @@ class PrequantizedHfQuantizer(HfQuantizer):
             renames.append(WeightRenaming(source_patterns=r"^(.+)\.scale", target_patterns=r"\1.weight_scale_inv"))
         if "qscale_weight" in getattr(self, "_aliases", ()):
             renames.append(WeightRenaming(source_patterns=r"\.qscale_weight", target_patterns=".weight_scale_inv"))
-        # bitsandbytes' dotted companions (`weight.absmax`, ...) onto NF4Linear's slots (`weight_absmax`, ...)
-        if any(p.fmt.kind == "nf4" for p in self.plans):
-            for slot, suffix in NF4_STORED.items():
+        # stored names a module attribute cannot hold onto the slots (bitsandbytes' `weight.absmax` -> `weight_absmax`)
+        for kind in dict.fromkeys(p.fmt.kind for p in self.plans):
+            for slot, suffix in LAYOUTS[kind].stored_names.items():
                 if slot != suffix:
                     renames.append(WeightRenaming(source_patterns=re.escape("." + suffix), target_patterns="." + slot))
         return renames + self._fuse_experts_conversions(list(weight_conversions))
@@ -221,7 +222,8 @@ class PrequantizedHfQuantizer(HfQuantizer):
         """A stored suffix as the renamings above leave it (converters match after renamings)."""
         if suffix in getattr(self, "_aliases", ()):
             return "weight_scale_inv"
-        return {v: k for k, v in NF4_STORED.items()}.get(suffix, suffix)
+        loaded = {v: k for layout in LAYOUTS.values() for k, v in layout.stored_names.items()}
+        return loaded.get(suffix, suffix)
 
     def _fuse_experts_conversions(self, conversions):
         """The model's per-expert merge converters (e.g. experts.*.gate_proj.weight + up_proj -> gate_up_proj) become

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.quantizers.quantizers_utils import should_convert_module
 
-NVFP4_GROUP = 16
-MXFP4_GROUP = 32
+from ...formats.mxfp4 import MXFP4_BLOCK
+from ...formats.nvfp4 import NVFP4_BLOCK
+
+NVFP4_GROUP = NVFP4_BLOCK  # the formats' own block sizes, under the names ModelOpt's configs use
+MXFP4_GROUP = MXFP4_BLOCK
 MODELOPT_ALGOS = ("NVFP4", "FP8", "MIXED_PRECISION")
 
 
