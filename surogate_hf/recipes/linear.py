@@ -419,12 +419,14 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     (`surogate_recipe`, written here, so it is saved with every checkpoint and a reloaded model
     finds it); an explicit argument always wins. Call it before the optimizer is built and before
     accelerator.prepare. module_filter_fn(module, fqn) -> bool can keep more linears in model_dtype (the
-    same hook, and the same module selection, as SurogateConfig's quantizer: nn.convert.module_plan). Plain nn.Linear layers inside the transformer blocks get the recipe;
-    embeddings, norms, the attention core and lm_head (and `modules_to_not_convert`, and the first /
-    last `skip_quant_*_layers` blocks) stay in model_dtype. With fused_norms (default) recognised transformers
-    RMSNorms become recipes.norm.FusedRMSNorm (same weight and key, same formula, fused kernels, FP8 hand-off). Quantized QLoRA bases (nn.linear.QuantizedLinear) keep
-    their storage; their GEMMs follow the recipe (recipes.qlora: `base.recipe_gemm`), and in a PEFT model over them
-    the LoRA adapter linears become RecipeLinears.
+    same hook, and the same module selection, as SurogateConfig's quantizer: nn.convert.module_plan).
+
+    Plain nn.Linear layers inside the transformer blocks get the recipe; embeddings, the attention core and lm_head
+    (and `modules_to_not_convert`, and the first / last `skip_quant_*_layers` blocks) stay in model_dtype. With
+    fused_norms (default) recognised transformers RMSNorms become recipes.norm.FusedRMSNorm (same weight and key,
+    same formula, fused kernels, FP8 hand-off). Quantized QLoRA bases (nn.linear.QuantizedLinear) keep their
+    storage; their GEMMs follow the recipe (recipes.qlora: `base.recipe_gemm`), and in a PEFT model over them the
+    LoRA adapter linears become RecipeLinears.
     """
     cfg = resolve_recipe(model, recipe, **knobs)
     if cfg is None:
