@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 NAME = "surogate_hf_ext"
-_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+# the sources ship inside the package (surogate_hf/_csrc, a link to the repository's top-level csrc/ that the wheel
+# build copies), so an installed wheel can build the extension as well as a checkout can
+_CSRC = Path(__file__).resolve().parent.parent / "_csrc"
 SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu")
 
 _module = None
@@ -58,7 +60,8 @@ def load(build: bool = False):
         return None
     missing = [s for s in SOURCES if not (_CSRC / s).exists()]
     if missing:
-        _error = f"csrc sources not found under {_CSRC} ({', '.join(missing)}): install from a source checkout"
+        _error = (f"csrc sources not found under {_CSRC} ({', '.join(missing)}): this installation lacks "
+                  "surogate_hf/_csrc (the wheel ships it; reinstall the package)")
         return None
     from torch.utils.cpp_extension import load as _load
 
