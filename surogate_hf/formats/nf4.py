@@ -55,10 +55,20 @@ def nf4_code(device=None) -> torch.Tensor:
     return _bnb().get_4bit_type("nf4", device=device or "cpu").float()
 
 
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """bitsandbytes' 8-bit dequantize_blockwise in torch ops: code[codes] * absmax[block], one fp32 product per
+    element (what its CPU and CUDA kernels compute, bit for bit). Plain ops, so it traces: bitsandbytes' own CPU op
+    returned NaN under inductor when its input was a slot read inside the graph."""
+    vals = code.float()[codes.reshape(-1).long()]
+    scale = absmax.float().repeat_interleave(blocksize)[: vals.numel()]
+    return (vals * scale).reshape(codes.shape)
+
+
 def nf4_absmax(quant_state) -> torch.Tensor:
     """fp32 absmax per block, undoing double quantization when the state is nested."""
     if quant_state.nested:
-        absmax = _bnb().dequantize_blockwise(quant_state.absmax, quant_state.state2)
+        st2 = quant_state.state2
+        absmax = dequantize_blockwise(quant_state.absmax, st2.absmax, st2.code, st2.blocksize)
         return (absmax + quant_state.offset).float()
     return quant_state.absmax.float()
 

@@ -177,11 +177,10 @@ def test_qlora_trains_with_every_recipe(fmt, recipe, kw):
 
 
 @pytest.mark.parametrize("fmt, recipe, kw", [("mxfp4", "fp8-hybrid", {}), ("fp8", "bf16", {}),
-                                             ("nvfp4", "fp8-hybrid", {"fp8_scaling": "blockwise"})])
+                                             ("nvfp4", "fp8-hybrid", {"fp8_scaling": "blockwise"}),
+                                             ("nf4", "fp8-hybrid", {})])
 def test_qlora_recipe_compiles_fullgraph_and_trains_like_eager(fmt, recipe, kw):
-    """Decoder layers compiled with fullgraph=True. (nf4 is left out: on CPU under inductor its double-quantized
-    absmax decodes to NaN when the slots are read inside the graph, with or without a recipe; a defect of the nf4
-    compile path found here, not of the recipes, and open.)"""
+    """Decoder layers compiled with fullgraph=True train like eager."""
     torch._dynamo.reset()
     runs = []
     for compiled in (False, True):
