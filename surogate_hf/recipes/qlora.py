@@ -152,7 +152,9 @@ class BaseRecipeGemm:
     def __init__(self, base, cfg: RecipeConfig, index: int, state=None, layer: int | None = None):
         self.base, self.cfg, self.index = base, cfg, index
         self.state = state
-        self.sr_step = 0
+        # nvfp4: the stochastic-rounding step of this base (a Python counter: not in checkpoints, unlike
+        # RecipeLinear's fp4_sr_step buffer) and the seed of its last training forward (reused by a recompute)
+        self.sr_step, self.last_seed = 0, 0
         fmt = base.fmt
         native_blockwise = base.quant_format == "fp8" and getattr(fmt, "block_size", None) == _BLOCK
         if cfg.recipe == "nvfp4":
@@ -196,8 +198,11 @@ class BaseRecipeGemm:
             sr = not self.cfg.no_fp4_stochastic_rounding
             seed = 0
             if sr and torch.is_grad_enabled():
-                seed = sr_seed(self.cfg.seed, self.index, self.sr_step, ROLE_DGRAD)
-                self.sr_step += 1
+                if torch._C._current_graph_task_id() != -1:  # an activation-checkpoint recompute takes no new step
+                    seed = self.last_seed
+                else:
+                    seed = self.last_seed = sr_seed(self.cfg.seed, self.index, self.sr_step, ROLE_DGRAD)
+                    self.sr_step += 1
             args = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr, seed)
         else:
             st = self.state

@@ -200,3 +200,22 @@ def test_qlora_recipe_compiles_fullgraph_and_trains_like_eager(fmt, recipe, kw):
             losses.append(loss.item())
         runs.append(losses)
     assert runs[1] == pytest.approx(runs[0], rel=1e-3)
+
+
+def test_nvfp4_base_recompute_reuses_the_forward_draw():
+    """Activation checkpointing: a recompute of a base's forward takes no new stochastic-rounding step, so the second
+    step draws what it draws without checkpointing and the gradients match."""
+    grads = []
+    for ckpt in (False, True):
+        model = _qlora("nf4", layers=2)
+        R.apply_recipe(model, "nvfp4")
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+        for _ in range(2):
+            model.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
