@@ -39,7 +39,7 @@ from ..nn.convert import module_plan
 from . import fp8_blockwise
 from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
 from ..nn.linear import QuantizedLinear
-from .norm import FusedRMSNorm, fuse_norms
+from .norm import FusedRMSNorm, fuse_norms, input_handoff
 from .qlora import BaseRecipeGemm
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
@@ -304,18 +304,6 @@ class RecipeLinear(nn.Linear):
         with torch.no_grad():
             self.fp8_rows_t[0] = row
 
-    def _input_handoff(self, x: Tensor, need_dw_t: bool):
-        """The FP8 cast of x a FusedRMSNorm already wrote (linking to that norm on first sight), or None."""
-        norm = getattr(x, "_surogate_norm", None)
-        if norm is None:
-            return None
-        if self.__dict__.get("_input_norm") is not norm:
-            if self.__dict__.get("_input_norm") is not None:
-                return None  # fed by another norm before: keep casting for ourselves
-            norm.link(self)
-            self.__dict__["_input_norm"] = norm
-        return norm.handoff(x, self.fp8_rows[0], need_dw_t)
-
     def _fp8_forward(self, x: Tensor) -> Tensor:
         st = self.scaling_state
         grad = torch.is_grad_enabled()
@@ -325,7 +313,7 @@ class RecipeLinear(nn.Linear):
         if not torch.compiler.is_compiling():
             warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
             if record:
-                got = self._input_handoff(x, self._fp8_backward and self.weight.requires_grad)
+                got = input_handoff(self, x, self._fp8_backward and self.weight.requires_grad)
                 pre = pre if got is None or current else got
         wq, wqt, w_sinv = self._fp8_weight(st, record, current, need_t)
         if torch.compiler.is_compiling():

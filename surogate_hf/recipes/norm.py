@@ -143,7 +143,7 @@ class FusedRMSNorm(nn.Module):
 
     # ---- the FP8 hand-off (called by recipes.linear.RecipeLinear, eager only)
     def link(self, linear) -> None:
-        """Make `linear` (an FP8 RecipeLinear fed by this norm's output) one of this norm's consumers: it takes
+        """Make `linear` (an FP8 consumer fed by this norm's output, see input_handoff) one of this norm's consumers: it takes
         the group's x row (the first consumer's), and the norm writes the transpose if any consumer trains."""
         st = linear.scaling_state
         transpose = linear.weight.requires_grad and linear._fp8_backward
@@ -163,6 +163,22 @@ class FusedRMSNorm(nn.Module):
         if got is None or got[0] != row or got[4] != x._version or (need_t and got[2] is None):
             return None
         return got[1], got[2], got[3]
+
+
+def input_handoff(consumer, x: Tensor, need_t: bool):
+    """The FP8 cast of x a FusedRMSNorm wrote for `consumer`'s x row (linking the consumer to that norm the first
+    time it receives the norm's output), or None. consumer: an FP8 RecipeLinear, or the BaseRecipeGemm of a QLoRA
+    base (recipes.qlora): anything with scaling_state, fp8_rows, weight, _fp8_backward and _share_input_row."""
+    norm = getattr(x, "_surogate_norm", None)
+    if norm is None:
+        return None
+    mine = consumer.__dict__.get("_input_norm")
+    if mine is not norm:
+        if mine is not None:
+            return None  # fed by another norm before: keep casting for ourselves
+        norm.link(consumer)
+        consumer.__dict__["_input_norm"] = norm
+    return norm.handoff(x, consumer.fp8_rows[0], need_t)
 
 
 def _stock_out_dtype(x: Tensor, weight: Tensor, formula: str) -> torch.dtype:

@@ -33,6 +33,7 @@ from ..ops import recipe as _recipe_ops  # noqa: F401  (fp8_scaled_mm, nvfp4_mm)
 from .bf16 import FloatBackward, float_mm
 from .config import TORCH_DTYPES, RecipeConfig
 from .fp8_hybrid import cast, scaled_mm, warn_emulation_once
+from .norm import input_handoff
 from .nvfp4 import ROLE_DGRAD, sr_seed, transpose_nvfp4_2d
 
 _BLOCK = (128, 128)
@@ -83,18 +84,21 @@ class _Float:
 class _Fp8Delayed:
     """fp8-hybrid, delayed scaling: E4M3 x and W forward, E5M2 dy x E4M3 W^T dgrad.
     args = ((scale, scale_inv, amax, dy_amax) of the flat state, the base's (x, W, dy) rows, record, current,
-    fast_accum)."""
+    fast_accum, (xq, x dequant scale) handed over by a FusedRMSNorm or None)."""
 
     @staticmethod
     def forward(x2d, decode, args):
-        (scale, scale_inv, amax, _), rows, record, current, fast_accum = args
-        xq, _, x_sinv = cast(x2d, scale, scale_inv, amax, rows[0], F.E4M3, False, record, current)
+        (scale, scale_inv, amax, _), rows, record, current, fast_accum, pre = args
+        if pre is not None:  # x's cast written by the FusedRMSNorm that produced x (recipes.norm)
+            xq, x_sinv = pre
+        else:
+            xq, _, x_sinv = cast(x2d, scale, scale_inv, amax, rows[0], F.E4M3, False, record, current)
         wq, _, w_sinv = cast(decode(x2d.dtype), scale, scale_inv, amax, rows[1], F.E4M3, False, record, current)
         return scaled_mm(xq, wq, x_sinv, w_sinv, None, x2d.dtype, fast_accum)
 
     @staticmethod
     def dgrad(dy2d, decode, args):
-        (scale, scale_inv, amax, dy_amax), rows, _, current, _ = args
+        (scale, scale_inv, amax, dy_amax), rows, _, current, _, _ = args
         dyq, _, dy_sinv = cast(dy2d, scale, scale_inv, dy_amax, rows[2], F.E5M2, False, True, current, amax_row=0)
         # the forward's scale for W (no update in between); W^T [K, N] is the K-major operand of dx = dy W
         _, wqt, w_sinv = cast(decode(dy2d.dtype), scale, scale_inv, amax, rows[1], F.E4M3, True, False, current)
@@ -171,7 +175,7 @@ class BaseRecipeGemm:
             base.fp8_layer, base.fp8_rows = layer, state.rows(layer)
             base.register_buffer("fp8_rows_t", torch.tensor(base.fp8_rows, device=state.scale.device), persistent=False)
             base.register_buffer("fp8_dy_amax", torch.zeros(1, device=state.scale.device), persistent=False)
-            state.register_layer(layer, base)
+            state.register_layer(layer, self)  # the state reads fp8_dy_amax and re-shares rows after a load through us
         else:
             matmul, grad = cfg.resolved_matmul_dtype(), cfg.resolved_gradient_dtype()
             own = base.quant_format != "fp8" and matmul == grad == "bf16"
@@ -180,6 +184,32 @@ class BaseRecipeGemm:
 
     def __repr__(self) -> str:
         return f"BaseRecipeGemm(recipe={self.cfg.recipe}, kind={self.kind})"
+
+    # ---- an FP8 consumer of the state (fp8 kind): what Fp8ScalingState and recipes.norm.input_handoff read
+    _fp8_backward = True  # the dgrad casts dy to E5M2; the frozen base never needs x's transpose
+
+    @property
+    def scaling_state(self):
+        return self.state
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    @property
+    def fp8_rows(self):
+        return self.base.fp8_rows
+
+    @property
+    def fp8_dy_amax(self):
+        return self.base.fp8_dy_amax
+
+    def _share_input_row(self, row: int) -> None:
+        base = self.base
+        self.state.share_x_row(base.fp8_layer, row)
+        base.fp8_rows = (row, *base.fp8_rows[1:])
+        with torch.no_grad():
+            base.fp8_rows_t[0] = row
 
     def __call__(self, x: Tensor) -> Tensor | None:
         if self.kind == "native":
@@ -210,6 +240,11 @@ class BaseRecipeGemm:
             if not compiling:
                 warn_emulation_once("fp8_scaled_mm", x.device, "the FP8 recipe GEMM")
             rows = base.fp8_rows_t if compiling else base.fp8_rows
-            args = ((st.scale, st.scale_inv, st.amax, base.fp8_dy_amax), rows, torch.is_grad_enabled(),
-                    not st.initialized, self.cfg.fp8_fast_accum)
+            record, current = torch.is_grad_enabled(), not st.initialized
+            pre = None
+            if record and not compiling:
+                got = input_handoff(self, x, False)
+                pre = None if got is None or current else (got[0], got[2])
+            args = ((st.scale, st.scale_inv, st.amax, base.fp8_dy_amax), rows, record, current,
+                    self.cfg.fp8_fast_accum, pre)
         return _BaseGemmFn.apply(x, self.kind, args, base.fmt, n, k, keys, tuple(tensors.values()))

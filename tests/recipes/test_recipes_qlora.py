@@ -219,3 +219,36 @@ def test_nvfp4_base_recompute_reuses_the_forward_draw():
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
         assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+def test_fp8_bases_take_the_norms_handoff():
+    """fp8-hybrid QLoRA with FusedRMSNorm: the q/k/v and gate/up bases link to their norm and share its x row (the
+    fp32 adapters here see an fp32 copy of x, another tensor, and cast for themselves); training is bit-identical
+    to the run without the swap, and a reloaded model casts its bases with the shared rows."""
+    runs = []
+    for fused in (False, True):
+        model = _qlora("fp8", layers=2)
+        R.apply_recipe(model, "fp8-hybrid", fused_norms=fused)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+        losses = []
+        for _ in range(4):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, model))
+    assert runs[0][0] == runs[1][0]
+    model = runs[1][1]
+    attn = model.base_model.model.model.layers[1].self_attn
+    rows = {attn.q_proj.base_layer.fp8_rows[0], attn.k_proj.base_layer.fp8_rows[0], attn.v_proj.base_layer.fp8_rows[0]}
+    assert len(rows) == 1, "one x row for every consumer of input_layernorm"
+    assert attn.o_proj.base_layer.fp8_rows[0] not in rows
+
+    fresh = _qlora("fp8", layers=2)
+    R.apply_recipe(fresh, "fp8-hybrid")
+    fresh.load_state_dict(model.state_dict())
+    fattn = fresh.base_model.model.model.layers[1].self_attn
+    assert fattn.k_proj.base_layer.fp8_rows == attn.k_proj.base_layer.fp8_rows
+    assert int(fattn.k_proj.base_layer.fp8_rows_t[0]) == attn.q_proj.base_layer.fp8_rows[0]
