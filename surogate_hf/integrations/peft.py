@@ -33,6 +33,8 @@ from torch import nn
 from peft.tuners.lora import layer as lora_layer
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
+from ..recipes.norm import carry_handoff
+
 __all__ = [
     "SurogateLoraLinear",
     "dispatch_surogate",
@@ -157,7 +159,7 @@ class SurogateLoraLinear(lora_layer.Linear):
             kwargs.pop(k, None)
         active = [name for name in self.active_adapters if name in self.lora_A]
         lead = x.shape[:-1]
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = carry_handoff(x, x.reshape(-1, x.shape[-1]))  # a recipe's FP8 base still finds its norm's cast
         result = self.base_layer(x2d, *args, **kwargs)
         # compute in the activation dtype: masters are cast per call (differentiably), never x upcast to fp32
         cd = x.dtype

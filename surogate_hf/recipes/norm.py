@@ -165,6 +165,18 @@ class FusedRMSNorm(nn.Module):
         return got[1], got[2], got[3]
 
 
+def carry_handoff(src: Tensor, view: Tensor) -> Tensor:
+    """`view` (a reshape of `src`: same storage, same version counter) with src's FusedRMSNorm tags, so a layer that
+    flattens its input before calling an FP8 consumer (surogate's PEFT LoRA layer) keeps the hand-off."""
+    norm = getattr(src, "_surogate_norm", None)
+    if norm is not None and view is not src and not torch.compiler.is_compiling():
+        view._surogate_norm = norm
+        fp8 = getattr(src, "_surogate_fp8", None)
+        if fp8 is not None:
+            view._surogate_fp8 = fp8
+    return view
+
+
 def input_handoff(consumer, x: Tensor, need_t: bool):
     """The FP8 cast of x a FusedRMSNorm wrote for `consumer`'s x row (linking the consumer to that norm the first
     time it receives the norm's output), or None. consumer: an FP8 RecipeLinear, or the BaseRecipeGemm of a QLoRA

@@ -221,13 +221,30 @@ def test_nvfp4_base_recompute_reuses_the_forward_draw():
         assert torch.equal(grads[0][n], grads[1][n]), n
 
 
-def test_fp8_bases_take_the_norms_handoff():
+@pytest.mark.parametrize("surogate_lora_layer", [False, True])
+def test_fp8_bases_take_the_norms_handoff(surogate_lora_layer):
     """fp8-hybrid QLoRA with FusedRMSNorm: the q/k/v and gate/up bases link to their norm and share its x row (the
     fp32 adapters here see an fp32 copy of x, another tensor, and cast for themselves); training is bit-identical
-    to the run without the swap, and a reloaded model casts its bases with the shared rows."""
+    to the run without the swap, and a reloaded model casts its bases with the shared rows. Through stock PEFT's
+    LoRA layer and through surogate's (installed by prepare_for_training; it flattens x before the base)."""
+    from surogate_hf.integrations import peft as P
+
+    was_installed = P.is_peft_dispatch_installed()
+    (P.install_peft_dispatch if surogate_lora_layer else P.uninstall_peft_dispatch)()
+    try:
+        _check_bases_handoff(surogate_lora_layer)
+    finally:
+        (P.install_peft_dispatch if was_installed else P.uninstall_peft_dispatch)()
+
+
+def _check_bases_handoff(surogate_lora_layer):
+    from surogate_hf.integrations.peft import set_lora_dtype
+
     runs = []
     for fused in (False, True):
         model = _qlora("fp8", layers=2)
+        if surogate_lora_layer:
+            set_lora_dtype(model, torch.bfloat16)  # its fast path: bf16 adapters on the flattened input
         R.apply_recipe(model, "fp8-hybrid", fused_norms=fused)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -247,6 +264,8 @@ def test_fp8_bases_take_the_norms_handoff():
     assert attn.o_proj.base_layer.fp8_rows[0] not in rows
 
     fresh = _qlora("fp8", layers=2)
+    if surogate_lora_layer:
+        set_lora_dtype(fresh, torch.bfloat16)
     R.apply_recipe(fresh, "fp8-hybrid")
     fresh.load_state_dict(model.state_dict())
     fattn = fresh.base_model.model.model.layers[1].self_attn
