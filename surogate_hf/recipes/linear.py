@@ -505,7 +505,8 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         parent_name, _, child = name.rpartition(".")
         setattr(mods[parent_name] if parent_name else model, child, new)
     for i, (name, base) in enumerate(bases):
-        base.__dict__["recipe_gemm"] = BaseRecipeGemm(base, cfg, n_quant + i, state, n_quant + i if delayed else None)
+        base.__dict__["recipe_gemm"] = BaseRecipeGemm(base, cfg, n_quant + i, state, n_quant + i if delayed else None,
+                                                      name=name)
 
     # 4. recognised RMSNorms -> FusedRMSNorm (its own output cast to model dtype when its weight is an fp32 master)
     if cfg.fused_norms:

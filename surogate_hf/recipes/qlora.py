@@ -28,15 +28,15 @@ from torch import Tensor
 
 from .. import formats as F
 from ..ops import linear as _linear_ops  # noqa: F401  (fp8_block_linear, fp8_block_linear_dgrad)
-from ..ops import quant as _quant_ops  # noqa: F401  (quantize_nvfp4, quantize_fp8_blocks)
+from ..ops import quant as _quant_ops  # noqa: F401  (quantize_nvfp4)
 from ..ops import recipe as _recipe_ops  # noqa: F401  (fp8_scaled_mm, nvfp4_mm)
+from . import fp8_blockwise
 from .bf16 import FloatBackward, float_mm
 from .config import TORCH_DTYPES, RecipeConfig
 from .fp8_hybrid import cast, scaled_mm, warn_emulation_once
 from .norm import input_handoff
 from .nvfp4 import ROLE_DGRAD, sr_seed, transpose_nvfp4_2d
 
-_BLOCK = (128, 128)
 
 
 def _decode(fmt, n, k, keys, tensors, dtype) -> Tensor:
@@ -110,15 +110,17 @@ class _Fp8Blockwise:
 
     @staticmethod
     def _blocks(decode, dtype):
-        return torch.ops.surogate.quantize_fp8_blocks(decode(dtype), _BLOCK[0], _BLOCK[1], False)
+        return fp8_blockwise.quantize_weight(decode(dtype))
 
     @staticmethod
     def forward(x2d, decode, args):
-        return torch.ops.surogate.fp8_block_linear(x2d, *_Fp8Blockwise._blocks(decode, x2d.dtype), *_BLOCK)
+        wq, ws = _Fp8Blockwise._blocks(decode, x2d.dtype)
+        return torch.ops.surogate.fp8_block_linear(x2d, wq, ws, *fp8_blockwise.BLOCK)
 
     @staticmethod
     def dgrad(dy2d, decode, args):
-        return torch.ops.surogate.fp8_block_linear_dgrad(dy2d, *_Fp8Blockwise._blocks(decode, dy2d.dtype), *_BLOCK)
+        wq, ws = _Fp8Blockwise._blocks(decode, dy2d.dtype)
+        return torch.ops.surogate.fp8_block_linear_dgrad(dy2d, wq, ws, *fp8_blockwise.BLOCK)
 
 
 class _Nvfp4:
@@ -153,18 +155,21 @@ class BaseRecipeGemm:
     state, like a RecipeLinear (fp8_rows, fp8_rows_t and the fp8_dy_amax buffer are set on the base module).
     """
 
-    def __init__(self, base, cfg: RecipeConfig, index: int, state=None, layer: int | None = None):
+    def __init__(self, base, cfg: RecipeConfig, index: int, state=None, layer: int | None = None, name: str = ""):
         self.base, self.cfg, self.index = base, cfg, index
         self.state = state
         # nvfp4: the stochastic-rounding step of this base (a Python counter: not in checkpoints, unlike
         # RecipeLinear's fp4_sr_step buffer) and the seed of its last training forward (reused by a recompute)
         self.sr_step, self.last_seed = 0, 0
         fmt = base.fmt
-        native_blockwise = base.quant_format == "fp8" and getattr(fmt, "block_size", None) == _BLOCK
+        native_blockwise = base.quant_format == "fp8" and getattr(fmt, "block_size", None) == fp8_blockwise.BLOCK
         if cfg.recipe == "nvfp4":
             for dim, v in (("in_features", base.in_features), ("out_features", base.out_features)):
                 if v % F.NVFP4_BLOCK:
-                    raise ValueError(f"recipe='nvfp4' on a quantized base needs {dim} to be a multiple of 16, got {v}")
+                    raise ValueError(
+                        f"recipe='nvfp4' on the quantized base {name or type(base).__name__} needs {dim} to be a "
+                        f"multiple of 16 (16x16 weight blocks), got {v}; add it to modules_to_not_convert"
+                    )
             self.kind = "nvfp4"
         elif cfg.uses_fp8() and cfg.fp8_scaling == "blockwise":
             self.kind = "native" if native_blockwise else "blockwise"

@@ -205,7 +205,7 @@ class Fp8ScalingState(nn.Module):
         # a checkpoint taken after at least one update has a non-empty history
         self.initialized = bool((self.amax_history != 0).any())
         for i, layer in enumerate(self.__dict__["_layer_list"]):
-            if layer is not None and hasattr(layer, "_share_input_row") and layer.fp8_rows[0] != int(self.x_row[i]):
+            if layer is not None and layer.fp8_rows[0] != int(self.x_row[i]):
                 layer._share_input_row(int(self.x_row[i]))
         with torch.no_grad():
             self.scale_inv.copy_(self.scale.reciprocal().unsqueeze(1).expand_as(self.scale_inv))

@@ -132,6 +132,12 @@ def test_nvfp4_recipe_on_any_base(fmt):
     assert torch.equal(dx.reshape(-1, 256), torch.ops.surogate.nvfp4_mm(*dq, *wt, None, torch.bfloat16))
 
 
+def test_nvfp4_recipe_refuses_a_base_it_cannot_block_by_name():
+    model, _ = _base("fp8", n=40)
+    with pytest.raises(ValueError, match=r"quantized base layers\.0\.proj needs out_features to be a multiple of 16"):
+        R.apply_recipe(model, "nvfp4", model_dtype="bf16")
+
+
 def _qlora(fmt, layers=2):
     from peft import LoraConfig, get_peft_model
 
@@ -145,6 +151,20 @@ def _qlora(fmt, layers=2):
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
 
 
+def _train_lora(model, steps):
+    """AdamW on the adapters over one fixed batch; the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("recipe, kw", [("bf16", {}), ("fp8-hybrid", {}), ("fp8-hybrid", {"fp8_scaling": "blockwise"}),
                                         ("nvfp4", {})])
 @pytest.mark.parametrize("fmt", ["fp8", "nf4"])
@@ -154,15 +174,7 @@ def test_qlora_trains_with_every_recipe(fmt, recipe, kw):
     R.apply_recipe(model, recipe, **kw)
     bases = [m for m in model.modules() if isinstance(m, L.QuantizedLinear)]
     assert bases and all(b.__dict__.get("recipe_gemm") is not None for b in bases)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
-    losses = []
-    for _ in range(5):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train_lora(model, 5)
     assert losses[-1] < losses[0]
     for n, p in model.named_parameters():
         if "base_layer" in n:
@@ -189,15 +201,7 @@ def test_qlora_recipe_compiles_fullgraph_and_trains_like_eager(fmt, recipe, kw):
         if compiled:
             for layer in model.base_model.model.model.layers:
                 layer.compile(fullgraph=True)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
-        losses = []
-        for _ in range(3):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train_lora(model, 3)
         runs.append(losses)
     assert runs[1] == pytest.approx(runs[0], rel=1e-3)
 
@@ -246,15 +250,7 @@ def _check_bases_handoff(surogate_lora_layer):
         if surogate_lora_layer:
             set_lora_dtype(model, torch.bfloat16)  # its fast path: bf16 adapters on the flattened input
         R.apply_recipe(model, "fp8-hybrid", fused_norms=fused)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
-        losses = []
-        for _ in range(4):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train_lora(model, 4)
         runs.append((losses, model))
     assert runs[0][0] == runs[1][0]
     model = runs[1][1]
