@@ -1,0 +1,129 @@
+"""Host time of the calls one recipe linear makes, each on its own (CUDA): where a host-bound step spends its time.
+
+Tiny operands (64 tokens, 256 wide), so the GPU finishes each kernel before the host issues the next one and the
+figure is the host's issue cost per call. Best of 5 blocks of `--iters` calls, one synchronize per block. Printed
+as microseconds per call, next to aten::mm's, and written to results/host_calls.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from common import table, write_result
+
+
+def timed(fn, iters):
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--width", type=int, default=256)
+    args = ap.parse_args()
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    import surogate_hf.recipes as R
+    from surogate_hf.kernels import triton_recipe as TR
+    from surogate_hf.kernels.launch import FastLauncher
+    from surogate_hf.kernels.triton_quant import _EXACT, _INTERPRET, _TL_FP8, _fp8_tensorwise_t_kernel
+    from surogate_hf.formats.fp8 import FP8_MAX
+    from surogate_hf.recipes.norm import FusedRMSNorm
+
+    m, k = args.tokens, args.width
+    dev = "cuda"
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(k, k, device=dev, dtype=torch.bfloat16)
+    xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    scale_row = torch.ones(1, device=dev)
+    amax_bits = torch.zeros(1, device=dev, dtype=torch.int32)
+    rows = []
+
+    def add(name, fn):
+        us = timed(fn, args.iters)
+        rows.append([name, us])
+        print(f"{name}: {us:.1f} us", flush=True)
+
+    add("aten::mm bf16", lambda: torch.mm(x, w.t()))
+    add("torch._scaled_mm e4m3 (0-dim scales)", lambda: torch._scaled_mm(xq, wq.t(), one, one, out_dtype=torch.bfloat16))
+    add("torch._scaled_mm e4m3, fast accum", lambda: torch._scaled_mm(xq, wq.t(), one, one, out_dtype=torch.bfloat16,
+                                                                      use_fast_accum=True))
+    add("torch.empty x2", lambda: (torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn),
+                                   torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)))
+    add("Triton cast+transpose, kernel[grid](...)", lambda: TR.cast_fp8_into(x, scale_row, amax_bits, torch.float8_e4m3fn, True))
+    fast = FastLauncher(_fp8_tensorwise_t_kernel)
+    q = torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn)
+    qt = torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)
+    grid = (triton_cdiv(m, 32) * triton_cdiv(k, 128),)
+    kw = dict(FP8=_TL_FP8[torch.float8_e4m3fn], FMAX=FP8_MAX[torch.float8_e4m3fn], SW_FP8=_INTERPRET, BR=32, BC=128,
+              **_EXACT, num_warps=4)
+    add("Triton cast+transpose kernel only, kernel[grid](...)",
+        lambda: _fp8_tensorwise_t_kernel[grid](x, scale_row, q, qt, amax_bits, m, k, **kw))
+    add("Triton cast+transpose kernel only, FastLauncher", lambda: fast(grid, x, scale_row, q, qt, amax_bits, m, k, **kw))
+    ref = torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn)
+    ref_t = torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)
+    _fp8_tensorwise_t_kernel[grid](x, scale_row, ref, ref_t, amax_bits, m, k, **kw)
+    q.zero_(), qt.zero_()
+    fast(grid, x, scale_row, q, qt, amax_bits, m, k, **kw)
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(qt.view(torch.uint8), ref_t.view(torch.uint8))
+
+    class Ident(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    xr = x.clone().requires_grad_(True)
+    add("autograd.Function identity fwd+bwd", lambda: Ident.apply(xr).sum().backward())
+    add("aten sum+backward alone", lambda: xr.sum().backward())
+
+    lin = nn.Linear(k, k, bias=False, device=dev, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_(True)
+    add("nn.Linear fwd+bwd", lambda: lin(xg).sum().backward())
+    for recipe in ("bf16", "fp8-hybrid"):
+        layer = R.RecipeLinear.from_linear(nn.Linear(k, k, bias=False, device=dev, dtype=torch.bfloat16),
+                                           R.RecipeConfig(recipe=recipe, model_dtype="bf16"))
+        layer(xg).sum().backward()
+        if layer.scaling_state is not None:
+            layer.scaling_state.update()
+        add(f"RecipeLinear {recipe} fwd+bwd", lambda layer=layer: layer(xg).sum().backward())
+    norm = Qwen3RMSNorm(k).to(dev, torch.bfloat16)
+    add("Qwen3RMSNorm fwd+bwd (stock)", lambda: norm(xg).sum().backward())
+    fused = FusedRMSNorm(norm)
+    add("FusedRMSNorm fwd+bwd", lambda: fused(xg).sum().backward())
+    from surogate_hf.nn.linear import FP8Linear
+
+    base = FP8Linear.from_linear(nn.Linear(k, k, bias=False, device=dev, dtype=torch.bfloat16))
+    t = base._tensors()
+    add("surogate::dequantize_fp8_blocks op", lambda: torch.ops.surogate.dequantize_fp8_blocks(
+        t[""], t["_scale_inv"], 128, 128, torch.bfloat16))
+    body = table(["call", "host us/call"], rows)
+    body = f"{m} tokens, {k} wide, best of 5 x {args.iters} calls\n\n" + body
+    write_result("host_calls", "Host time per call on the GPU machine", body)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+if __name__ == "__main__":
+    main()
