@@ -40,9 +40,6 @@ def main():
 
     import surogate_hf.recipes as R
     from surogate_hf.kernels import triton_recipe as TR
-    from surogate_hf.kernels.launch import FastLauncher
-    from surogate_hf.kernels.triton_quant import _EXACT, _INTERPRET, _TL_FP8, _fp8_tensorwise_t_kernel
-    from surogate_hf.formats.fp8 import FP8_MAX
     from surogate_hf.recipes.norm import FusedRMSNorm
 
     m, k = args.tokens, args.width
@@ -67,22 +64,6 @@ def main():
     add("torch.empty x2", lambda: (torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn),
                                    torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)))
     add("Triton cast+transpose, kernel[grid](...)", lambda: TR.cast_fp8_into(x, scale_row, amax_bits, torch.float8_e4m3fn, True))
-    fast = FastLauncher(_fp8_tensorwise_t_kernel)
-    q = torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn)
-    qt = torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)
-    grid = (triton_cdiv(m, 32) * triton_cdiv(k, 128),)
-    kw = dict(FP8=_TL_FP8[torch.float8_e4m3fn], FMAX=FP8_MAX[torch.float8_e4m3fn], SW_FP8=_INTERPRET, BR=32, BC=128,
-              **_EXACT, num_warps=4)
-    add("Triton cast+transpose kernel only, kernel[grid](...)",
-        lambda: _fp8_tensorwise_t_kernel[grid](x, scale_row, q, qt, amax_bits, m, k, **kw))
-    add("Triton cast+transpose kernel only, FastLauncher", lambda: fast(grid, x, scale_row, q, qt, amax_bits, m, k, **kw))
-    ref = torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn)
-    ref_t = torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)
-    _fp8_tensorwise_t_kernel[grid](x, scale_row, ref, ref_t, amax_bits, m, k, **kw)
-    q.zero_(), qt.zero_()
-    fast(grid, x, scale_row, q, qt, amax_bits, m, k, **kw)
-    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(qt.view(torch.uint8), ref_t.view(torch.uint8))
-
     class Ident(torch.autograd.Function):
         @staticmethod
         def forward(ctx, a):
@@ -119,10 +100,6 @@ def main():
     body = table(["call", "host us/call"], rows)
     body = f"{m} tokens, {k} wide, best of 5 x {args.iters} calls\n\n" + body
     write_result("host_calls", "Host time per call on the GPU machine", body)
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 if __name__ == "__main__":
