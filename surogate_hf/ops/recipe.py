@@ -10,12 +10,29 @@ accumulation-order tolerance the docstrings state.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from .. import formats as F
 
 NS = "surogate"
+
+
+def below_autograd():
+    """Skip the Autograd dispatch key for the engine's ops where no graph can be recorded anyway.
+
+    Inside Function.forward (and a backward without create_graph) grad mode is off, yet every
+    surogate:: custom op still enters torch.library's Python autograd wrapper (autograd_impl ->
+    forward_no_grad -> redispatch), ~6 us of host time per op per call on a 2-core CPU. This is the
+    guard that wrapper itself takes (torch/_library/autograd.py); ADInplaceOrView still runs, so
+    in-place updates of the recipe buffers bump their version counters as before. Not taken while
+    grad mode is on (double backward must keep raising) or while dynamo traces.
+    """
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch._C._AutoDispatchBelowAutograd()
 
 
 def _no_autocast(device: torch.device):

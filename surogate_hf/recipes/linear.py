@@ -17,7 +17,6 @@ changes otherwise (its version counter or storage); the gradient still lands on 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -41,26 +40,12 @@ from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
 from ..nn.linear import QuantizedLinear
 from .norm import FusedRMSNorm, fuse_norms, input_handoff
 from .qlora import BaseRecipeGemm
+from ..ops.recipe import below_autograd as _below_autograd
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
 
 FP8_STATE_NAME = "surogate_fp8_state"
-
-
-def _below_autograd():
-    """Skip the Autograd dispatch key for the engine's ops where no graph can be recorded anyway.
-
-    Inside Function.forward (and a backward without create_graph) grad mode is off, yet every
-    surogate:: custom op still enters torch.library's Python autograd wrapper (autograd_impl ->
-    forward_no_grad -> redispatch), ~6 us of host time per op per call on a 2-core CPU. This is the
-    guard that wrapper itself takes (torch/_library/autograd.py); ADInplaceOrView still runs, so
-    in-place updates of the recipe buffers bump their version counters as before. Not taken while
-    grad mode is on (double backward must keep raising) or while dynamo traces.
-    """
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return torch._C._AutoDispatchBelowAutograd()
 
 
 class _RecipeLinearFn(torch.autograd.Function):
@@ -364,6 +349,14 @@ def _is_quantized_base(m: nn.Module) -> bool:
     return hasattr(m, "quant_format")
 
 
+_LORA_ADAPTERS = ("lora_A", "lora_B")
+
+
+def _is_lora_adapter(fqn: str) -> bool:
+    """A PEFT LoRA adapter linear (`...q_proj.lora_A.default`): left in its own dtype unless quantize_lora_adapters."""
+    return any(part in _LORA_ADAPTERS for part in fqn.split("."))
+
+
 def _infer_model_dtype(model: nn.Module) -> str:
     for name, m in model.named_modules():
         if _is_quantized_base(m):
@@ -413,8 +406,9 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     (and `modules_to_not_convert`, and the first / last `skip_quant_*_layers` blocks) stay in model_dtype. With
     fused_norms (default) recognised transformers RMSNorms become recipes.norm.FusedRMSNorm (same weight and key,
     same formula, fused kernels, FP8 hand-off). Quantized QLoRA bases (nn.linear.QuantizedLinear) keep their
-    storage; their GEMMs follow the recipe (recipes.qlora: `base.recipe_gemm`), and in a PEFT model over them the
-    LoRA adapter linears become RecipeLinears.
+    storage; their GEMMs follow the recipe (recipes.qlora: `base.recipe_gemm`). The LoRA adapter linears of a PEFT
+    model keep computing in their own dtype (PEFT's, or lora_dtype) unless quantize_lora_adapters=True makes them
+    RecipeLinears too.
     """
     cfg = resolve_recipe(model, recipe, **knobs)
     if cfg is None:
@@ -459,7 +453,8 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         skip_first_layers=cfg.skip_quant_first_layers, skip_last_layers=cfg.skip_quant_last_layers,
         module_filter=module_filter_fn, only_in_layers=True,
     )
-    targets = [(name, m, why is None and m is not out_emb) for name, m, why in plan]
+    targets = [(name, m, why is None and m is not out_emb) for name, m, why in plan
+               if cfg.quantize_lora_adapters or not _is_lora_adapter(name)]
     others = [name for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not _is_quantized_base(m)]
     if others:

@@ -29,7 +29,7 @@ from torch import Tensor
 from .. import formats as F
 from ..ops import linear as _linear_ops  # noqa: F401  (fp8_block_linear, fp8_block_linear_dgrad)
 from ..ops import quant as _quant_ops  # noqa: F401  (quantize_nvfp4)
-from ..ops import recipe as _recipe_ops  # noqa: F401  (fp8_scaled_mm, nvfp4_mm)
+from ..ops import recipe as _recipe_ops  # fp8_scaled_mm, nvfp4_mm; below_autograd
 from . import fp8_blockwise
 from .bf16 import FloatBackward, float_mm
 from .config import TORCH_DTYPES, RecipeConfig
@@ -56,7 +56,8 @@ class _BaseGemmFn(torch.autograd.Function):
         ctx.gemms, ctx.args = gemms, args
         ctx.fmt, ctx.n, ctx.k, ctx.keys, ctx.x_shape = fmt, n, k, keys, x.shape
         ctx.save_for_backward(*tensors)
-        y = gemms.forward(x.reshape(-1, k), lambda dtype: _decode(fmt, n, k, keys, tensors, dtype), args)
+        with _recipe_ops.below_autograd():  # the decode and quantize ops skip their autograd wrappers
+            y = gemms.forward(x.reshape(-1, k), lambda dtype: _decode(fmt, n, k, keys, tensors, dtype), args)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
@@ -65,7 +66,8 @@ class _BaseGemmFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             saved = ctx.saved_tensors
             decode = lambda dtype: _decode(ctx.fmt, ctx.n, ctx.k, ctx.keys, saved, dtype)  # noqa: E731
-            dx = ctx.gemms.dgrad(dy.reshape(-1, ctx.n), decode, ctx.args).reshape(ctx.x_shape)
+            with _recipe_ops.below_autograd():
+                dx = ctx.gemms.dgrad(dy.reshape(-1, ctx.n), decode, ctx.args).reshape(ctx.x_shape)
         return dx, None, None, None, None, None, None, None
 
 

@@ -226,7 +226,7 @@ def test_eval_forward_leaves_recipe_state_alone():
     assert all(torch.equal(before[k], v) for k, v in R.recipe_state(m).items())
 
 
-def test_peft_lora_over_quantized_base_gets_recipe_on_adapters():
+def _peft_over_fp8_bases():
     peft = pytest.importorskip("peft")
     from surogate_hf.nn.linear import FP8Linear
 
@@ -234,8 +234,28 @@ def test_peft_lora_over_quantized_base_gets_recipe_on_adapters():
     for layer in model.model.layers:
         for name in ("q_proj", "v_proj"):
             setattr(layer.self_attn, name, FP8Linear.from_linear(getattr(layer.self_attn, name)))
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
+def test_lora_adapters_keep_their_dtype_under_a_recipe_by_default():
+    pm = _peft_over_fp8_bases()
     R.apply_recipe(pm, "fp8-hybrid", lora_dtype="fp32")
+    attn = pm.base_model.model.model.layers[0].self_attn
+    a, b = attn.q_proj.lora_A["default"], attn.q_proj.lora_B["default"]
+    assert type(a) is nn.Linear and type(b) is nn.Linear and a.weight.dtype == torch.float32
+    assert attn.q_proj.get_base_layer().recipe_gemm.kind == "fp8"  # the base still runs the recipe
+    assert isinstance(attn.k_proj, R.RecipeLinear)
+    # rows of the flat state: the dense linears and the bases only (2 layers x (5 dense + 2 bases) x 3 roles)
+    assert pm.surogate_fp8_state.amax_history.shape[0] == 2 * 7 * 3
+    ids = token_batch(0)
+    pm(input_ids=ids, labels=ids).loss.backward()
+    R.recipe_step(pm)
+    assert a.weight.grad.abs().sum() > 0 or b.weight.grad.abs().sum() > 0
+
+
+def test_peft_lora_over_quantized_base_gets_recipe_on_adapters():
+    pm = _peft_over_fp8_bases()
+    R.apply_recipe(pm, "fp8-hybrid", lora_dtype="fp32", quantize_lora_adapters=True)
     attn = pm.base_model.model.model.layers[0].self_attn
     assert attn.q_proj.get_base_layer().quant_format == "fp8"  # the quantized base is untouched
     assert isinstance(attn.q_proj.lora_A["default"], R.RecipeLinear)
@@ -255,7 +275,8 @@ def test_nvfp4_lora_rank_must_fit_blocks():
     peft = pytest.importorskip("peft")
     pm = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=8, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="multiples of 16.*lora_A"):
-        R.apply_recipe(pm, "nvfp4")
+        R.apply_recipe(pm, "nvfp4", quantize_lora_adapters=True)
+    R.apply_recipe(pm, "nvfp4")  # adapters in their own dtype: any rank
 
 
 def test_launcher_builds_env_from_recipe_yaml(tmp_path):
