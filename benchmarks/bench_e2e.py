@@ -80,16 +80,19 @@ def bnb_nf4(layers):
     return _lora(model, bf16_adapters=False)  # stock PEFT QLoRA: fp32 adapters
 
 
-def ours_qlora(layers, fmt, recipe=None):
-    from surogate_hf.integrations.peft import install_peft_dispatch, set_lora_dtype
+def ours_qlora(layers, fmt, recipe=None, fused_norms=True):
+    """The user's path: quantized bases, surogate_hf.prepare_for_training (no checkpointing here; it fuses the
+    RMSNorms unless fused_norms=False), PEFT LoRA with bf16 adapters, optionally a recipe."""
+    from surogate_hf.integrations.peft import set_lora_dtype
     from surogate_hf.nn import linear as L
+    from surogate_hf.training import prepare_for_training
 
     cls = {"fp8": L.FP8Linear, "nvfp4": L.NVFP4Linear, "mxfp4": L.MXFP4Linear, "nf4": L.NF4Linear}[fmt]
     model = base_model(layers)
     for name, lin in _targets(model):
         model.set_submodule(name, cls.from_linear(lin))
     torch.cuda.empty_cache()
-    install_peft_dispatch()
+    prepare_for_training(model, gradient_checkpointing=False, fused_norms=fused_norms)
     model = _lora(model, True)
     set_lora_dtype(model, torch.bfloat16)
     if recipe is not None:  # QLoRA x recipe: the base GEMMs (and the adapters) in the recipe's precision
@@ -157,6 +160,8 @@ SETUPS = {
     "ours_nf4_fp8_hybrid": ("ours nf4 QLoRA + fp8-hybrid recipe, bf16 adapters",
                             lambda L: ours_qlora(L, "nf4", "fp8-hybrid"), "lora"),
     "ours_nf4": ("ours nf4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nf4"), "lora"),
+    "ours_nf4_stock_norms": ("ours nf4 QLoRA, bf16 adapters, stock RMSNorms (prepare_for_training(fused_norms=False))",
+                             lambda L: ours_qlora(L, "nf4", fused_norms=False), "lora"),
     "ours_nf4_compiled": ("ours nf4 QLoRA, bf16 adapters, compiled layers", compiled(lambda L: ours_qlora(L, "nf4")),
                           "lora"),
     "ours_nvfp4": ("ours nvfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nvfp4"), "lora"),
@@ -181,7 +186,8 @@ SETUPS = {
 TARGETS = {
     "ours_fp8": [("peft_bf16", 1.3)],
     "ours_fp8_compiled": [("peft_bf16", 1.3), ("peft_bf16_compiled", 1.3)],
-    "ours_nf4": [("bnb_nf4", 1.5)],
+    "ours_nf4": [("bnb_nf4", 1.5), ("peft_bf16", 1.0)],
+    "ours_nf4_stock_norms": [("peft_bf16", 1.0)],
     "ours_fp8_fp8_hybrid": [("peft_bf16", 1.25)],
     "ours_nf4_fp8_hybrid": [("peft_bf16", 1.0)],
     "ours_nf4_compiled": [("bnb_nf4", 1.5)],

@@ -330,3 +330,26 @@ def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-3, atol=1e-3)
     for n, g in grads[0].items():
         assert cosine(grads[1][n], g) > 0.99, n
+
+
+def test_prepare_for_training_fuses_the_norms(tiny_dir, batch):
+    """prepare_for_training swaps the stock RMSNorms for FusedRMSNorm (same Parameter, same key, same numbers on
+    CPU); fused_norms=False leaves them."""
+    from surogate_hf.recipes.norm import FusedRMSNorm
+
+    runs = []
+    for fused in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=SurogateConfig(format="nf4"),
+                                                     dtype=torch.float32)
+        keys = list(model.state_dict())
+        model = prepare_for_training(model, gradient_checkpointing=False, fused_norms=fused)
+        norms = [m for m in model.modules() if isinstance(m, FusedRMSNorm)]
+        assert len(norms) == (2 * 2 + 1 if fused else 0)  # 2 layers x (input, post-attention) + the final norm
+        assert list(model.state_dict()) == keys
+        torch.manual_seed(0)  # the adapters' init
+        pm = get_peft_model(model, lora_cfg())
+        pm(**batch).loss.backward()
+        runs.append({n: p.grad for n, p in pm.named_parameters() if p.grad is not None})
+    assert runs[0].keys() == runs[1].keys() and runs[0]
+    for n in runs[0]:
+        assert torch.equal(runs[0][n], runs[1][n]), n
