@@ -39,7 +39,7 @@ from . import fp8_blockwise
 from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
 from ..nn.linear import QuantizedLinear
 from .norm import FusedRMSNorm, fuse_norms, input_handoff
-from .qlora import BaseRecipeGemm
+from .qlora import BaseRecipeGemm, base_gemm_kind
 from ..ops.recipe import below_autograd as _below_autograd
 from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
@@ -482,10 +482,13 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     # 3. swap; FP8 layers (and FP8 bases) share one flat delayed-scaling state, registered once on the model
     n_quant = sum(q for _, _, q in targets)
     delayed = cfg.uses_fp8() and cfg.fp8_scaling == "delayed"
+    base_kinds = [base_gemm_kind(m, cfg) for _, m in bases]
+    n_fp8_bases = base_kinds.count("fp8")  # the bases that cast with rows of the state
     state = None
-    if delayed and n_quant + len(bases):
-        device = next(p.device for m in [m for _, m, q in targets if q] + [m for _, m in bases] for p in m.parameters())
-        state = Fp8ScalingState(n_quant + len(bases), cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin,
+    if delayed and n_quant + n_fp8_bases:
+        fp8_mods = [m for _, m, q in targets if q] + [m for (_, m), k in zip(bases, base_kinds) if k == "fp8"]
+        device = next(p.device for m in fp8_mods for p in m.parameters())
+        state = Fp8ScalingState(n_quant + n_fp8_bases, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin,
                                 cfg.reduce_amax, device=device)
         model.add_module(FP8_STATE_NAME, state)
         state.attach(model)
@@ -499,8 +502,11 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         index += int(quantize)
         parent_name, _, child = name.rpartition(".")
         setattr(mods[parent_name] if parent_name else model, child, new)
-    for i, (name, base) in enumerate(bases):
-        base.__dict__["recipe_gemm"] = BaseRecipeGemm(base, cfg, n_quant + i, state, n_quant + i if delayed else None,
+    fp8_row = n_quant
+    for i, ((name, base), kind) in enumerate(zip(bases, base_kinds)):
+        layer = fp8_row if kind == "fp8" else None
+        fp8_row += kind == "fp8"
+        base.__dict__["recipe_gemm"] = BaseRecipeGemm(base, cfg, n_quant + i, state if kind == "fp8" else None, layer,
                                                       name=name)
 
     # 4. recognised RMSNorms -> FusedRMSNorm (its own output cast to model dtype when its weight is an fp32 master)

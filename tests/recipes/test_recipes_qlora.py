@@ -26,11 +26,14 @@ def _quiet():
 
 
 def _base(fmt, n=160, k=256):
+    """fmt: a format name, or "fp8-64" (fp8 in 64x64 blocks: not the 128x128 layout whose own GEMMs the FP8 recipes
+    keep)."""
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=False)
     with torch.no_grad():
         lin.weight.normal_(0, 0.05)
-    base = L.LINEAR_CLASSES[fmt].from_linear(lin.bfloat16())
+    opts = {"block_size": (64, 64)} if fmt == "fp8-64" else {}
+    base = L.LINEAR_CLASSES[fmt.split("-")[0]].from_linear(lin.bfloat16(), **opts)
     return nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"proj": base})])}), base
 
 
@@ -68,7 +71,7 @@ def _fp8_ref(a, fmt):
     return F.cast_to_fp8(a.float() * s, fmt), s.reciprocal()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ["fp8-64", "nvfp4", "mxfp4", "nf4"])
 def test_fp8_hybrid_delayed_on_any_base(fmt):
     """First step (current scaling): E4M3 x and decoded W forward, E5M2 dy x E4M3 W^T backward; the base's three
     state rows record amax(x), amax(W), amax(dy)."""
@@ -103,12 +106,16 @@ def test_fp8_blockwise_on_a_non_fp8_base(fmt):
     assert torch.equal(dx, torch.ops.surogate.fp8_block_linear_dgrad(dy, wq, ws, 128, 128))
 
 
-def test_fp8_blockwise_on_an_fp8_base_is_its_own_gemm():
+@pytest.mark.parametrize("scaling", ["delayed", "blockwise"])
+def test_fp8_recipes_keep_a_128x128_fp8_base_on_its_own_gemm(scaling):
+    """Its weight already is E4M3 in 128x128 blocks: no second quantization of it, its own W8A8 kernels, and no rows
+    of the delayed-scaling state."""
     model, base = _base("fp8")
     x, dy = _inputs()
     before = _run(base, x, dy)
-    R.apply_recipe(model, "fp8-hybrid", model_dtype="bf16", fp8_scaling="blockwise")
+    R.apply_recipe(model, "fp8-hybrid", model_dtype="bf16", fp8_scaling=scaling)
     assert base.recipe_gemm.kind == "native"
+    assert getattr(model, "surogate_fp8_state", None) is None and not hasattr(base, "fp8_rows")
     after = _run(base, x, dy)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
@@ -179,7 +186,7 @@ def test_qlora_trains_with_every_recipe(fmt, recipe, kw):
     for n, p in model.named_parameters():
         if "base_layer" in n:
             assert torch.equal(p, packed[n]), f"{n}: the frozen base changed"
-    if recipe == "fp8-hybrid" and not kw:
+    if recipe == "fp8-hybrid" and not kw and fmt != "fp8":  # (a 128x128 fp8 base runs its own GEMMs: no rows)
         (st,) = [m for m in model.modules() if isinstance(m, R.Fp8ScalingState)]
         rows = [r for b in bases for r in b.fp8_rows[:2]]
         assert (st.amax_history[rows, :4] > 0).all(), "every base's x and W rows were recorded and pushed"
@@ -229,7 +236,7 @@ def test_nvfp4_base_recompute_reuses_the_forward_draw():
 
 @pytest.mark.parametrize("surogate_lora_layer", [False, True])
 def test_fp8_bases_take_the_norms_handoff(surogate_lora_layer):
-    """fp8-hybrid QLoRA with FusedRMSNorm: the q/k/v and gate/up bases link to their norm and share its x row (the
+    """fp8-hybrid QLoRA (nf4 bases, cast per tensor by the recipe) with FusedRMSNorm: the q/k/v and gate/up bases link to their norm and share its x row (the
     fp32 adapters here see an fp32 copy of x, another tensor, and cast for themselves); training is bit-identical
     to the run without the swap, and a reloaded model casts its bases with the shared rows. Through stock PEFT's
     LoRA layer and through surogate's (installed by prepare_for_training; it flattens x before the base)."""
@@ -248,7 +255,7 @@ def _check_bases_handoff(surogate_lora_layer):
 
     runs = []
     for fused in (False, True):
-        model = _qlora("fp8", layers=2)
+        model = _qlora("nf4", layers=2)
         if surogate_lora_layer:
             set_lora_dtype(model, torch.bfloat16)  # its fast path: bf16 adapters on the flattened input
         R.apply_recipe(model, "fp8-hybrid", fused_norms=fused)
@@ -261,7 +268,7 @@ def _check_bases_handoff(surogate_lora_layer):
     assert len(rows) == 1, "one x row for every consumer of input_layernorm"
     assert attn.o_proj.base_layer.fp8_rows[0] not in rows
 
-    fresh = _qlora("fp8", layers=2)
+    fresh = _qlora("nf4", layers=2)
     if surogate_lora_layer:
         set_lora_dtype(fresh, torch.bfloat16)
     R.apply_recipe(fresh, "fp8-hybrid")
