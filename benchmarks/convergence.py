@@ -2,7 +2,8 @@
 every precision setup trained from the same weights, on the same batches, with the same seeds.
 
     python benchmarks/convergence.py --prepare                 # once, needs the network (see convergence_assets.py)
-    python benchmarks/convergence.py                           # all setups (GPU: ~10 min on an H100)
+    python benchmarks/convergence.py --jobs 3                  # all setups, three at once (one at a time: ~23 min
+                                                               # on an H100, ~75 s a setup, host-bound)
     python benchmarks/convergence.py --setups qlora-nf4,qlora-nf4+loftq --steps 100
     python benchmarks/convergence.py --tiny --steps 4          # CPU smoke run: tiny Gemma3 from a config, text
                                                                # the package ships (its docstrings), byte tokens
@@ -11,7 +12,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     lora-bf16                 stock PEFT LoRA on the bf16 model: the reference of every LoRA setup
     qlora-<fmt>               SurogateConfig(format=fmt) + prepare_for_training + PEFT, fmt in fp8/nvfp4/mxfp4/nf4
     qlora-<fmt>+loftq         the same, adapters initialised by surogate_hf.loftq_init (--loftq-iters)
-    qlora-fp8+fp8-hybrid      QLoRA with a training recipe on the adapters (apply_recipe on the PEFT model);
+    qlora-fp8+fp8-hybrid      QLoRA with a training recipe (apply_recipe on the PEFT model: the base GEMMs follow
+                              the recipe, docs/recipes.md; a 128x128 fp8 base keeps its own W8A8 GEMMs);
     qlora-nvfp4+nvfp4         likewise qlora-mxfp4+nvfp4 and qlora-nf4+fp8-hybrid
     peft-bnb-nf4              the peer: stock PEFT QLoRA on bitsandbytes NF4 (CUDA + bitsandbytes only)
     full-bf16                 full fine-tune, apply_recipe("bf16"), fp32 masters: the reference of full-*
@@ -248,6 +250,20 @@ def run_setup(setup: str, ckpt: Path, train_ids, vals, args, device: str) -> dic
 
 
 # ----------------------------------------------------------------------------- report
+def run_guarded(setup: str, ckpt: Path, train_ids, vals, args) -> dict:
+    """run_setup, with a failure reported as the setup's result (in the table, never dropped). Module level: the
+    --jobs workers are spawned processes and receive it by name."""
+    try:
+        return run_setup(setup, ckpt, train_ids, vals, args, args.device)
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not msg.startswith("skipped"):
+            traceback.print_exc()
+            msg = f"error: {type(e).__name__}: {msg}"
+        print(f"  {setup}: {msg}", flush=True)
+        return {"error": msg[:200]}
+
+
 def gaps(results: dict) -> dict:
     for name, r in results.items():
         ref = results.get(reference_of(name), {})
@@ -317,7 +333,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "convergence", help="stem of the .json and .png")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="setups trained at once, each in its own process (a 270M run leaves most of an H100 idle; "
+                         "the numbers do not change, the time column then includes the other runs' contention)")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     if args.prepare:
         assets.prepare(args.assets)
         return {}
@@ -354,17 +375,20 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="convergence_ckpt_") as tmp:
         ckpt = write_checkpoint(config, state, Path(tmp), args.seed)
         del state
-        for setup in setups:
-            try:
-                results[setup] = run_setup(setup, ckpt, train_ids, vals, args, args.device)
-            except Exception as e:  # reported in the table, never dropped
-                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                if not msg.startswith("skipped"):
-                    traceback.print_exc()
-                    msg = f"error: {type(e).__name__}: {msg}"
-                results[setup] = {"error": msg[:200]}
-                print(f"  {setup}: {msg}", flush=True)
-            save(results)  # after every setup: a run cut short by a time limit keeps what it measured
+        if args.jobs == 1:
+            for setup in setups:
+                results[setup] = run_guarded(setup, ckpt, train_ids, vals, args)
+                save(results)  # after every setup: a run cut short by a time limit keeps what it measured
+        else:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+
+            with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+                running = {pool.submit(run_guarded, s, ckpt, train_ids, vals, args): s for s in setups}
+                for done in cf.as_completed(running):
+                    results[running[done]] = done.result()
+                    save(results)
+            results = {s: results[s] for s in setups}  # the table in setup order, whatever finished first
     gaps(results)
     print(table(results))
     save(results)

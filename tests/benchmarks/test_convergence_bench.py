@@ -67,3 +67,17 @@ def test_tiny_run_trains_each_kind_of_setup(tmp_path):
     # fixed data order and seeds: the same setup trained twice gives the same curve
     again = convergence.main(["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "lora-bf16", "--out", str(tmp_path / "b"), "--device", "cpu"])
     assert again["lora-bf16"]["val"] == results["lora-bf16"]["val"]
+
+
+def test_jobs_train_setups_in_parallel_processes_with_the_same_numbers(tmp_path):
+    """--jobs 2 trains the setups in two spawned processes: the same curves as one process, in setup order."""
+    argv = ["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "lora-bf16,qlora-fp8", "--device", "cpu"]
+    one = convergence.main(argv + ["--out", str(tmp_path / "one")])
+    two = convergence.main(argv + ["--out", str(tmp_path / "two"), "--jobs", "2"])
+    assert list(two) == list(one) == ["lora-bf16", "qlora-fp8"]
+    for name in one:
+        assert "error" not in two[name], two[name]
+        assert two[name]["val"] == one[name]["val"], name
+    assert json.loads((tmp_path / "two").with_suffix(".json").read_text())["meta"]["jobs"] == 2
+    with pytest.raises(SystemExit, match="--jobs"):
+        convergence.main(argv + ["--jobs", "0"])
