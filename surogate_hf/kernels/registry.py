@@ -266,6 +266,17 @@ def nvfp4_mm(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out
                                                               b_global, bias, out_dtype)
 
 
+def fp8_tiles_wgrad(dy, x, tile, out_dtype):
+    wg = _load(".triton_fp8_wgrad")
+    if tile not in wg.TILES:  # (the recipe uses 128)
+        warn_once("fp8_tiles_wgrad", f"surogate::fp8_tiles_wgrad with {tile}-token tiles runs the fp32 reference: the "
+                  f"Triton kernel takes tiles of {wg.TILES}")
+        from ..ops.recipe import fp8_tiles_wgrad_reference
+
+        return fp8_tiles_wgrad_reference(dy, x, tile, out_dtype)
+    return wg.fp8_tiles_wgrad(dy, x, tile, out_dtype)
+
+
 _QUANT = (
     "quantize_fp8_tensorwise", "quantize_fp8_tensorwise_t", "delayed_scaling_update", "quantize_fp8_blocks",
     "dequantize_fp8_blocks",
@@ -275,7 +286,7 @@ _LINEAR = (
     "fp8_block_linear", "fp8_block_linear_dgrad", "nvfp4_linear", "nvfp4_linear_dgrad", "mxfp4_linear",
     "mxfp4_linear_dgrad", "nf4_linear", "nf4_linear_dgrad",
 )
-_RECIPE = ("fp8_scaled_mm", "nvfp4_mm")
+_RECIPE = ("fp8_scaled_mm", "nvfp4_mm", "fp8_tiles_wgrad")
 
 
 def registered_ops() -> tuple[str, ...]:

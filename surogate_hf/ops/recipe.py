@@ -138,10 +138,15 @@ def fp8_tiles_wgrad(dy: Tensor, x: Tensor, tile: int, out_dtype: torch.dtype) ->
     The reduction runs over tokens, so both operands are quantized to E4M3 in 1 x `tile` tiles ALONG THE TOKENS
     (dy^T and x^T row-wise, i.e. `tile` x 1 tiles of dy [T, N] and x [T, K]; formats.quantize_fp8_tiles, current
     scaling), products accumulate in fp32, one rounding to out_dtype. A native kernel may differ only by fp32
-    summation order.
+    summation order and by where the tile scales are applied (kernels.triton_fp8_wgrad: per 128-token partial sum).
     """
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"fp8_tiles_wgrad: token counts differ, dy {tuple(dy.shape)} vs x {tuple(x.shape)}")
+    return fp8_tiles_wgrad_reference(dy, x, tile, out_dtype)
+
+
+def fp8_tiles_wgrad_reference(dy: Tensor, x: Tensor, tile: int, out_dtype: torch.dtype) -> Tensor:
+    """surogate::fp8_tiles_wgrad's numerics (the op's CPU kernel; CUDA takes it for tiles its kernel lacks)."""
     with _no_autocast(dy.device):
         aq, a_s = F.quantize_fp8_tiles(dy.t(), tile)
         bq, b_s = F.quantize_fp8_tiles(x.t(), tile)

@@ -6,7 +6,7 @@ wgrad    dW = dy^T x  : dy and x in 128x1 E4M3 tiles along the tokens           
 Every tile and block is scaled by its own amax when it is cast, so there is no delayed-scaling state: one
 outlier costs the precision of its own 128 values only, and E4M3 serves the gradients too (what E5M2's range
 bought per-tensor scaling). The forward and dgrad ops are the fp8 QLoRA base's (native block-scaled kernels on
-SM90, any shape); the wgrad op has no native kernel yet and runs as exact emulation on every device (warned once).
+SM90, any shape); the wgrad op's CUDA kernel is kernels/triton_fp8_wgrad.py (elsewhere: exact emulation, warned once).
 
 The weight's 128x128 cast is taken once per optimizer step (from an fp32 master directly) and reused by
 micro-batches and checkpoint recomputes, like the delayed path's.

@@ -117,6 +117,21 @@ def test_fp8_tiles(shape, dtype, tile):
     assert_bits(s, sr, "scale_inv")
 
 
+@pytest.mark.parametrize("t, n, k", [(8192, 576, 1536), (1000, 192, 576), (77, 2880, 2880), (4096, 2048, 6144),
+                                     (1, 16, 16)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_tiles_wgrad(t, n, k, out_dtype):
+    """The blockwise recipe's weight gradient (kernels.triton_fp8_wgrad) against the op's fp32 reference: the same
+    E4M3 tiles, so the results differ by fp32 summation order and where the tile scales apply (fp32 out: ~1e-6 of
+    the largest entry), plus one rounding to bf16."""
+    dy = _rand((t, n), torch.bfloat16, seed=1) * 1e-3
+    x = _rand((t, k), torch.bfloat16, seed=2)
+    out, ref = both(ops.fp8_tiles_wgrad, dy, x, 128, out_dtype)
+    assert out.dtype == ref.dtype == out_dtype and out.shape == (n, k)
+    tol = (1e-5 if out_dtype == torch.float32 else 8e-3) * ref.float().abs().max().item()
+    torch.testing.assert_close(out.float().cpu(), ref.float(), rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("shape", [(200, 300), (256, 512), (3, 130, 256), (1, 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ue8m0", [False, True])
