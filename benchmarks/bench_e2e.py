@@ -103,6 +103,7 @@ def ours_qlora(layers, fmt, recipe=None, fused_norms=True):
 
 
 RECIPE_KNOBS = {}  # --recipe-knobs: extra apply_recipe knobs for the recipe setups (ablations)
+COMPILE_KWARGS = {}  # --compile-mode: torch.compile's mode for the compiled setups (e.g. reduce-overhead: CUDA graphs)
 
 
 def full(layers, recipe=None, compiled=False, torchao=False, fused_norms_only=False, knobs=None):
@@ -123,7 +124,7 @@ def full(layers, recipe=None, compiled=False, torchao=False, fused_norms_only=Fa
     if compiled:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(**COMPILE_KWARGS)
     return model
 
 
@@ -136,7 +137,7 @@ def compiled(build):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
         model = build(layers)
         for layer in _decoder_layers(model):
-            layer.compile()
+            layer.compile(**COMPILE_KWARGS)
         return model
 
     return make
@@ -223,6 +224,9 @@ def main():
     ap.add_argument("--traced-gemm", default=None, choices=["aten", "op"],
                     help="how the fp8 recipe's GEMM enters a compiled graph (recipes.fp8_hybrid.TRACED_GEMM)")
     ap.add_argument("--recipe-knobs", default="{}", help='JSON knobs for apply_recipe, e.g. \'{"fp8_fast_accum": false}\'')
+    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                    help="torch.compile mode of the *_compiled setups (reduce-overhead replays CUDA graphs: no host "
+                         "time per kernel, what a host-bound eager step lacks)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
@@ -233,6 +237,8 @@ def main():
     global SHAPE
     SHAPE = args.shape
     RECIPE_KNOBS.update(json.loads(args.recipe_knobs))
+    if args.compile_mode:
+        COMPILE_KWARGS["mode"] = args.compile_mode
     if args.traced_gemm:
         import surogate_hf.recipes.fp8_hybrid as fh
 
@@ -275,7 +281,8 @@ def main():
     hidden, inter, *_, vocab, _ = SHAPES[SHAPE]
     body = (f"Model: {SHAPE} shape ({args.layers} layers, hidden {hidden}, intermediate {inter}, vocab {vocab}), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
-            "no gradient checkpointing.\n\n")
+            "no gradient checkpointing"
+            + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "") + ".\n\n")
     body += table(["setup", "tokens/s", "peak GiB", "trainable M", "ratio", "target", "note"], rows)
     if errors:
         body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())
