@@ -64,6 +64,7 @@ def main():
     add("torch.empty x2", lambda: (torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn),
                                    torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)))
     add("Triton cast+transpose, kernel[grid](...)", lambda: TR.cast_fp8_into(x, scale_row, amax_bits, torch.float8_e4m3fn, True))
+
     class Ident(torch.autograd.Function):
         @staticmethod
         def forward(ctx, a):
