@@ -54,6 +54,7 @@ def test_fallback_chain():
         (dict(recipe="nvfp4", four_over_six_rule="l3"), "four_over_six_rule"),
         (dict(recipe="nvfp4", skip_quant_first_layers=-1), "skip_quant_first_layers"),
         (dict(recipe="fp4"), "recipe"),
+        (dict(recipe="fp8-hybrid", quantize_lora_adapters="yes"), "quantize_lora_adapters"),
     ],
 )
 def test_bad_knobs_name_the_knob(kwargs, knob):
@@ -78,7 +79,7 @@ def test_knobs_of_another_recipe_or_unknown(recipe, knobs, knob):
 
 def test_env_round_trip():
     c = RecipeConfig.from_recipe_name("nvfp4", no_fp4_stochastic_rounding=True, skip_quant_last_layers=1,
-                                      modules_to_not_convert=["lm_head", "router"])
+                                      modules_to_not_convert=["lm_head", "router"], quantize_lora_adapters=True)
     env = c.to_env()
     assert RecipeConfig.from_env(env) == c
     assert RecipeConfig.from_env({}) is None
