@@ -35,6 +35,9 @@ def main():
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also run the fp8-hybrid RecipeLinear and FusedRMSNorm loops under cProfile and write the "
+                         "functions with the most own time (which Python line the host time goes to)")
     args = ap.parse_args()
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -51,6 +54,7 @@ def main():
     scale_row = torch.ones(1, device=dev)
     amax_bits = torch.zeros(1, device=dev, dtype=torch.int32)
     rows = []
+    profiled = {}
 
     def add(name, fn):
         us = timed(fn, args.iters)
@@ -88,10 +92,12 @@ def main():
         if layer.scaling_state is not None:
             layer.scaling_state.update()
         add(f"RecipeLinear {recipe} fwd+bwd", lambda layer=layer: layer(xg).sum().backward())
+        profiled[f"RecipeLinear {recipe} fwd+bwd"] = lambda layer=layer: layer(xg).sum().backward()
     norm = Qwen3RMSNorm(k).to(dev, torch.bfloat16)
     add("Qwen3RMSNorm fwd+bwd (stock)", lambda: norm(xg).sum().backward())
     fused = FusedRMSNorm(norm)
     add("FusedRMSNorm fwd+bwd", lambda: fused(xg).sum().backward())
+    profiled["FusedRMSNorm fwd+bwd"] = lambda: fused(xg).sum().backward()
     from surogate_hf.nn.linear import FP8Linear
 
     base = FP8Linear.from_linear(nn.Linear(k, k, bias=False, device=dev, dtype=torch.bfloat16))
@@ -100,7 +106,35 @@ def main():
         t[""], t["_scale_inv"], 128, 128, torch.bfloat16))
     body = table(["call", "host us/call"], rows)
     body = f"{m} tokens, {k} wide, best of 5 x {args.iters} calls\n\n" + body
+    if args.cprofile:
+        body += "\n\n" + profile_python(profiled, args.iters)
     write_result("host_calls", "Host time per call on the GPU machine", body)
+
+
+def profile_python(loops: dict, iters: int, top: int = 25) -> str:
+    """cProfile of each loop (after its timed runs): the functions with the most own time. The backward runs on the
+    calling thread here (autograd multithreading off), so cProfile, which sees one thread, sees it too."""
+    import cProfile
+    import io
+    import pstats
+
+    out = []
+    for name, fn in loops.items():
+        if name.startswith("RecipeLinear bf16"):
+            continue
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        with torch.autograd.set_multithreading_enabled(False):
+            prof.enable()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        out.append(f"### cProfile: {name}, {iters} calls (times are totals over the calls)\n\n```\n"
+                   + buf.getvalue().strip() + "\n```")
+    return "\n\n".join(out)
 
 
 if __name__ == "__main__":
