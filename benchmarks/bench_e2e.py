@@ -26,6 +26,7 @@ SHAPES = {
     "qwen3-1.7b": (2048, 6144, 16, 8, 128, 151936, 28),
     "smollm2-135m": (576, 1536, 9, 3, 64, 49152, 30),
     "llama-3.1-8b": (4096, 14336, 32, 8, 128, 128256, 32),
+    "qwen3-14b": (5120, 17408, 40, 8, 128, 151936, 40),
 }
 SHAPE = "qwen3-1.7b"
 
@@ -66,7 +67,7 @@ def peft_bf16(layers, bf16_adapters=True):
     return _lora(base_model(layers), bf16_adapters)
 
 
-def bnb_nf4(layers):
+def bnb_nf4(layers, bf16_adapters=False):
     import bitsandbytes as bnb
 
     model = base_model(layers)
@@ -77,10 +78,10 @@ def bnb_nf4(layers):
                                      compress_statistics=True).cuda()
         model.set_submodule(name, q)
     torch.cuda.empty_cache()
-    return _lora(model, bf16_adapters=False)  # stock PEFT QLoRA: fp32 adapters
+    return _lora(model, bf16_adapters=bf16_adapters)  # stock PEFT QLoRA: fp32 adapters unless asked
 
 
-def ours_qlora(layers, fmt, recipe=None, fused_norms=True):
+def ours_qlora(layers, fmt, recipe=None, fused_norms=True, lora_dtype=torch.bfloat16):
     """The user's path: quantized bases, surogate_hf.prepare_for_training (no checkpointing here; it fuses the
     RMSNorms unless fused_norms=False), PEFT LoRA with bf16 adapters, optionally a recipe."""
     from surogate_hf.integrations.peft import set_lora_dtype
@@ -93,8 +94,8 @@ def ours_qlora(layers, fmt, recipe=None, fused_norms=True):
         model.set_submodule(name, cls.from_linear(lin))
     torch.cuda.empty_cache()
     prepare_for_training(model, gradient_checkpointing=False, fused_norms=fused_norms)
-    model = _lora(model, True)
-    set_lora_dtype(model, torch.bfloat16)
+    model = _lora(model, lora_dtype == torch.bfloat16)
+    set_lora_dtype(model, lora_dtype)
     if recipe is not None:  # QLoRA x recipe: the base GEMMs (and the adapters) in the recipe's precision
         from surogate_hf.recipes.linear import apply_recipe
 
@@ -161,6 +162,9 @@ SETUPS = {
     "ours_nf4_fp8_hybrid": ("ours nf4 QLoRA + fp8-hybrid recipe, bf16 adapters",
                             lambda L: ours_qlora(L, "nf4", "fp8-hybrid"), "lora"),
     "ours_nf4": ("ours nf4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nf4"), "lora"),
+    "ours_nf4_fp32_adapters": ("ours nf4 QLoRA, fp32 adapters", lambda L: ours_qlora(L, "nf4", lora_dtype=torch.float32),
+                               "lora"),
+    "bnb_nf4_bf16_adapters": ("PEFT + bitsandbytes NF4 QLoRA, bf16 adapters", lambda L: bnb_nf4(L, True), "lora"),
     "ours_nf4_stock_norms": ("ours nf4 QLoRA, bf16 adapters, stock RMSNorms (prepare_for_training(fused_norms=False))",
                              lambda L: ours_qlora(L, "nf4", fused_norms=False), "lora"),
     "ours_nf4_compiled": ("ours nf4 QLoRA, bf16 adapters, compiled layers", compiled(lambda L: ours_qlora(L, "nf4")),
@@ -187,7 +191,8 @@ SETUPS = {
 TARGETS = {
     "ours_fp8": [("peft_bf16", 1.3)],
     "ours_fp8_compiled": [("peft_bf16", 1.3), ("peft_bf16_compiled", 1.3)],
-    "ours_nf4": [("bnb_nf4", 1.5), ("peft_bf16", 1.0)],
+    "ours_nf4": [("bnb_nf4", 1.5), ("bnb_nf4_bf16_adapters", 1.5), ("peft_bf16", 1.0)],
+    "ours_nf4_fp32_adapters": [("bnb_nf4", 1.5)],
     "ours_nf4_stock_norms": [("peft_bf16", 1.0)],
     "ours_fp8_fp8_hybrid": [("peft_bf16", 1.25)],
     "ours_nf4_fp8_hybrid": [("peft_bf16", 1.0)],
@@ -206,8 +211,18 @@ SMALL_MODEL_TARGETS = {
 }
 
 
+GRAD_CKPT = []  # --grad-ckpt: activation checkpointing on every setup (what fits a big model on one GPU)
+
+
 def run_setup(key, layers, batch, seq, warmup, steps):
     model = SETUPS[key][1](layers)
+    if GRAD_CKPT:
+        model.train()
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, SHAPES[SHAPE][5], (batch, seq), device="cuda")
@@ -227,6 +242,7 @@ def main():
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     help="torch.compile mode of the *_compiled setups (reduce-overhead replays CUDA graphs: no host "
                          "time per kernel, what a host-bound eager step lacks)")
+    ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (non-reentrant) on every setup")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
@@ -239,6 +255,8 @@ def main():
     RECIPE_KNOBS.update(json.loads(args.recipe_knobs))
     if args.compile_mode:
         COMPILE_KWARGS["mode"] = args.compile_mode
+    if args.grad_ckpt:
+        GRAD_CKPT.append(True)
     if args.traced_gemm:
         import surogate_hf.recipes.fp8_hybrid as fh
 
@@ -281,7 +299,7 @@ def main():
     hidden, inter, *_, vocab, _ = SHAPES[SHAPE]
     body = (f"Model: {SHAPE} shape ({args.layers} layers, hidden {hidden}, intermediate {inter}, vocab {vocab}), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
-            "no gradient checkpointing"
+            + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
             + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "") + ".\n\n")
     body += table(["setup", "tokens/s", "peak GiB", "trainable M", "ratio", "target", "note"], rows)
     if errors:
