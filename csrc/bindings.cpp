@@ -99,20 +99,14 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
   return y.size(0) == m ? y : y.narrow(0, 0, m);
 }
 
-// Everything is a dispatcher op under torch.ops.surogate_ext (no pybind module), so torch.compile graphs call the
-// GEMM with no Python in between (its fake kernel is registered from Python: surogate_hf.kernels.fp8_gemm). On
-// the H100 machine a TORCH_CHECK that threw in here ended the process (segfault) instead of raising, through
-// pybind and the dispatcher alike: the Python callers validate all inputs before calling (docs/kernels.md).
-TORCH_LIBRARY(surogate_ext, m) {
-  m.def("fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()");
-  m.def("fp8_quantize_tiles(Tensor x, int row_multiple) -> (Tensor, Tensor)");
-  m.def("transpose_bytes(Tensor x) -> Tensor");
-  m.def("fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool transpose_w, int recipe_a, int recipe_b) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(surogate_ext, CUDA, m) {
-  m.impl("fp8_cast_amax", &fp8_cast_amax);
-  m.impl("fp8_quantize_tiles", &fp8_quantize_tiles);
-  m.impl("transpose_bytes", &transpose_bytes);
-  m.impl("fp8_block_gemm", &fp8_block_gemm);
+// CUDA kernels of the surogate::ext_* ops. Their schemas, fake kernels and reference (CPU) kernels are declared in
+// Python (surogate_hf/ops/ext.py), which the package imports before this library can be loaded; torch.compile
+// graphs call them with no Python in between. On the H100 machine a TORCH_CHECK that threw in here ended the
+// process (segfault) instead of raising, through pybind and the dispatcher alike: the Python callers validate
+// all inputs before calling (docs/kernels.md).
+TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
+  m.impl("ext_fp8_cast_amax", &fp8_cast_amax);
+  m.impl("ext_fp8_quantize_tiles", &fp8_quantize_tiles);
+  m.impl("ext_transpose_bytes", &transpose_bytes);
+  m.impl("ext_fp8_block_gemm", &fp8_block_gemm);
 }

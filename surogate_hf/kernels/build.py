@@ -21,7 +21,7 @@ def main() -> int:
         print(f"surogate_hf extension: NOT loaded: {why}")
         return 1
     print(f"surogate_hf extension: loaded from {ext.build_dir()} in {time.perf_counter() - t0:.1f}s; "
-          f"ops: {', '.join(f'torch.ops.surogate_ext.{n}' for n in ext.OPS if hasattr(mod, n))}")
+          f"CUDA kernels of: {', '.join(f'torch.ops.surogate.ext_{n}' for n in ext.OPS)}")
     return 0
 
 

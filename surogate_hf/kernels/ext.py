@@ -48,9 +48,17 @@ def status() -> tuple[bool, str]:
     return True, "built, not loaded yet"
 
 
+class ExtOps:
+    """The extension's kernels by their C++ names (`fp8_block_gemm`, ...): the `surogate::ext_*` ops, whose CUDA
+    kernels loading the library registered (their schemas, fakes and references: surogate_hf.ops.ext)."""
+
+    def __init__(self):
+        for name in OPS:
+            setattr(self, name, getattr(torch.ops.surogate, f"ext_{name}"))
+
+
 def load(build: bool = False):
-    """The extension's ops (`torch.ops.surogate_ext`), or None. With build=False only an already built library
-    is loaded."""
+    """The extension's ops (an ExtOps), or None. With build=False only an already built library is loaded."""
     global _module, _error
     if _module is not None or _error is not None:
         return _module
@@ -65,10 +73,12 @@ def load(build: bool = False):
         return None
     from torch.utils.cpp_extension import load as _load
 
+    from .. import ops  # noqa: F401  (declares the surogate::ext_* schemas the library registers CUDA kernels for)
+
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     try:
-        # a plain library (no pybind module): loading it registers the torch.ops.surogate_ext ops
+        # a plain library (no pybind module): loading it registers the CUDA kernels of the surogate::ext_* ops
         _load(
             name=NAME,
             sources=[str(_CSRC / s) for s in SOURCES],
@@ -81,7 +91,12 @@ def load(build: bool = False):
     except Exception as exc:  # a broken toolkit must not break the Triton path: report it
         _error = f"building/loading the extension failed: {type(exc).__name__}: {exc}"
         return None
-    _module = torch.ops.surogate_ext
+    missing = [n for n in OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"surogate::ext_{n}", "CUDA")]
+    if missing:  # e.g. a library cached from sources that registered them under another name
+        _error = (f"the loaded extension registers no CUDA kernel for surogate::ext_{missing[0]} (built from other "
+                  f"sources?): delete {build_dir()} and run `python -m surogate_hf.kernels.build`")
+        return None
+    _module = ExtOps()
     return _module
 
 

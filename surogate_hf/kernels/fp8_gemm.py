@@ -61,8 +61,6 @@ def _native():
         from . import ext
 
         mod = ext.load(build=False)
-        if mod is not None and not hasattr(mod, "fp8_block_gemm"):
-            mod = None  # an extension built from older sources: rebuild with `python -m surogate_hf.kernels.build`
         if mod is None:
             warn_once("fp8_block_gemm_ext", "surogate_hf: the fp8 block-scaled linear runs its tile quantization "
                       f"with Triton from Python (more host time per call); the CUDA extension is {ext.status()[1]}")
@@ -80,23 +78,10 @@ def _block_gemm(a2: torch.Tensor, w: torch.Tensor, ws_mm: torch.Tensor, transpos
 
 
 def native_linear_ok(dtype: torch.dtype, n: int, k: int, block_n: int, block_k: int, device_index: int) -> bool:
-    """Whether the extension's `surogate_ext::fp8_block_gemm` op takes this linear (after padding to 128, which
-    the caller does) and its fake is registered."""
+    """Whether the extension's `surogate::ext_fp8_block_gemm` kernel takes this linear (after padding to 128, which
+    the caller does); its schema and fake are surogate_hf.ops.ext's."""
     plan = paths.plan_gemm("fp8", 1, k, n, dtype, paths.device_capability(device_index), block_size=(block_n, block_k))
-    return plan.path == paths.FP8_BLOCK and _native() is not None and _register_native_fake()
-
-
-_FAKE_REGISTERED = []
-
-
-def _register_native_fake() -> bool:
-    if not _FAKE_REGISTERED:
-        @torch.library.register_fake("surogate_ext::fp8_block_gemm")
-        def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
-            return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[0]))
-
-        _FAKE_REGISTERED.append(True)
-    return True
+    return plan.path == paths.FP8_BLOCK and _native() is not None
 
 
 def _reference_linear(x, w, w_scale_inv, block_n, block_k):

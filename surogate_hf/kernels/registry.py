@@ -233,7 +233,7 @@ _fp8_native_ok._dynamo_marked_constant = True
 
 def fp8_block_linear_native(a, w, w_scale_inv, block_n, block_k, dgrad):
     """The fp8 block linear (a @ W^T) or its dgrad (a @ W) through the native extension's dispatcher op
-    `surogate_ext::fp8_block_gemm`, which torch.compile graphs call with no Python in between; None where it
+    `surogate::ext_fp8_block_gemm`, which torch.compile graphs call with no Python in between; None where it
     does not apply (extension not built, a dtype or GPU paths.plan_gemm sends elsewhere): the caller runs the
     surogate:: op. Dims that are not multiples of 128 are zero-padded here (see fp8_layout.pad_weight)."""
     n, k = w.shape
@@ -243,7 +243,7 @@ def fp8_block_linear_native(a, w, w_scale_inv, block_n, block_k, dgrad):
     pad_n, pad_k = paths.fp8_pads(n, k)
     ws = mm_scales(w_scale_inv.t() if dgrad else w_scale_inv)
     a2 = pad_columns(a.reshape(-1, a.shape[-1]), pad_n if dgrad else pad_k)
-    y = torch.ops.surogate_ext.fp8_block_gemm(a2, pad_weight(w, pad_n, pad_k), ws, dgrad, RECIPE_1X128,
+    y = torch.ops.surogate.ext_fp8_block_gemm(a2, pad_weight(w, pad_n, pad_k), ws, dgrad, RECIPE_1X128,
                                               RECIPE_128X128)
     out = k if dgrad else n
     if y.shape[1] != out:

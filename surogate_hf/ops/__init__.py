@@ -2,7 +2,7 @@
 op's default kernel; surogate_hf.kernels registers CUDA/Triton implementations under the same names. The
 package root imports this package, then surogate_hf.kernels, once (no import from here into kernels)."""
 
-from . import linear, quant, recipe
+from . import ext, linear, quant, recipe
 from .quant import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,
@@ -16,6 +16,7 @@ from .quant import (
     rht,
 )
 from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm
+from .ext import ext_fp8_block_gemm, ext_fp8_cast_amax, ext_fp8_quantize_tiles, ext_transpose_bytes
 from .linear import (
     fp8_block_linear,
     fp8_block_linear_dgrad,

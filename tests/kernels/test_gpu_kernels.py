@@ -575,8 +575,35 @@ def test_extension_fp8_block_gemm_equals_the_python_path(m):
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
+def test_extension_kernels_match_their_references():
+    """The csrc kernels registered for the surogate::ext_* ops against the ops' references (surogate_hf.ops.ext, run
+    on CPU copies): bits for the cast, the tiles and the transpose; the GEMM within fp32 summation order."""
+    from surogate_hf.kernels.fp8_layout import RECIPE_128X128, RECIPE_1X128, mm_scales
+
+    _built_extension()
+    x = _rand((333, 512), torch.bfloat16, seed=3)
+    q, am = torch.empty(333, 512, dtype=torch.float8_e4m3fn), torch.zeros(1, dtype=torch.int32)
+    (qc, amc) = q.to(DEV), am.to(DEV)
+    ops.ext_fp8_cast_amax(x.to(DEV), torch.tensor([2.0], device=DEV), qc, amc)
+    ops.ext_fp8_cast_amax(x, torch.tensor([2.0]), q, am)
+    assert_bits(qc, q, "ext cast")
+    assert_bits(amc, am, "ext amax")
+    (tq, ts), (rq, rs) = both(ops.ext_fp8_quantize_tiles, x, 16)
+    assert ts.stride() == rs.stride()
+    assert_bits(tq, rq, "ext tiles q")
+    assert_bits(ts.contiguous(), rs.contiguous(), "ext tiles scale_inv")
+    wq, ws = ops.quantize_fp8_blocks(_weight(384, 512), 128, 128, False)
+    out, ref = both(ops.ext_transpose_bytes, wq)
+    assert_bits(out, ref, "ext transpose")
+    for dgrad, a, scales in ((False, x, mm_scales(ws)), (True, _rand((333, 384), torch.bfloat16, seed=4),
+                                                          mm_scales(ws.t().contiguous()))):
+        out, ref = both(ops.ext_fp8_block_gemm, a, wq, scales, dgrad, RECIPE_1X128, RECIPE_128X128)
+        assert sqnr(out, ref) > 40, f"ext block gemm (dgrad={dgrad})"
+
+
+@pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():
-    """Under torch.compile the fp8 base runs `surogate_ext::fp8_block_gemm` inside one graph (no break) and
+    """Under torch.compile the fp8 base runs `surogate::ext_fp8_block_gemm` inside one graph (no break) and
     gives the eager plan path's bits, forward and input gradient."""
     from surogate_hf.nn import FP8Linear
 
@@ -604,7 +631,7 @@ def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():
 
     torch._dynamo.reset()
     torch.compile(m, backend=backend, fullgraph=True)(x)
-    assert any("surogate_ext.fp8_block_gemm" in t for t in gm_ops), gm_ops
+    assert any("surogate.ext_fp8_block_gemm" in t for t in gm_ops), gm_ops
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])

@@ -5,6 +5,7 @@ import torch
 
 import surogate_hf.formats as F
 import surogate_hf.ops as O
+from surogate_hf.kernels.fp8_layout import RECIPE_128X128, RECIPE_1X128, mm_scales
 
 ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 # test_schema compares inputs before/after with allclose, which torch does not implement for fp8 tensors;
@@ -49,13 +50,22 @@ def _cases():
                                             torch.bfloat16), NO_SCHEMA),
         ("fp8_tiles_wgrad", O.fp8_tiles_wgrad, (dy, x, 128, torch.float32), ALL),
         ("nvfp4_mm", O.nvfp4_mm, (*F.quantize_nvfp4(x.float()), *nv, None, torch.float32), NO_SCHEMA),
+        # the native extension's ops (their CUDA kernels come from csrc/; here their references)
+        ("ext_fp8_cast_amax", O.ext_fp8_cast_amax,
+         (x, torch.tensor([3.0]), torch.empty(6, 256, dtype=F.E4M3), torch.zeros(1, dtype=torch.int32)), NO_SCHEMA),
+        ("ext_fp8_quantize_tiles", O.ext_fp8_quantize_tiles, (x, 16), NO_SCHEMA),
+        ("ext_transpose_bytes", O.ext_transpose_bytes, (wq,), NO_SCHEMA),
+        ("ext_fp8_block_gemm", O.ext_fp8_block_gemm, (x, wq[:128], mm_scales(ws[:1]), False, RECIPE_1X128, RECIPE_128X128),
+         NO_SCHEMA),
+        ("ext_fp8_block_gemm_dgrad", O.ext_fp8_block_gemm,
+         (dy[:, :128], wq[:128], mm_scales(ws[:1].t().contiguous()), True, RECIPE_1X128, RECIPE_128X128), NO_SCHEMA),
     ]
 
 
 def test_every_surogate_op_has_an_opcheck_case():
     """A new op without a case here fails: every schema in surogate_hf.ops is checked."""
     declared = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("surogate::")}
-    covered = {c[1]._qualname.split("::", 1)[1] for c in _cases()}
+    covered = {(c[1]._qualname if hasattr(c[1], "_qualname") else c[1].name()).split("::", 1)[1] for c in _cases()}
     assert declared, "no surogate:: op is registered"
     assert declared <= covered, f"ops without an opcheck case: {sorted(declared - covered)}"
 

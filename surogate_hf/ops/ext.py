@@ -1,0 +1,118 @@
+"""The native extension's ops (csrc/, `surogate::ext_*`): schemas, fakes and reference kernels live here.
+
+The extension (surogate_hf.kernels.ext, built on demand) registers CUDA kernels for these names from C++
+(`TORCH_LIBRARY_IMPL(surogate, CUDA, ...)` in csrc/bindings.cpp); without it, or off CUDA, each op runs the
+reference below, which states its numerics. Callers in surogate_hf.kernels take these ops only once the extension is
+loaded (kernels.ext.load), so the references serve the CPU opcheck tests and a GPU comparison, not a hot path.
+The schemas spell `int` (not SymInt) because the C++ kernels take int64_t. They are declared with torch.library's
+define/impl rather than custom_op so that a call reaches the C++ kernel with no Python autograd wrapper on the
+host path (these ops run inside autograd Functions and compiled graphs, never on tensors that record a graph).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import formats as F
+
+NS = "surogate"
+TILE = 128
+_lib = torch.library.Library(NS, "FRAGMENT")
+# torch's ScalingType codes for 1x128 tiles and 128x128 blocks, the only pair the reference block GEMM takes
+_RECIPE_1X128 = int(torch.nn.functional.ScalingType.BlockWise1x128.value) if hasattr(torch.nn.functional, "ScalingType") else -1
+_RECIPE_128X128 = (int(torch.nn.functional.ScalingType.BlockWise128x128.value)
+                   if hasattr(torch.nn.functional, "ScalingType") else -1)
+
+
+_lib.define("ext_fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()")
+_lib.define("ext_fp8_quantize_tiles(Tensor x, int row_multiple) -> (Tensor, Tensor)")
+_lib.define("ext_transpose_bytes(Tensor x) -> Tensor")
+_lib.define("ext_fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool transpose_w, int recipe_a, int recipe_b) "
+            "-> Tensor")
+
+
+@torch.library.impl(f"{NS}::ext_fp8_cast_amax", "CompositeExplicitAutograd", lib=_lib)
+def _ext_fp8_cast_amax(x: Tensor, scale: Tensor, q: Tensor, amax_bits: Tensor) -> None:
+    """q = sat_rne(x * scale) written into the preallocated FP8 tensor q (x's numel); amax_bits (int32 [1], the bits
+    of a non-negative fp32) becomes max(amax_bits, max|x|) as float bits (NaN propagates)."""
+    if q.numel() != x.numel() or amax_bits.numel() != 1 or amax_bits.dtype != torch.int32:
+        raise ValueError(f"ext_fp8_cast_amax: q must have x's numel and amax_bits be int32[1]; got q {tuple(q.shape)}, "
+                         f"amax_bits {tuple(amax_bits.shape)} {amax_bits.dtype}")
+    q.view(-1).copy_(F.cast_to_fp8(x.float().reshape(-1) * scale.float().reshape(()), q.dtype))
+    if x.numel():
+        a = x.float().abs().amax().reshape(1)
+        amax_bits.copy_(torch.maximum(amax_bits.view(torch.float32), a).view(torch.int32))
+
+
+@torch.library.register_fake(f"{NS}::ext_fp8_cast_amax", lib=_lib)
+def _(x, scale, q, amax_bits):
+    return None
+
+
+@torch.library.impl(f"{NS}::ext_fp8_quantize_tiles", "CompositeExplicitAutograd", lib=_lib)
+def _ext_fp8_quantize_tiles(x: Tensor, row_multiple: int) -> tuple[Tensor, Tensor]:
+    """(q [Mp, K] E4M3, scale_inv [Mp, K/128] fp32 as an Mp-contiguous view) of x [M, K] in 1x128 tiles
+    (formats.quantize_fp8_tiles), M padded up to a multiple of row_multiple with zero rows (quantized as zeros,
+    scale_inv 1): the operand layout cuBLASLt's block-scaled GEMM reads."""
+    if x.dim() != 2 or x.shape[1] % TILE or row_multiple < 1:
+        raise ValueError(f"ext_fp8_quantize_tiles: x must be 2-D with a last dim that is a multiple of {TILE} and "
+                         f"row_multiple >= 1; got {tuple(x.shape)}, {row_multiple}")
+    m = x.shape[0]
+    mp = -(-m // row_multiple) * row_multiple
+    xp = torch.cat((x, x.new_zeros((mp - m, x.shape[1])))) if mp != m else x
+    q, s = F.quantize_fp8_tiles(xp, TILE)
+    return q, s.t().contiguous().t()
+
+
+@torch.library.register_fake(f"{NS}::ext_fp8_quantize_tiles", lib=_lib)
+def _(x, row_multiple):
+    mp = -(-x.shape[0] // row_multiple) * row_multiple
+    return (x.new_empty((mp, x.shape[1]), dtype=torch.float8_e4m3fn),
+            x.new_empty((x.shape[1] // TILE, mp), dtype=torch.float32).t())
+
+
+@torch.library.impl(f"{NS}::ext_transpose_bytes", "CompositeExplicitAutograd", lib=_lib)
+def _ext_transpose_bytes(x: Tensor) -> Tensor:
+    """The contiguous transpose of a 2-D tensor of 1-byte elements (FP8 or uint8)."""
+    if x.dim() != 2 or x.element_size() != 1:
+        raise ValueError(f"ext_transpose_bytes: x must be 2-D with 1-byte elements, got {tuple(x.shape)} {x.dtype}")
+    return x.view(torch.uint8).t().contiguous().view(x.dtype)
+
+
+@torch.library.register_fake(f"{NS}::ext_transpose_bytes", lib=_lib)
+def _(x):
+    return x.new_empty((x.shape[1], x.shape[0]))
+
+
+@torch.library.impl(f"{NS}::ext_fp8_block_gemm", "CompositeExplicitAutograd", lib=_lib)
+def _ext_fp8_block_gemm(x: Tensor, w: Tensor, w_scales_mm: Tensor, transpose_w: bool, recipe_a: int,
+                       recipe_b: int) -> Tensor:
+    """y = x @ W^T (forward; x [M, K], w [N, K]) or x @ W (transpose_w, the dgrad; x [M, N]) for an E4M3 weight in
+    128x128 blocks, x quantized in 1x128 tiles; fp32 accumulation, one rounding to x's dtype. w_scales_mm: the
+    block scales of the operand multiplied (W, or W^T for the dgrad), [blocks, L4] with the block columns padded
+    to a multiple of 4 (kernels.fp8_layout.mm_scales). The weight's dims are multiples of 128 (the caller pads)."""
+    if (recipe_a, recipe_b) != (_RECIPE_1X128, _RECIPE_128X128):
+        raise ValueError(f"ext_fp8_block_gemm: only 1x128 x 128x128 scaling ({_RECIPE_1X128}, {_RECIPE_128X128}), "
+                         f"got ({recipe_a}, {recipe_b})")
+    wk = torch.ops.surogate.ext_transpose_bytes(w) if transpose_w else w  # [N', K'], K' contiguous
+    n, k = wk.shape
+    if x.dim() != 2 or x.shape[1] != k or n % TILE or k % TILE:
+        raise ValueError(f"ext_fp8_block_gemm: x [M, {k}] and a weight with dims that are multiples of {TILE} "
+                         f"expected; got x {tuple(x.shape)}, operand {tuple(wk.shape)}")
+    ws = w_scales_mm[:, : k // TILE]
+    wd = F.dequantize_fp8_blocks(wk, ws, (TILE, TILE), torch.float32)
+    xq, xs = F.quantize_fp8_tiles(x, TILE)
+    xd = F.dequantize_fp8_tiles(xq, xs, TILE, torch.float32)
+    return (xd @ wd.t()).to(x.dtype)
+
+
+@torch.library.register_fake(f"{NS}::ext_fp8_block_gemm", lib=_lib)
+def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
+    return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[0]))
+
+
+ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
+ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
+ext_transpose_bytes = torch.ops.surogate.ext_transpose_bytes.default
+ext_fp8_block_gemm = torch.ops.surogate.ext_fp8_block_gemm.default
