@@ -31,6 +31,9 @@ def prepare_for_training(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare_for_training expects a torch nn.Module, got {type(model).__name__}")
+    for name, flag in (("gradient_checkpointing", gradient_checkpointing), ("fused_norms", fused_norms)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"prepare_for_training: {name} must be True or False, got {flag!r}")
     install_peft_dispatch()
     for p in model.parameters():
         p.requires_grad_(False)

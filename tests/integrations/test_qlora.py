@@ -353,3 +353,9 @@ def test_prepare_for_training_fuses_the_norms(tiny_dir, batch):
     assert runs[0].keys() == runs[1].keys() and runs[0]
     for n in runs[0]:
         assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+def test_prepare_for_training_names_a_bad_flag(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=SurogateConfig(format="nf4"))
+    with pytest.raises(TypeError, match="fused_norms"):
+        prepare_for_training(model, fused_norms="yes")
