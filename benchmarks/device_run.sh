@@ -1,24 +1,46 @@
 #!/usr/bin/env bash
-# One GPU-machine session's worth of checks: build the extension, run the GPU tests, run the benchmarks.
-# Usage on the GPU machine (after carrying the wheels, see README "GPU kernels"):
-#   bash benchmarks/device_run.sh [OUTDIR]      (default OUTDIR: $OUT, else ./device_out)
-# Tables land in benchmarks/results/ (tarred into OUTDIR/results.tgz) and the whole log in OUTDIR/run.log.
+# One GPU-machine session's checks and measurements, in two device calls of under 10 minutes each (the device tool's
+# per-call limit). Usage on the GPU machine, after installing the carried wheels (README "GPU kernels"):
+#   bash benchmarks/device_run.sh tests  [OUTDIR]   # build the extension, GPU tests of what changed last (~6 min)
+#   bash benchmarks/device_run.sh bench  [OUTDIR]   # the end-to-end benchmarks of the open targets (~9 min)
+# OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
+# Set BENCH_COMMIT=<git hash> first (the machine gets the tree without .git): the tables print it.
+# The convergence benchmark needs its assets (benchmarks/convergence.py --prepare) carried separately; run it with
+#   python3 benchmarks/convergence.py --jobs 3 --setups ... --out $OUT/convergence
 set -uo pipefail
-out=${1:-${OUT:-./device_out}}
-mkdir -p "$out"
-log="$out/run.log"
+what=${1:-tests}
+out=${2:-${OUT:-./device_out}}
+mkdir -p "$out/results"
 export PYTHONUNBUFFERED=1
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-step() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$log"; ( cd benchmarks; env -u OUT timeout "$t" "$@" ) >>"$log" 2>&1; echo "=== exit $?" | tee -a "$log"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log" 2>&1
-( env -u OUT timeout 120 python3 -m surogate_hf.kernels.build >>"$log" 2>&1; echo "=== build exit $?" | tee -a "$log" )
-( timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider >>"$log" 2>&1; echo "=== gpu tests exit $?" | tee -a "$log" )
-tail -1 "$log"
-step 45 python3 bench_overhead.py
-step 200 python3 bench_shapes.py
-step 100 python3 bench_linear.py
-step 90 python3 bench_lora_dtype.py --formats fp8
-step 160 python3 bench_e2e.py --setups "${E2E_SETUPS:-peft_bf16,bnb_nf4,ours_fp8,ours_nf4,full_bf16,full_fp8}"
-tar czf "$out/results.tgz" benchmarks/results
-grep -E "^=== |passed|failed" "$log" | tail -20
+step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, print the verdict
+    local name=$1 limit=$2; shift 2
+    echo "=== $name (limit ${limit}s)"
+    ( env -u OUT timeout "$limit" "$@" ) >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name exit $rc"
+    grep -E "passed|failed|tok/s|^E " "$out/$name.log" | grep -v Warning | tail -12
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+case "$what" in
+  tests)
+    step build 150 python3 -m surogate_hf.kernels.build
+    step gpu_kernels 200 python3 -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -k "not shapes_table" \
+        -p no:cacheprovider -p no:logging --tb=short
+    step gpu_recipes 240 python3 -m pytest -q -m gpu tests/recipes/test_gpu_recipes.py tests/integrations/test_loftq.py \
+        -p no:cacheprovider -p no:logging --tb=short
+    ;;
+  bench)
+    cd benchmarks
+    step e2e_qlora 150 python3 bench_e2e.py --name e2e_qlora_qwen3_1.7b \
+        --setups peft_bf16,ours_nf4_stock_norms,ours_nf4,ours_fp8,ours_fp8_fp8_hybrid
+    step e2e_full 150 python3 bench_e2e.py --name e2e_full_qwen3_1.7b \
+        --setups full_bf16,full_bf16_fused_norms,full_fp8,full_fp8_blockwise
+    step e2e_cudagraphs 180 python3 bench_e2e.py --name e2e_cudagraphs_qwen3_1.7b --compile-mode reduce-overhead \
+        --setups full_bf16_compiled,full_fp8_compiled,full_torchao_compiled
+    step host_calls 60 python3 bench_host_calls.py --cprofile
+    cp results/*.md "$out/results/" 2>/dev/null
+    ;;
+  *) echo "usage: device_run.sh tests|bench [OUTDIR]"; exit 2 ;;
+esac
