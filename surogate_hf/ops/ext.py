@@ -19,7 +19,8 @@ from .. import formats as F
 NS = "surogate"
 TILE = 128
 _lib = torch.library.Library(NS, "FRAGMENT")
-# torch's ScalingType codes for 1x128 tiles and 128x128 blocks, the only pair the reference block GEMM takes
+# torch's ScalingType codes for 1x128 tiles and 128x128 blocks, the only pair the reference block GEMM takes (the
+# values of kernels.fp8_layout.RECIPE_*, spelled here because ops sits below kernels)
 _RECIPE_1X128 = int(torch.nn.functional.ScalingType.BlockWise1x128.value) if hasattr(torch.nn.functional, "ScalingType") else -1
 _RECIPE_128X128 = (int(torch.nn.functional.ScalingType.BlockWise128x128.value)
                    if hasattr(torch.nn.functional, "ScalingType") else -1)
