@@ -238,6 +238,8 @@ def main():
     ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
     ap.add_argument("--traced-gemm", default=None, choices=["aten", "op"],
                     help="how the fp8 recipe's GEMM enters a compiled graph (recipes.fp8_hybrid.TRACED_GEMM)")
+    ap.add_argument("--traced-cast", default=None, choices=["inductor", "op"],
+                    help="how the fp8 recipe's casts enter a compiled graph (recipes.fp8_hybrid.TRACED_CAST)")
     ap.add_argument("--recipe-knobs", default="{}", help='JSON knobs for apply_recipe, e.g. \'{"fp8_fast_accum": false}\'')
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     help="torch.compile mode of the *_compiled setups (reduce-overhead replays CUDA graphs: no host "
@@ -257,10 +259,11 @@ def main():
         COMPILE_KWARGS["mode"] = args.compile_mode
     if args.grad_ckpt:
         GRAD_CKPT.append(True)
-    if args.traced_gemm:
+    if args.traced_gemm or args.traced_cast:
         import surogate_hf.recipes.fp8_hybrid as fh
 
-        fh.TRACED_GEMM = args.traced_gemm
+        fh.TRACED_GEMM = args.traced_gemm or fh.TRACED_GEMM
+        fh.TRACED_CAST = args.traced_cast or fh.TRACED_CAST
     if args.layers is None:
         args.layers = SHAPES[SHAPE][6]
     errors, tps, measured = {}, {}, {}
@@ -300,7 +303,8 @@ def main():
     body = (f"Model: {SHAPE} shape ({args.layers} layers, hidden {hidden}, intermediate {inter}, vocab {vocab}), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
             + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
-            + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "") + ".\n\n")
+            + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "")
+            + (f"; traced fp8 casts: {args.traced_cast}" if args.traced_cast else "") + ".\n\n")
     body += table(["setup", "tokens/s", "peak GiB", "trainable M", "ratio", "target", "note"], rows)
     if errors:
         body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One GPU-machine session's checks and measurements, in two device calls of under 10 minutes each (the device tool's
+# One GPU-machine session's checks and measurements, in device calls of under 10 minutes each (the device tool's
 # per-call limit). Usage on the GPU machine, after installing the carried wheels (README "GPU kernels"):
-#   bash benchmarks/device_run.sh tests  [OUTDIR]   # build the extension, GPU tests of what changed last (~6 min)
-#   bash benchmarks/device_run.sh bench  [OUTDIR]   # the end-to-end benchmarks of the open targets (~9 min)
+#   bash benchmarks/device_run.sh tests     [OUTDIR]   # build the extension, GPU tests of what changed last (~6 min)
+#   bash benchmarks/device_run.sh bench     [OUTDIR]   # eager end-to-end benchmarks of the open targets (~6 min)
+#   bash benchmarks/device_run.sh compiled  [OUTDIR]   # compiled layers: CUDA graphs, the casts as one op (~9 min)
 # OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
 # Set BENCH_COMMIT=<git hash> first (the machine gets the tree without .git): the tables print it.
 # The convergence benchmark needs its assets (benchmarks/convergence.py --prepare) carried separately; run it with
@@ -37,10 +38,16 @@ case "$what" in
         --setups peft_bf16,ours_nf4_stock_norms,ours_nf4,ours_fp8,ours_fp8_fp8_hybrid
     step e2e_full 150 python3 bench_e2e.py --name e2e_full_qwen3_1.7b \
         --setups full_bf16,full_bf16_fused_norms,full_fp8,full_fp8_blockwise
-    step e2e_cudagraphs 180 python3 bench_e2e.py --name e2e_cudagraphs_qwen3_1.7b --compile-mode reduce-overhead \
-        --setups full_bf16_compiled,full_fp8_compiled,full_torchao_compiled
     step host_calls 60 python3 bench_host_calls.py --cprofile
     cp results/*.md "$out/results/" 2>/dev/null
     ;;
-  *) echo "usage: device_run.sh tests|bench [OUTDIR]"; exit 2 ;;
+  compiled)
+    cd benchmarks
+    step e2e_cudagraphs 270 python3 bench_e2e.py --name e2e_cudagraphs_qwen3_1.7b --compile-mode reduce-overhead \
+        --setups full_bf16_compiled,full_fp8_compiled,full_torchao_compiled
+    step e2e_traced_cast 270 python3 bench_e2e.py --name e2e_traced_cast_qwen3_1.7b --traced-cast op \
+        --setups full_bf16_compiled,full_fp8_compiled,full_torchao_compiled
+    cp results/*.md "$out/results/" 2>/dev/null
+    ;;
+  *) echo "usage: device_run.sh tests|bench|compiled [OUTDIR]"; exit 2 ;;
 esac

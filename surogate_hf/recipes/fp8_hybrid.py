@@ -104,10 +104,19 @@ def cast(x2d, scale, scale_inv, amax, row, fmt, transpose: bool, record: bool, c
             return q, qt, s.reciprocal().reshape(())
         q, qt = tr.cast_fp8_into(x2d, scale[row : row + 1], bits, fmt, transpose)
         return q, qt, scale_inv[row, 0]
-    a = x2d.detach().abs().amax().float() if (record or current) else None
-    s = F.fp8_scale_from_amax(a, fmt) if current else _at(scale, row)
-    q = F.cast_to_fp8(x2d.float() * s, fmt)
-    qt = q.t().contiguous() if transpose else None
+    if TRACED_CAST == "op" and torch.compiler.is_compiling():
+        # the cast as one opaque op (our Triton kernel on CUDA: cast, transpose and amax in one pass) instead of
+        # torch ops that inductor fuses into the producer; same numbers (the op's reference is this formula)
+        s = F.fp8_scale_from_amax(x2d.detach().abs().amax().float(), fmt) if current else _at(scale, row)
+        if transpose:
+            q, qt, a = torch.ops.surogate.quantize_fp8_tensorwise_t(x2d, s, fmt)
+        else:
+            (q, a), qt = torch.ops.surogate.quantize_fp8_tensorwise(x2d, s, fmt), None
+    else:
+        a = x2d.detach().abs().amax().float() if (record or current) else None
+        s = F.fp8_scale_from_amax(a, fmt) if current else _at(scale, row)
+        q = F.cast_to_fp8(x2d.float() * s, fmt)
+        qt = q.t().contiguous() if transpose else None
     if record:
         if isinstance(amax_row, int):
             amax[amax_row] = torch.maximum(amax[amax_row], a)
@@ -152,6 +161,10 @@ def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype, fast_accum: bool = False):
 
 
 TRACED_GEMM = "aten"  # how a traced CUDA GEMM enters the graph: "aten" (torch._scaled_mm) or "op" (surogate::)
+# how a traced cast enters the graph: "inductor" (torch ops, fused by inductor into the kernel that produces the
+# operand) or "op" (surogate::quantize_fp8_tensorwise[_t], one opaque call: on the H100 inductor's fused
+# cast-transpose kernels ran at 1/2-1/3 of bandwidth, benchmarks/results/recipes_profile.md)
+TRACED_CAST = "inductor"
 
 
 def _aten_ok(a, b, out_dtype) -> bool:

@@ -250,6 +250,23 @@ def test_compiled_fullgraph_trains_like_eager(recipe):
                                    rtol=1e-6, atol=0)
 
 
+def test_compiled_with_the_cast_as_one_op_trains_like_eager(monkeypatch):
+    """recipes.fp8_hybrid.TRACED_CAST = "op": the traced casts are surogate::quantize_fp8_tensorwise[_t] calls (the
+    Triton cast-transpose kernel on CUDA) instead of torch ops for inductor to fuse; fullgraph, and the same losses,
+    states and gradients as eager (the op's reference is the torch path's formula)."""
+    from surogate_hf.recipes import fp8_hybrid as FH
+
+    monkeypatch.setattr(FH, "TRACED_CAST", "op")
+    torch._dynamo.reset()
+    eager = R.apply_recipe(tiny_mlp(), "fp8-hybrid")
+    comp = R.apply_recipe(tiny_mlp(), "fp8-hybrid")
+    le, lc = _train(eager), _train(comp, compiled=True)
+    assert lc == pytest.approx(le, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(comp.surogate_fp8_state.amax_history, eager.surogate_fp8_state.amax_history,
+                               rtol=1e-6, atol=0)
+    torch._dynamo.reset()
+
+
 def test_regional_compile_shares_one_graph_across_layers():
     """Per-block compile (what users do for big models): the layers' rows are tensors, so every block reuses the
     same graph; the first step (current scaling) and the later ones (delayed) are the only two variants."""
