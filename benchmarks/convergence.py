@@ -19,9 +19,10 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-bf16                 full fine-tune, apply_recipe("bf16"), fp32 masters: the reference of full-*
     full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters (per-tensor delayed scaling)
     full-fp8-blockwise        apply_recipe("fp8-hybrid", fp8_scaling="blockwise"): DeepSeek-V3's 1x128 / 128x128 tiles
-    full-nvfp4                apply_recipe("nvfp4"), fp32 masters
-    full-nvfp4-{no46,nosr,norht,bf16ends}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
-                              Hadamard transform, or with the first block and the last two in bf16 (ablation)
+    full-nvfp4                apply_recipe("nvfp4"), fp32 masters (by default the first block and the last two of
+                              the 18 stay in bf16: recipes.config.NVFP4_BF16_ENDS)
+    full-nvfp4-{no46,nosr,norht,allfp4}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
+                              Hadamard transform, or with every block in FP4 (ablation)
 
 Output: a table of final validation loss and the gap in % to the reference, and
 benchmarks/results/convergence.json (curves) and convergence.png (plot); --out changes the stem.
@@ -58,7 +59,7 @@ ALL_SETUPS = (
 )
 # full fine-tune setups: (recipe, knobs). The full-nvfp4-* rows ablate one ingredient of NVIDIA's NVFP4 recipe each
 # (issue 16 item 3): 4/6 block scales, stochastic rounding of gradients, the random Hadamard transform of the wgrad
-# operands, and the first / last blocks kept in bf16.
+# operands, and the first / last blocks kept in bf16 (allfp4 converts them too).
 FULL_SETUPS = {
     "full-bf16": ("bf16", {}),
     "full-fp8-hybrid": ("fp8-hybrid", {}),
@@ -67,7 +68,7 @@ FULL_SETUPS = {
     "full-nvfp4-no46": ("nvfp4", {"four_over_six": False}),
     "full-nvfp4-nosr": ("nvfp4", {"no_fp4_stochastic_rounding": True}),
     "full-nvfp4-norht": ("nvfp4", {"fp4_rht": False}),
-    "full-nvfp4-bf16ends": ("nvfp4", {"skip_quant_first_layers": 1, "skip_quant_last_layers": 2}),
+    "full-nvfp4-allfp4": ("nvfp4", {"skip_quant_first_layers": 0, "skip_quant_last_layers": 0}),
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 

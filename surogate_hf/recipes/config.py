@@ -42,6 +42,11 @@ FP8_SCALINGS = ("delayed", "blockwise")
 _FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht")
 _KNOB_ALIASES = {"fp8_amax_history": "amax_history_len"}
 
+# The nvfp4 recipe's default share of decoder layers kept in model_dtype, (first, last), rounded to whole layers:
+# NVIDIA's NVFP4 pretraining recipe keeps ~16% of the linear layers in BF16, the first few and most at the end
+# (2 and 8 of 62 blocks here): 18 layers keep 1 and 2, 28 keep 1 and 4, models of 3 layers or fewer none.
+NVFP4_BF16_ENDS = (0.032, 0.129)
+
 ENV_RECIPE = "SUROGATE_RECIPE"
 ENV_KNOBS = "SUROGATE_RECIPE_KNOBS"
 
@@ -90,9 +95,11 @@ class RecipeConfig:
     # (measured: 224 more FP8 linears per step at 8 layers, the step host-bound); the adapters then compute in
     # their own dtype (PEFT's, or lora_dtype)
     quantize_lora_adapters: bool = False
-    # which linears are converted
-    skip_quant_first_layers: int = 0
-    skip_quant_last_layers: int = 0
+    # which linears are converted. None: the recipe's default, 0 for bf16 and fp8-hybrid; for nvfp4 the first ~3% and
+    # the last ~13% of the decoder layers stay in model_dtype (NVFP4_BF16_ENDS), the ~16% of layers NVIDIA's NVFP4
+    # pretraining recipe keeps in BF16. Give 0 to convert every layer.
+    skip_quant_first_layers: int | None = None
+    skip_quant_last_layers: int | None = None
     modules_to_not_convert: tuple = field(default=("lm_head",))
 
     def __post_init__(self):
@@ -158,8 +165,8 @@ class RecipeConfig:
             raise ValueError(f"four_over_six_rule={self.four_over_six_rule!r} is unknown; choose one of {FOUR_OVER_SIX_RULES}")
         for knob in ("skip_quant_first_layers", "skip_quant_last_layers"):
             v = getattr(self, knob)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{knob} must be an int >= 0, got {v!r}")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{knob} must be an int >= 0 (or None for the recipe's default), got {v!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
         mods = self.modules_to_not_convert
@@ -257,6 +264,16 @@ class RecipeConfig:
     def resolved_master_dtype(self) -> str:
         return self.master_dtype or self.resolved_model_dtype()
 
+    def resolved_skip_layers(self, n_layers: int) -> tuple[int, int]:
+        """(first, last) decoder layers kept in model_dtype for a model of n_layers: the knobs, or the recipe's
+        default where they are None (NVFP4_BF16_ENDS for nvfp4, none otherwise)."""
+        first, last = self.skip_quant_first_layers, self.skip_quant_last_layers
+        if self.recipe == "nvfp4":
+            f_share, l_share = NVFP4_BF16_ENDS
+            first = int(f_share * n_layers + 0.5) if first is None else first
+            last = int(l_share * n_layers + 0.5) if last is None else last
+        return (first or 0), (last or 0)
+
     def uses_fp8(self) -> bool:
         return self.resolved_matmul_dtype() == "e4m3"
 
@@ -307,7 +324,7 @@ def check_skip_layers(cfg: RecipeConfig, n_layers: int) -> None:
     than it has, or any on a model without a layer list): they would convert nothing and say nothing."""
     from ..nn.convert import check_skip_layers as check
 
-    check(cfg.skip_quant_first_layers, cfg.skip_quant_last_layers, n_layers)
+    check(*cfg.resolved_skip_layers(n_layers), n_layers)
 
 
 def check_device(cfg: RecipeConfig, device: torch.device) -> None:

@@ -34,7 +34,7 @@ from .config import (
     dtype_name,
     resolve_recipe,
 )
-from ..nn.convert import module_plan
+from ..nn.convert import decoder_layer_names, module_plan
 from . import fp8_blockwise
 from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
 from ..nn.linear import QuantizedLinear
@@ -403,7 +403,8 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     same hook, and the same module selection, as SurogateConfig's quantizer: nn.convert.module_plan).
 
     Plain nn.Linear layers inside the transformer blocks get the recipe; embeddings, the attention core and lm_head
-    (and `modules_to_not_convert`, and the first / last `skip_quant_*_layers` blocks) stay in model_dtype. With
+    (and `modules_to_not_convert`, and the first / last `skip_quant_*_layers` blocks; nvfp4 by default keeps ~16% of
+    the blocks, config.NVFP4_BF16_ENDS) stay in model_dtype. With
     fused_norms (default) recognised transformers RMSNorms become recipes.norm.FusedRMSNorm (same weight and key,
     same formula, fused kernels, FP8 hand-off). Quantized QLoRA bases (nn.linear.QuantizedLinear) keep their
     storage; their GEMMs follow the recipe (recipes.qlora: `base.recipe_gemm`). The LoRA adapter linears of a PEFT
@@ -448,9 +449,10 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     for name, m in model.named_modules():
         if isinstance(m, RecipeLinear):
             raise ValueError(f"{name} is already a RecipeLinear")
+    skip_first, skip_last = cfg.resolved_skip_layers(len(decoder_layer_names(model)))
     plan = module_plan(
         model, lambda m: type(m) is nn.Linear, skip=cfg.modules_to_not_convert,
-        skip_first_layers=cfg.skip_quant_first_layers, skip_last_layers=cfg.skip_quant_last_layers,
+        skip_first_layers=skip_first, skip_last_layers=skip_last,
         module_filter=module_filter_fn, only_in_layers=True,
     )
     targets = [(name, m, why is None and m is not out_emb) for name, m, why in plan
@@ -476,7 +478,7 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     # storage stays the format's, the compute precision becomes the recipe's (same module selection)
     bases = [(name, m) for name, m, why in module_plan(
         model, lambda m: isinstance(m, QuantizedLinear), skip=cfg.modules_to_not_convert,
-        skip_first_layers=cfg.skip_quant_first_layers, skip_last_layers=cfg.skip_quant_last_layers,
+        skip_first_layers=skip_first, skip_last_layers=skip_last,
         module_filter=module_filter_fn, only_in_layers=True) if why is None]
 
     # 3. swap; FP8 layers (and FP8 bases) share one flat delayed-scaling state, registered once on the model

@@ -159,3 +159,25 @@ def test_apply_recipe_refuses_skipping_more_layers_than_the_model_has():
 
     with pytest.raises(ValueError, match=r"skip_quant_first_layers \(5\) .* exceed the model's 2 decoder layers"):
         apply_recipe(TwoLayers(), "fp8-hybrid", skip_quant_first_layers=5)
+
+
+@pytest.mark.parametrize("n_layers, want", [(62, (2, 8)), (28, (1, 4)), (18, (1, 2)), (4, (0, 1)), (2, (0, 0))])
+def test_nvfp4_keeps_the_ends_in_model_dtype_by_default(n_layers, want):
+    """NVIDIA's NVFP4 recipe keeps ~16% of the layers in BF16, the first few and most at the end: nvfp4's default
+    (knobs left None); an explicit value, 0 included, wins; the other recipes keep none by default."""
+    assert RecipeConfig(recipe="nvfp4").resolved_skip_layers(n_layers) == want
+    assert RecipeConfig(recipe="nvfp4", skip_quant_first_layers=0, skip_quant_last_layers=0).resolved_skip_layers(
+        n_layers) == (0, 0)
+    assert RecipeConfig(recipe="nvfp4", skip_quant_last_layers=3).resolved_skip_layers(n_layers) == (want[0], 3)
+    assert RecipeConfig(recipe="fp8-hybrid").resolved_skip_layers(n_layers) == (0, 0)
+    assert "skip_quant_last_layers" not in RecipeConfig(recipe="nvfp4").to_dict()
+    assert RecipeConfig.from_dict(RecipeConfig(recipe="nvfp4", skip_quant_last_layers=0).to_dict()).skip_quant_last_layers == 0
+
+
+def test_nvfp4_default_on_an_18_layer_model():
+    import surogate_hf.recipes as R
+    from surogate_hf.testing.recipes import tiny_llama
+
+    m = R.apply_recipe(tiny_llama(layers=18), "nvfp4")
+    converted = [i for i, layer in enumerate(m.model.layers) if isinstance(layer.mlp.down_proj, R.RecipeLinear)]
+    assert converted == list(range(1, 16)), converted  # layer 0 and layers 16, 17 stay in model dtype
