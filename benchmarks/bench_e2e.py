@@ -178,6 +178,8 @@ SETUPS = {
     "full_nvfp4": ("full fine-tune ours nvfp4 recipe, eager (Hopper: exact FP4 operands on bf16 tensor cores)",
                    lambda L: full(L, "nvfp4"), "full"),
     "full_fp8_compiled": ("full fine-tune ours fp8-hybrid, compiled layers", lambda L: full(L, "fp8-hybrid", True), "full"),
+    "full_fp8_skip_small": ("full fine-tune ours fp8-hybrid, fp8_skip_small_linears (small projections in bf16), eager",
+                            lambda L: full(L, "fp8-hybrid", knobs={"fp8_skip_small_linears": True}), "full"),
     "full_fp8_blockwise": ("full fine-tune ours fp8-hybrid, fp8_scaling=blockwise (1x128/128x128), eager",
                            lambda L: full(L, "fp8-hybrid", knobs={"fp8_scaling": "blockwise"}), "full"),
     "full_fp8_blockwise_compiled": ("full fine-tune ours fp8-hybrid, fp8_scaling=blockwise, compiled layers",
@@ -207,6 +209,7 @@ TARGETS = {
 # a small model with real dims: the fp8-hybrid step must be no slower than the bf16 step (issue 12)
 SMALL_MODEL_TARGETS = {
     "full_fp8": [("full_bf16", 1.0), ("full_bf16_fused_norms", 1.0)],
+    "full_fp8_skip_small": [("full_bf16", 1.0), ("full_bf16_fused_norms", 1.0)],
     "full_fp8_compiled": [("full_bf16_compiled", 1.0), ("full_bf16", 1.0)],
 }
 

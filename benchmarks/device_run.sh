@@ -38,6 +38,8 @@ case "$what" in
         --setups peft_bf16,ours_nf4_stock_norms,ours_nf4,ours_fp8,ours_fp8_fp8_hybrid
     step e2e_full 150 python3 bench_e2e.py --name e2e_full_qwen3_1.7b \
         --setups full_bf16,full_bf16_fused_norms,full_fp8,full_fp8_blockwise
+    step e2e_small 90 python3 bench_e2e.py --name e2e_recipes_smollm2 --shape smollm2-135m --batch 8 \
+        --setups full_bf16,full_bf16_fused_norms,full_fp8,full_fp8_skip_small
     step host_calls 60 python3 bench_host_calls.py --cprofile
     cp results/*.md "$out/results/" 2>/dev/null
     ;;

@@ -36,7 +36,10 @@ _DTYPE_ALIASES = {
     "e2m1": "e2m1", "fp4": "e2m1",
 }
 # Knobs that only mean something under one recipe: passing them to another is a mistake, not a no-op.
-_FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", "fp8_fast_accum", "fp8_scaling")
+_FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", "fp8_fast_accum", "fp8_scaling",
+              "fp8_skip_small_linears")
+# fp8_skip_small_linears: a linear stays in model_dtype when in_features <= 1024 and out_features <= 4096
+FP8_SMALL_LINEAR = (1024, 4096)
 _DELAYED_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
 FP8_SCALINGS = ("delayed", "blockwise")
 _FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht")
@@ -81,6 +84,10 @@ class RecipeConfig:
     # "delayed": per-tensor scales from the amax history (TE DelayedScaling); "blockwise": DeepSeek-V3's fine-grained
     # current scaling, activations and gradients in 1x128 tiles, weights in 128x128 blocks (recipes.fp8_blockwise)
     fp8_scaling: str = "delayed"
+    # leave the linears too small for FP8 GEMMs to pay in model_dtype: in_features <= 1024 and out_features <= 4096
+    # (FP8_SMALL_LINEAR; torchao's tensorwise auto-filter thresholds, from H100 measurements). On a 576-wide model
+    # every projection but down_proj stays in model_dtype
+    fp8_skip_small_linears: bool = False
     # nvfp4
     four_over_six: bool = True
     four_over_six_rule: str = "mse"
@@ -156,7 +163,7 @@ class RecipeConfig:
                         f"{knob} is a delayed-scaling knob; fp8_scaling='blockwise' scales every tile by its own "
                         "amax (no history), drop it"
                     )
-        for knob in ("fp8_fast_accum", "fused_norms", "quantize_lora_adapters"):
+        for knob in ("fp8_fast_accum", "fused_norms", "quantize_lora_adapters", "fp8_skip_small_linears"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:

@@ -27,6 +27,7 @@ from ..ops import recipe as _recipe_ops  # noqa: F401  (registers surogate::fp8_
 from .bf16 import FloatBackward, FloatEngine, float_mm
 from .config import (
     CONFIG_ATTR,
+    FP8_SMALL_LINEAR,
     RECIPES,
     TORCH_DTYPES,
     RecipeConfig,
@@ -455,7 +456,9 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         skip_first_layers=skip_first, skip_last_layers=skip_last,
         module_filter=module_filter_fn, only_in_layers=True,
     )
-    targets = [(name, m, why is None and m is not out_emb) for name, m, why in plan
+    small = (lambda m: m.in_features <= FP8_SMALL_LINEAR[0] and m.out_features <= FP8_SMALL_LINEAR[1]) \
+        if cfg.fp8_skip_small_linears and cfg.uses_fp8() else (lambda m: False)
+    targets = [(name, m, why is None and m is not out_emb and not small(m)) for name, m, why in plan
                if cfg.quantize_lora_adapters or not _is_lora_adapter(name)]
     others = [name for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not _is_quantized_base(m)]

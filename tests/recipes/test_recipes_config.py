@@ -181,3 +181,26 @@ def test_nvfp4_default_on_an_18_layer_model():
     m = R.apply_recipe(tiny_llama(layers=18), "nvfp4")
     converted = [i for i, layer in enumerate(m.model.layers) if isinstance(layer.mlp.down_proj, R.RecipeLinear)]
     assert converted == list(range(1, 16)), converted  # layer 0 and layers 16, 17 stay in model dtype
+
+
+def test_fp8_skip_small_linears_leaves_the_small_projections_in_model_dtype():
+    """On SmolLM2-135M's dims (hidden 576, k/v 192, MLP 1536) only down_proj (1536 -> 576) is large enough for FP8 to
+    pay by torchao's tensorwise thresholds; off by default; an FP8-only knob."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import surogate_hf.recipes as R
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=64, max_position_embeddings=64)
+    kinds = {}
+    for skip in (False, True):
+        torch.manual_seed(0)
+        m = R.apply_recipe(LlamaForCausalLM(cfg), "fp8-hybrid", fp8_skip_small_linears=skip)
+        layer = m.model.layers[1]
+        mods = {**{n: getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                **{n: getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}}
+        kinds[skip] = sorted(n for n, mod in mods.items() if isinstance(mod, R.RecipeLinear))
+    assert kinds[False] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert kinds[True] == ["down_proj"]
+    with pytest.raises(ValueError, match="fp8_skip_small_linears"):
+        RecipeConfig.from_recipe_name("nvfp4", fp8_skip_small_linears=True)
