@@ -32,8 +32,8 @@ def surogate_config(cfg: dict):
         four_over_six=cfg["qlora_four_over_six"],
         nf4_block_size=cfg["qlora_bnb_block_size"],
         nf4_double_quant=cfg["qlora_bnb_double_quant"],
-        skip_quant_first_layers=cfg["skip_quant_first_layers"],
-        skip_quant_last_layers=cfg["skip_quant_last_layers"],
+        skip_quant_first_layers=cfg["skip_quant_first_layers"] or 0,
+        skip_quant_last_layers=cfg["skip_quant_last_layers"] or 0,
     )
 
 

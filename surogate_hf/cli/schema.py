@@ -181,8 +181,9 @@ SCHEMA: dict[str, Opt] = {
     "gradient_dtype": Opt(None, _opt_str),
     "master_dtype": Opt(None, _opt_str),
     "fp8_amax_history": Opt(None, lambda v: None if v is None else _int(1)(v)),
-    "skip_quant_first_layers": Opt(0, _int(0)),
-    "skip_quant_last_layers": Opt(0, _int(0)),
+    # None: the default of what reads it (the QLoRA quantizer: 0; the nvfp4 recipe: its bf16 ends, RecipeConfig)
+    "skip_quant_first_layers": Opt(None, lambda v: None if v is None else _int(0)(v)),
+    "skip_quant_last_layers": Opt(None, lambda v: None if v is None else _int(0)(v)),
 }
 
 # Keys of Surogate's own config that this command does not implement: named as such, not as typos.
@@ -380,7 +381,7 @@ def recipe_config(cfg: dict):
     """The RecipeConfig the config asks for, or None for plain bf16 with no precision knobs."""
     knobs = {k: cfg[k] for k in RECIPE_KNOBS if cfg[k] is not None}
     for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
-        if cfg[k]:
+        if cfg[k] is not None:  # an explicit 0 too: it overrides the nvfp4 recipe's bf16 ends
             knobs[k] = cfg[k]
     if cfg["recipe"].lower().replace("_", "-") == "bf16" and not any(k in knobs for k in RECIPE_KNOBS):
         return None

@@ -45,9 +45,9 @@ FP8_SCALINGS = ("delayed", "blockwise")
 _FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht")
 _KNOB_ALIASES = {"fp8_amax_history": "amax_history_len"}
 
-# The nvfp4 recipe's default share of decoder layers kept in model_dtype, (first, last), rounded to whole layers:
-# NVIDIA's NVFP4 pretraining recipe keeps ~16% of the linear layers in BF16, the first few and most at the end
-# (2 and 8 of 62 blocks here): 18 layers keep 1 and 2, 28 keep 1 and 4, models of 3 layers or fewer none.
+# The nvfp4 recipe's default share of decoder layers kept in model_dtype, (first, last), rounded to whole layers.
+# NVIDIA's NVFP4 pretraining recipe keeps ~16% of the linear layers in BF16, a few first and most of them last; these
+# shares keep 2 first and 8 last of 62 blocks, 1 and 4 of 28, 1 and 2 of 18, none of 3 or fewer.
 NVFP4_BF16_ENDS = (0.032, 0.129)
 
 ENV_RECIPE = "SUROGATE_RECIPE"

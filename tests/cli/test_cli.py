@@ -155,3 +155,21 @@ def test_importing_the_cli_needs_no_matplotlib():
             "import surogate_hf.cli, surogate_hf.cli.run, surogate_hf.cli.data\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_recipe_skip_layers_unset_zero_and_set():
+    """skip_quant_*_layers left out take the recipe's default (nvfp4: its bf16 ends); an explicit 0 is passed on
+    (every block in FP4) and the QLoRA quantizer reads unset as 0."""
+    from surogate_hf.cli.run import surogate_config
+    from surogate_hf.cli.schema import recipe_config
+
+    base = yaml.safe_load(default_config_text())
+    unset = check_config({**base, "recipe": "nvfp4"})
+    assert unset["skip_quant_last_layers"] is None
+    rc = recipe_config(unset)
+    assert (rc.skip_quant_first_layers, rc.skip_quant_last_layers) == (None, None)
+    assert rc.resolved_skip_layers(18) == (1, 2)
+    zero = recipe_config(check_config({**base, "recipe": "nvfp4", "skip_quant_last_layers": 0}))
+    assert zero.resolved_skip_layers(18) == (1, 0)
+    qc = surogate_config(check_config({**base}))
+    assert qc is None or (qc.skip_quant_first_layers, qc.skip_quant_last_layers) == (0, 0)
