@@ -21,7 +21,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, print the verdict
     ( env -u OUT timeout "$limit" "$@" ) >"$out/$name.log" 2>&1
     local rc=$?
     echo "=== $name exit $rc"
-    grep -E "passed|failed|tok/s|^E " "$out/$name.log" | grep -v Warning | tail -12
+    grep -E "passed|failed|skipped|error|tok/s|^E " "$out/$name.log" | grep -v Warning | tail -12
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "$what" in
