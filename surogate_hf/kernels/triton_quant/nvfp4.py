@@ -98,7 +98,7 @@ def _nvfp4_quant_kernel(x_ptr, amax_ptr, packed_ptr, scale_ptr, gdec_ptr, R, C, 
         enc = tl.where(use4, enc4, enc)
         codes = tl.where(use4[:, :, None], codes4, codes)
     if STOCHASTIC:
-        if SEED_PTR:  # the seed as a device tensor (derived from the recipe's step buffer, no host read): mixed here
+        if SEED_PTR:  # the seed as a device tensor (a compiled graph's step counter): its mix is computed here
             mix = (tl.load(seed_mix).to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF
         else:
             mix = seed_mix
