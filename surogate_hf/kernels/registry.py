@@ -93,10 +93,6 @@ def quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed, amax):
     return _tq().quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed, amax)
 
 
-def quantize_nvfp4_seeded(x, block_2d, four_over_six, rule, seed, amax):
-    return _tq().quantize_nvfp4(x, block_2d, four_over_six, rule, True, seed, amax)
-
-
 def dequantize_nvfp4(packed, block_scale, global_scale, out_dtype):
     return _tq().dequantize_nvfp4(packed, block_scale, global_scale, out_dtype)
 
@@ -284,7 +280,7 @@ def fp8_tiles_wgrad(dy, x, tile, out_dtype):
 _QUANT = (
     "quantize_fp8_tensorwise", "quantize_fp8_tensorwise_t", "delayed_scaling_update", "quantize_fp8_blocks",
     "dequantize_fp8_blocks",
-    "quantize_fp8_tiles", "quantize_nvfp4", "quantize_nvfp4_seeded", "dequantize_nvfp4", "quantize_mxfp4", "dequantize_mxfp4", "rht",
+    "quantize_fp8_tiles", "quantize_nvfp4", "dequantize_nvfp4", "quantize_mxfp4", "dequantize_mxfp4", "rht",
 )
 _LINEAR = (
     "fp8_block_linear", "fp8_block_linear_dgrad", "nvfp4_linear", "nvfp4_linear_dgrad", "mxfp4_linear",

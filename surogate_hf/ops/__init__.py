@@ -13,7 +13,6 @@ from .quant import (
     quantize_fp8_tiles,
     quantize_mxfp4,
     quantize_nvfp4,
-    quantize_nvfp4_seeded,
     rht,
 )
 from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm

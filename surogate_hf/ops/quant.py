@@ -97,29 +97,6 @@ def quantize_nvfp4(
     return qt.packed, qt.block_scale, qt.global_scale
 
 
-@torch.library.custom_op(f"{NS}::quantize_nvfp4_seeded", mutates_args=())
-def quantize_nvfp4_seeded(
-    x: Tensor, block_2d: bool, four_over_six: bool, rule: str, seed: Tensor, amax: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """quantize_nvfp4 with stochastic rounding whose seed is an int64 tensor (0-dim or [1]): the same draws as the int
-    seed of the same value, with no host read, so a compiled graph can derive the seed from a step counter."""
-    qt = F.quantize_nvfp4(
-        x, block_2d=block_2d, four_over_six=four_over_six, rule=rule, stochastic=True, seed=seed.reshape(()),
-        amax=amax,
-    )
-    return qt.packed, qt.block_scale, qt.global_scale
-
-
-@quantize_nvfp4_seeded.register_fake
-def _(x, block_2d, four_over_six, rule, seed, amax):
-    *lead, k = x.shape
-    return (
-        x.new_empty((*lead, k // 2), dtype=torch.uint8),
-        x.new_empty((*lead, k // 16), dtype=F.E4M3),
-        x.new_empty((), dtype=torch.float32),
-    )
-
-
 @quantize_nvfp4.register_fake
 def _(x, block_2d, four_over_six, rule, stochastic, seed, amax):
     *lead, k = x.shape
@@ -165,11 +142,10 @@ def _(packed, scales, out_dtype):
 # ---------------------------------------------------------------- Hadamard
 @torch.library.custom_op(f"{NS}::rht", mutates_args=())
 def rht(x: Tensor, signs: Tensor) -> Tensor:
-    """Random Hadamard transform of 16-chunks of the last dim, result in fp32, contiguous (whatever x's layout: the
-    CUDA kernel writes it so, and a compiled graph's fake must agree)."""
-    return F.rht(x, signs).contiguous()
+    """Random Hadamard transform of 16-chunks of the last dim, result in fp32."""
+    return F.rht(x, signs)
 
 
 @rht.register_fake
 def _(x, signs):
-    return x.new_empty(x.shape, dtype=torch.float32)
+    return torch.empty_like(x, dtype=torch.float32)

@@ -42,8 +42,7 @@ from ..nn.linear import QuantizedLinear
 from .norm import FusedRMSNorm, fuse_norms, input_handoff
 from .qlora import BaseRecipeGemm, base_gemm_kind
 from ..ops.recipe import below_autograd as _below_autograd
-from .nvfp4 import SR_ROLES, NVFP4Engine
-from .nvfp4 import layer_seed as nvfp4_layer_seed
+from .nvfp4 import NVFP4Engine
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
 
@@ -131,7 +130,7 @@ class RecipeLinear(nn.Linear):
         state_device = device if state_device is None else state_device
         self._work, self._work_key, self._checked_devices = None, None, set()
         install_step_hook()  # weight caches are keyed on the optimizer-step generation
-        self.pass_mode, self.fwd_step = "train", None
+        self.pass_mode, self.fwd_sr_step = "train", -1
         self._has_sr_step = quantize and config.recipe == "nvfp4"
         self._blockwise = False
         if not quantize:
@@ -143,9 +142,8 @@ class RecipeLinear(nn.Linear):
             self.engine = NVFP4Engine(config)
             self.register_buffer("fp4_sr_step", torch.zeros((), dtype=torch.int64, device=state_device))
             self.register_buffer("rht_signs", F.random_signs(config.seed, device=state_device), persistent=False)
-            self.sr_layer_seed = nvfp4_layer_seed(config.seed, recipe_index)
-            self.register_buffer("sr_roles", torch.tensor(SR_ROLES, dtype=torch.int64, device=state_device),
-                                 persistent=False)
+            self._sr_step = 0
+            self.register_load_state_dict_post_hook(lambda m, _keys: m._sync_sr_step())
         elif config.uses_fp8() and config.fp8_scaling == "blockwise":
             self.engine, self._blockwise = None, True
             self._grad_fmt = fp8_blockwise.gradient_format(config)
@@ -214,13 +212,15 @@ class RecipeLinear(nn.Linear):
         engine = ("fp8 blockwise" if self._blockwise else "fp8") if self.engine is None else self.engine.name
         return f"{super().extra_repr()}, {mode}, engine={engine}"
 
-    # ---- nvfp4 stochastic rounding: the step counter is the fp4_sr_step buffer (in checkpoints), read and advanced
-    #      on the device, and the seeds derive from it there (recipes.nvfp4.sr_seeds): no host read per step
-    def _take_sr_step(self) -> Tensor:
-        """This forward's step (a 0-dim int64 tensor); the buffer moves on by one."""
-        step = self.fp4_sr_step.clone()
-        self.fp4_sr_step.add_(1)
-        return step
+    # ---- nvfp4 stochastic-rounding step counter (buffer for checkpoints, int mirror for seeds)
+    def next_sr_step(self) -> int:
+        s = self._sr_step
+        self._sr_step += 1
+        self.fp4_sr_step.fill_(self._sr_step)
+        return s
+
+    def _sync_sr_step(self):
+        self._sr_step = int(self.fp4_sr_step.item())
 
     def _weight_key(self, *extra):
         w = self.weight
@@ -329,10 +329,10 @@ class RecipeLinear(nn.Linear):
         if self._has_sr_step:
             # Function.forward runs with grad mode off, so the step is taken here: one per
             # training forward; a checkpoint recompute reuses the original forward's step.
-            if self.pass_mode == "train" or (self.pass_mode == "replay" and self.fwd_step is None):
-                self.fwd_step = self._take_sr_step()
+            if self.pass_mode == "train" or (self.pass_mode == "replay" and self.fwd_sr_step < 0):
+                self.fwd_sr_step = self.next_sr_step()
             elif self.pass_mode == "eval":
-                self.fwd_step = None
+                self.fwd_sr_step = -1
         return _RecipeLinearFn.apply(x, self.weight, self.bias, self._work_weight(), self)
 
 
@@ -533,7 +533,7 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     return model
 
 
-_RECIPE_BUFFERS = ("fp8_dy_amax", "fp8_rows_t", "fp4_sr_step", "rht_signs", "sr_roles")
+_RECIPE_BUFFERS = ("fp8_dy_amax", "fp8_rows_t", "fp4_sr_step", "rht_signs")
 
 
 def _keep_recipe_state_out_of_ddp(model: nn.Module) -> None:

@@ -32,21 +32,8 @@ ROLE_DGRAD, ROLE_WGRAD = 0, 1
 
 def sr_seed(base_seed: int, index: int, step: int, role: int) -> int:
     """32-bit seed for one stochastic-rounding draw (counter-based hash, formats.rng)."""
-    return int(F.rng.hash32(layer_seed(base_seed, index), torch.tensor([step * 2 + role])).item())
-
-
-def layer_seed(base_seed: int, index: int) -> int:
-    """The per-layer part of sr_seed (a constant of the layer)."""
-    return int(F.rng.hash32(base_seed, torch.tensor([index])).item())
-
-
-SR_ROLES = (ROLE_DGRAD, ROLE_WGRAD)
-
-
-def sr_seeds(layer: int, step: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
-    """int64 [2]: sr_seed(..., step, ROLE_DGRAD) and (..., ROLE_WGRAD) for a step held in a tensor, with no host read
-    (roles: int64 SR_ROLES on step's device, a buffer of the layer, so no host-to-device copy per call either)."""
-    return F.rng.hash32(layer, step.to(torch.int64) * 2 + roles)
+    layer = int(F.rng.hash32(base_seed, torch.tensor([index])).item())
+    return int(F.rng.hash32(layer, torch.tensor([step * 2 + role])).item())
 
 
 def transpose_nvfp4_2d(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
@@ -93,24 +80,21 @@ class NVFP4Engine:
         xq = self._q(x)
         wq, wt = self._weight(owner, w, need_dx)
         y = torch.ops.surogate.nvfp4_mm(*xq, *wq, bias, x.dtype)
-        return y, (x, *(wt if wt is not None else (None, None, None)), owner.fwd_step)
-
-    def _q_sr(self, t, seeds, role):
-        """t in 1x16 blocks, with stochastic rounding drawn from seeds[role] (a device tensor: no host read)."""
-        if seeds is None:
-            return self._q(t)
-        return torch.ops.surogate.quantize_nvfp4_seeded(t, False, self.fos, self.rule, seeds[role], None)
+        return y, (x, *(wt if wt is not None else (None, None, None)), owner.fwd_sr_step)
 
     def backward(self, owner, dy, saved, need_dx, need_dw):
         x, wtp, wts, wtg, step = saved
-        seeds = sr_seeds(owner.sr_layer_seed, step, owner.sr_roles) if self.sr and step is not None else None
+        seed = lambda role: sr_seed(self.seed, owner.recipe_index, step, role) if self.sr else 0  # noqa: E731
         dx = dw = None
         if need_dx:
-            dx = torch.ops.surogate.nvfp4_mm(*self._q_sr(dy, seeds, ROLE_DGRAD), wtp, wts, wtg, None, dy.dtype)
+            dyq = self._q(dy, stochastic=self.sr, seed=seed(ROLE_DGRAD))
+            dx = torch.ops.surogate.nvfp4_mm(*dyq, wtp, wts, wtg, None, dy.dtype)
         if need_dw:
             a, b = _pad_tokens(dy.t()), _pad_tokens(x.t())
             if self.rht:
                 signs = owner.rht_signs
                 a, b = torch.ops.surogate.rht(a, signs), torch.ops.surogate.rht(b, signs)
-            dw = torch.ops.surogate.nvfp4_mm(*self._q_sr(a, seeds, ROLE_WGRAD), *self._q(b), None, torch.float32)
+            aq = self._q(a, stochastic=self.sr, seed=seed(ROLE_WGRAD))
+            bq = self._q(b)
+            dw = torch.ops.surogate.nvfp4_mm(*aq, *bq, None, torch.float32)
         return dx, dw

@@ -31,7 +31,6 @@ def _cases():
         ("dequantize_fp8_blocks", O.dequantize_fp8_blocks, (wq, ws, 128, 128, torch.bfloat16), NO_SCHEMA),
         ("quantize_nvfp4", O.quantize_nvfp4, (w, False, True, "mse", False, 0, None), ALL),
         ("quantize_nvfp4_2d_sr", O.quantize_nvfp4, (w, True, True, "mae", True, 5, None), ALL),
-        ("quantize_nvfp4_seeded", O.quantize_nvfp4_seeded, (w, False, True, "mse", torch.tensor(5), None), ALL),
         ("dequantize_nvfp4", O.dequantize_nvfp4, (*nv, torch.float32), NO_SCHEMA),
         ("quantize_mxfp4", O.quantize_mxfp4, (w,), ALL),
         ("dequantize_mxfp4", O.dequantize_mxfp4, (mp, ms, torch.bfloat16), ALL),
