@@ -142,10 +142,11 @@ def _(packed, scales, out_dtype):
 # ---------------------------------------------------------------- Hadamard
 @torch.library.custom_op(f"{NS}::rht", mutates_args=())
 def rht(x: Tensor, signs: Tensor) -> Tensor:
-    """Random Hadamard transform of 16-chunks of the last dim, result in fp32."""
-    return F.rht(x, signs)
+    """Random Hadamard transform of 16-chunks of the last dim, result in fp32, contiguous (whatever x's layout: the
+    CUDA kernel writes it so, and a compiled graph's fake must agree)."""
+    return F.rht(x, signs).contiguous()
 
 
 @rht.register_fake
 def _(x, signs):
-    return torch.empty_like(x, dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.float32)
