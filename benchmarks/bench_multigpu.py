@@ -84,7 +84,7 @@ def _quantized_base(args, device, fmt):
     return model
 
 
-def build(key, args, device):
+def build(key, args, device, mode):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +105,8 @@ def build(key, args, device):
         if detail is not None:
             from surogate_hf.recipes.linear import apply_recipe
 
-            apply_recipe(model, detail)
+            # rank 0 alone ("single") must not all_reduce its amaxes with ranks that wait at a barrier
+            apply_recipe(model, detail, reduce_amax=mode != "single")
         return model
     for p in model.parameters():
         p.requires_grad_(False)
@@ -137,7 +138,7 @@ def run(key, mode, args, device):
     from surogate_hf.distributed import ddp_broadcast_bytes, packed_base_bytes
 
     world = 1 if mode == "single" else dist.get_world_size()
-    model = wrap(build(key, args, device), mode, device)
+    model = wrap(build(key, args, device, mode), mode, device)
     inner = model.module if mode == "ddp" else model
     local, total = packed_base_bytes(inner)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -44,10 +44,34 @@ def shard_model(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_fo
         kwargs["mp_policy"] = mp_policy
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
+    packed = [n for n, p in model.named_parameters() if not (p.is_floating_point() or p.is_complex())]
+    if packed and not fully_shard_takes_integer_params():
+        # checked before the first fully_shard: a failure half-way would leave the model half sharded
+        raise RuntimeError(
+            f"shard_model: torch {torch.__version__}'s fully_shard cannot shard the packed base ({len(packed)} frozen "
+            f"integer Parameters, e.g. {packed[0]}): it creates each sharded Parameter with requires_grad=True, "
+            "which integer tensors refuse (pytorch/pytorch#177844, fixed in later releases; 2.13 has the fix). "
+            "Upgrade torch, or use DDP (it replicates the base and does not broadcast it per step)"
+        )
     for name in layers:
         fully_shard(model.get_submodule(name), **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def fully_shard_takes_integer_params() -> bool:
+    """Whether this torch's FSDP2 can shard frozen integer Parameters (the packed base). Builds without the fix of
+    pytorch/pytorch#177844 (torch 2.11, for one) create each sharded Parameter as `nn.Parameter(dtensor)`, i.e.
+    with requires_grad=True, and integer tensors raise there; the fix passes the original's requires_grad."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    try:
+        src = inspect.getsource(FSDPParam._init_sharded_param)
+    except (OSError, TypeError):  # no source shipped: assume a current torch
+        return True
+    return "requires_grad=param.requires_grad" in src
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

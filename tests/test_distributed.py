@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from surogate_hf.testing.models import save_tiny_model
 
@@ -150,9 +151,35 @@ def _two_gpus():
         return False
 
 
+def test_shard_model_refuses_a_torch_whose_fully_shard_cannot_take_integer_params(monkeypatch):
+    """torch 2.11's fully_shard raises deep inside on the packed base (pytorch#177844, seen on the GPU machine): the
+    error must name the cause before anything is sharded."""
+    import surogate_hf.distributed as D
+    from surogate_hf.nn.convert import replace_with_quantized_modules
+    from surogate_hf.testing.models import build_tiny_model
+
+    model = build_tiny_model("llama", num_hidden_layers=2)
+    replace_with_quantized_modules(model, "fp8")
+    monkeypatch.setattr(D, "fully_shard_takes_integer_params", lambda: False)
+    with pytest.raises(RuntimeError, match=r"177844.*Upgrade torch"):
+        D.shard_model(model)
+    assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())  # nothing half-sharded
+
+
+def test_fully_shard_probe_matches_this_torch():
+    """The probe reads fully_shard's source; on the torch CI installs (2.13) the fix is present."""
+    from surogate_hf.distributed import fully_shard_takes_integer_params
+
+    assert fully_shard_takes_integer_params() is True
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _two_gpus(), reason=f"needs {WORLD} CUDA GPUs")
 def test_same_checks_on_gpus_over_nccl(tmp_path):
+    from surogate_hf.distributed import fully_shard_takes_integer_params
+
+    if not fully_shard_takes_integer_params():
+        pytest.skip(f"torch {torch.__version__}: fully_shard cannot shard integer Parameters (pytorch#177844)")
     """The gloo checks on one GPU per rank (NCCL, the CUDA kernels and their cached GEMM plans under FSDP2's
     unshard / reshard). The single-process reference runs the same kernels on a batch twice as large, so the
     step matches to GEMM rounding rather than to the reduction order."""

@@ -31,3 +31,19 @@ def test_bench_multigpu_tiny_on_gloo(tmp_path):
     assert max(fsdp["packed_local_per_rank"]) <= 0.55 * single["packed_total"]
     assert ddp["ddp_broadcast_bytes"] < single["packed_total"] / 1000
     assert "| nf4 QLoRA (ours) | fsdp2 |" in proc.stdout
+
+
+def test_bench_multigpu_recipe_single_rank_then_ddp_on_gloo(tmp_path):
+    """The fp8-hybrid setup runs on rank 0 alone while rank 1 waits at a barrier, then under DDP. Rank 0 alone must
+    not all_reduce its amaxes (it hung there on 2 GPUs: the other rank never reaches that collective)."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "benchmarks", "bench_multigpu.py"), "--tiny", "--setups", "full_fp8", "--modes",
+           "single,ddp", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if proc.returncode != 0:
+        pytest.fail(f"bench_multigpu --tiny failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    data = json.loads(out.read_text())
+    assert not data["errors"], data["errors"]
+    assert {r["mode"] for r in data["results"]} == {"single", "ddp"}

@@ -122,13 +122,14 @@ def test_fp8_tiles(shape, dtype, tile):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_fp8_tiles_wgrad(t, n, k, out_dtype):
     """The blockwise recipe's weight gradient (kernels.triton_fp8_wgrad) against the op's fp32 reference: the same
-    E4M3 tiles, so the results differ by fp32 summation order and where the tile scales apply (fp32 out: ~1e-6 of
-    the largest entry), plus one rounding to bf16."""
+    E4M3 tiles, so the results differ by summation order and by the FP8 tensor cores' accumulator, which keeps
+    fewer bits than fp32 within each 128-token tile (DeepSeek-V3 sec. 3.3.2 promotes every 128 for this reason; we
+    do too). Measured on H200: up to 1.1e-4 of the largest entry in fp32 out, in 228 of 12.6M entries."""
     dy = _rand((t, n), torch.bfloat16, seed=1) * 1e-3
     x = _rand((t, k), torch.bfloat16, seed=2)
     out, ref = both(ops.fp8_tiles_wgrad, dy, x, 128, out_dtype)
     assert out.dtype == ref.dtype == out_dtype and out.shape == (n, k)
-    tol = (1e-5 if out_dtype == torch.float32 else 8e-3) * ref.float().abs().max().item()
+    tol = (3e-4 if out_dtype == torch.float32 else 8e-3) * ref.float().abs().max().item()
     torch.testing.assert_close(out.float().cpu(), ref.float(), rtol=0, atol=tol)
 
 
