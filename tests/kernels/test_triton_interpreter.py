@@ -27,7 +27,25 @@ _CHECK_WGRAD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("check", [_CHECK_WGRAD], ids=["fp8_tiles_wgrad"])
+_CHECK_NVFP4 = textwrap.dedent("""
+    import torch
+    from surogate_hf import formats as F
+    from surogate_hf.kernels.triton_quant import nvfp4 as K
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * torch.logspace(-4, 0, 64)[:, None]
+    x[0, 0] = 400.0  # blocks within 2/3 of the amax: the max-4 scale clamps at 448
+    for block_2d in (False, True):
+        for fos in (False, True):
+            got = K.quantize_nvfp4(x, block_2d, fos, "mse", False, 0, None)
+            ref = F.quantize_nvfp4(x, block_2d=block_2d, four_over_six=fos)
+            assert torch.equal(got[0], ref.packed), (block_2d, fos, "codes")
+            assert torch.equal(got[1].view(torch.uint8), ref.block_scale.view(torch.uint8)), (block_2d, fos, "scales")
+            assert torch.equal(got[2].reshape(()), ref.global_scale), (block_2d, fos, "global")
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("check", [_CHECK_WGRAD, _CHECK_NVFP4], ids=["fp8_tiles_wgrad", "nvfp4_quantize"])
 def test_kernel_matches_the_reference_in_the_interpreter(check):
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)

@@ -139,7 +139,7 @@ def quantize_nvfp4(x: torch.Tensor, block_2d: bool, four_over_six: bool, rule: s
     if r and k:
         args = (x2, amax_t.float().reshape(()).contiguous(), packed, scales, g_dec, r, k, seed_mix)
         opts = dict(BLOCK_2D=block_2d, FOUR_SIX=four_over_six, RULE=_RULES[rule], STOCHASTIC=stochastic,
-                    S_GLOBAL=(256.0 if four_over_six else 448.0) * 6.0, SW_FP8=_INTERPRET)
+                    S_GLOBAL=448.0 * 6.0, SW_FP8=_INTERPRET)  # S_GLOBAL: formats.nvfp4.nvfp4_global_scales
         if _INTERPRET:
             _nvfp4_quant_kernel[(triton.cdiv(r, 16), triton.cdiv(k // 16, 8))](*args, **opts, ROWS=16, NB=8)
         else:
