@@ -16,10 +16,10 @@ returned block scales always have the 1D layout [..., rows, K/16] (2D tiles repe
 Four-Over-Six (4/6): per block, quantize with m = 6 and with m = 4 and keep the candidate whose
 error against x is lower by `rule` ("mse", "mae" or "abs_max"); ties keep m = 6. The global scale stays
 at S = 448: for the blocks within 2/3 of the tensor amax the m = 4 scale clamps at 448, its error says so
-and m = 6 is kept. The 4/6 paper lowers S to 256 so that every block may take m = 4; that costs the other
-blocks 0.8 bit of E4M3 range at the bottom, and on the real model of benchmarks/convergence.py (outlier
-activations) it raised the all-FP4 step-0 validation loss from 5.54 to 5.80 (bf16: 4.74; no 4/6: 5.56). Errors are summed
-in a fixed pairwise order so kernels can reproduce the choice exactly. With stochastic rounding the
+and m = 6 is kept, so per block 4/6 is never worse than m = 6 alone. The 4/6 paper lowers S to 256 so that
+every block may take m = 4; that costs every block 0.8 bit of E4M3 range at the bottom (on the real model
+of benchmarks/convergence.py: all-FP4 step-0 validation loss 5.80 with 256, 5.54 with 448; docs/fidelity.md
+has what training then did). Errors are summed in a fixed pairwise order so kernels can reproduce the choice exactly. With stochastic rounding the
 choice is made on the round-to-nearest candidates and the chosen scale is then used for the
 stochastic encode.
 
