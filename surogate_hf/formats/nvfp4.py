@@ -19,9 +19,9 @@ at S = 448: for the blocks within 2/3 of the tensor amax the m = 4 scale clamps 
 and m = 6 is kept, so per block 4/6 is never worse than m = 6 alone. The 4/6 paper lowers S to 256 so that
 every block may take m = 4; that costs every block 0.8 bit of E4M3 range at the bottom (on the real model
 of benchmarks/convergence.py: all-FP4 step-0 validation loss 5.80 with 256, 5.54 with 448; docs/fidelity.md
-has what training then did). Errors are summed in a fixed pairwise order so kernels can reproduce the choice exactly. With stochastic rounding the
-choice is made on the round-to-nearest candidates and the chosen scale is then used for the
-stochastic encode.
+has what training then did). Errors are summed in a fixed pairwise order so kernels can reproduce the
+choice exactly. With stochastic rounding the choice is made on the round-to-nearest candidates and the
+chosen scale is then used for the stochastic encode.
 
 NaN anywhere in the tensor makes its global scale NaN, so the whole tensor decodes to NaN: a NaN
 never hides behind a finite quantized value.
