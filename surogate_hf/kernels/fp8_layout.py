@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as Fn
 
-# torch's ScalingType codes for the 1x128 activation tiles and the 128x128 weight blocks (torch >= 2.10)
-RECIPE_1X128 = int(Fn.ScalingType.BlockWise1x128.value) if hasattr(Fn, "ScalingType") else -1
-RECIPE_128X128 = int(Fn.ScalingType.BlockWise128x128.value) if hasattr(Fn, "ScalingType") else -1
+from ..ops.ext import RECIPE_1X128, RECIPE_128X128  # noqa: F401  (torch's ScalingType codes; defined with the op)
 
 
 def mm_scales(ws: torch.Tensor) -> torch.Tensor:

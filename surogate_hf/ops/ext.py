@@ -19,11 +19,11 @@ from .. import formats as F
 NS = "surogate"
 TILE = 128
 _lib = torch.library.Library(NS, "FRAGMENT")
-# torch's ScalingType codes for 1x128 tiles and 128x128 blocks, the only pair the reference block GEMM takes (the
-# values of kernels.fp8_layout.RECIPE_*, spelled here because ops sits below kernels)
-_RECIPE_1X128 = int(torch.nn.functional.ScalingType.BlockWise1x128.value) if hasattr(torch.nn.functional, "ScalingType") else -1
-_RECIPE_128X128 = (int(torch.nn.functional.ScalingType.BlockWise128x128.value)
-                   if hasattr(torch.nn.functional, "ScalingType") else -1)
+# torch's ScalingType codes for the 1x128 activation tiles and the 128x128 weight blocks (torch >= 2.10): the only
+# pair the block GEMM takes (kernels.fp8_layout re-exports them)
+_SCALING = getattr(torch.nn.functional, "ScalingType", None)
+RECIPE_1X128 = int(_SCALING.BlockWise1x128.value) if _SCALING is not None else -1
+RECIPE_128X128 = int(_SCALING.BlockWise128x128.value) if _SCALING is not None else -1
 
 
 _lib.define("ext_fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()")
@@ -93,8 +93,8 @@ def _ext_fp8_block_gemm(x: Tensor, w: Tensor, w_scales_mm: Tensor, transpose_w: 
     128x128 blocks, x quantized in 1x128 tiles; fp32 accumulation, one rounding to x's dtype. w_scales_mm: the
     block scales of the operand multiplied (W, or W^T for the dgrad), [blocks, L4] with the block columns padded
     to a multiple of 4 (kernels.fp8_layout.mm_scales). The weight's dims are multiples of 128 (the caller pads)."""
-    if (recipe_a, recipe_b) != (_RECIPE_1X128, _RECIPE_128X128):
-        raise ValueError(f"ext_fp8_block_gemm: only 1x128 x 128x128 scaling ({_RECIPE_1X128}, {_RECIPE_128X128}), "
+    if (recipe_a, recipe_b) != (RECIPE_1X128, RECIPE_128X128):
+        raise ValueError(f"ext_fp8_block_gemm: only 1x128 x 128x128 scaling ({RECIPE_1X128}, {RECIPE_128X128}), "
                          f"got ({recipe_a}, {recipe_b})")
     wk = torch.ops.surogate.ext_transpose_bytes(w) if transpose_w else w  # [N', K'], K' contiguous
     n, k = wk.shape
