@@ -68,6 +68,13 @@ def main():
     add("torch.empty x2", lambda: (torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn),
                                    torch.empty(k, m, device=dev, dtype=torch.float8_e4m3fn)))
     add("Triton cast+transpose, kernel[grid](...)", lambda: TR.cast_fp8_into(x, scale_row, amax_bits, torch.float8_e4m3fn, True))
+    from surogate_hf.kernels import ext, fp8_cast
+
+    if ext.load(build=False) is not None:
+        add("csrc cast+transpose (kernels.fp8_cast, torch.empty x2 included)",
+            lambda: fp8_cast.cast_fp8_into(x, scale_row, amax_bits, torch.float8_e4m3fn, True))
+    else:
+        print(f"csrc cast: not timed, the extension is {ext.status()[1]}", flush=True)
 
     class Ident(torch.autograd.Function):
         @staticmethod

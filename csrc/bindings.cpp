@@ -10,6 +10,8 @@
 namespace surogate {
 void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, bool e4m3, unsigned* amax, int64_t n,
                       int sms, cudaStream_t stream);
+void launch_cast_transpose_amax(const void* x, int dtype, const float* scale, void* q, void* qt, bool e4m3,
+                                unsigned* amax, int64_t rows, int64_t cols, cudaStream_t stream);
 void launch_quantize_tiles(const void* x, int dtype, void* q, float* s_colmajor, int64_t m, int64_t mp, int64_t k,
                            cudaStream_t stream);
 void launch_transpose_bytes(const void* in, void* out, int64_t rows, int64_t cols, cudaStream_t stream);
@@ -42,6 +44,33 @@ void fp8_cast_amax(const torch::Tensor& x, const torch::Tensor& scale, torch::Te
   surogate::launch_cast_amax(x.data_ptr(), dtype, scale.data_ptr<float>(), q.data_ptr(), e4m3,
                              reinterpret_cast<unsigned*>(amax_bits.data_ptr<int>()), x.numel(), sms,
                              at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// q = sat_rne(x * scale) and its contiguous transpose qt from one pass over the 2-D x; amax_bits as above.
+void fp8_cast_transpose_amax(const torch::Tensor& x, const torch::Tensor& scale, torch::Tensor& q, torch::Tensor& qt,
+                             torch::Tensor& amax_bits) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "fp8_cast_transpose_amax: x must be a contiguous 2-D CUDA tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 2 && q.size(0) == rows && q.size(1) == cols,
+              "fp8_cast_transpose_amax: q must be contiguous with x's shape");
+  TORCH_CHECK(qt.is_contiguous() && qt.dim() == 2 && qt.size(0) == cols && qt.size(1) == rows,
+              "fp8_cast_transpose_amax: qt must be contiguous with x's transposed shape");
+  TORCH_CHECK(qt.scalar_type() == q.scalar_type(), "fp8_cast_transpose_amax: q and qt must share a dtype");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "fp8_cast_transpose_amax: scale must be one fp32 value");
+  TORCH_CHECK(amax_bits.scalar_type() == at::kInt && amax_bits.numel() == 1,
+              "fp8_cast_transpose_amax: amax_bits must be int32[1]");
+  const bool e4m3 = q.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(e4m3 || q.scalar_type() == at::kFloat8_e5m2,
+              "fp8_cast_transpose_amax: q must be float8_e4m3fn or float8_e5m2");
+  const int dtype = dtype_code(x, "fp8_cast_transpose_amax");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(qt.data_ptr()) % 4 == 0,
+              "fp8_cast_transpose_amax: x must be 16-byte, q 8-byte and qt 4-byte aligned");
+  const at::cuda::CUDAGuard guard(x.device());
+  surogate::launch_cast_transpose_amax(x.data_ptr(), dtype, scale.data_ptr<float>(), q.data_ptr(), qt.data_ptr(), e4m3,
+                                       reinterpret_cast<unsigned*>(amax_bits.data_ptr<int>()), rows, cols,
+                                       at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -106,6 +135,7 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
 // all inputs before calling (docs/kernels.md).
 TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_fp8_cast_amax", &fp8_cast_amax);
+  m.impl("ext_fp8_cast_transpose_amax", &fp8_cast_transpose_amax);
   m.impl("ext_fp8_quantize_tiles", &fp8_quantize_tiles);
   m.impl("ext_transpose_bytes", &transpose_bytes);
   m.impl("ext_fp8_block_gemm", &fp8_block_gemm);

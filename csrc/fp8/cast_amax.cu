@@ -76,6 +76,90 @@ __global__ void __launch_bounds__(256) cast_amax_kernel(const T* __restrict__ x,
   }
 }
 
+// The same cast, also writing the contiguous transpose qt [C, R] of q [R, C] from the same pass (the operand
+// the backward GEMM reads K-major): a 64 x 128 tile of x per block, its FP8 bytes staged in shared memory and
+// written out a second time column-wise. Any R and C: vector loads and stores where a whole 8-element (or
+// 4-byte) group is in bounds and aligned, element-wise otherwise.
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(256) cast_transpose_amax_kernel(const T* __restrict__ x, const float* __restrict__ scale,
+                                                                  uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                                                                  unsigned* __restrict__ amax, int64_t rows,
+                                                                  int64_t cols, float fmax) {
+  constexpr int TR = 64, TC = 128, PAD = 4;
+  __shared__ uint8_t tile[TR][TC + PAD];
+  __shared__ unsigned warp_max[8];
+  const float s = *scale;
+  const int64_t r0 = (int64_t)blockIdx.x * TR, c0 = (int64_t)blockIdx.y * TC;
+  const int lane16 = threadIdx.x & 15, sub = threadIdx.x >> 4;  // 16 threads x 8 elements per 128-wide row
+  const int cc = lane16 * 8;
+  const bool vec_cols = (cols % 8) == 0;  // 16-byte aligned groups of 8 elements (x itself is 16-byte aligned)
+  unsigned local = 0;
+  for (int i = sub; i < TR; i += 16) {
+    const int64_t r = r0 + i, c = c0 + cc;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    const bool row_in = r < rows;
+    if (row_in && vec_cols && c + 8 <= cols) {
+      constexpr int PER16 = 16 / sizeof(T);
+#pragma unroll
+      for (int h = 0; h < 8 / PER16; ++h) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(x + r * cols + c + h * PER16);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int j = 0; j < PER16; ++j) v[h * PER16 + j] = to_f32<T>(e[j]);
+      }
+    } else if (row_in) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (c + j < cols) v[j] = to_f32<T>(x[r * cols + c + j]);
+    }
+    uint8_t b[8];
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      local = max(local, max(abs_bits(v[j]), abs_bits(v[j + 1])));
+      const uint16_t p = cvt2<E4M3>(clamp_keep_nan(v[j] * s, fmax), clamp_keep_nan(v[j + 1] * s, fmax));
+      b[j] = p & 0xff;
+      b[j + 1] = p >> 8;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) tile[i][cc + j] = b[j];
+    if (row_in && vec_cols && c + 8 <= cols) {
+      *reinterpret_cast<uint2*>(q + r * cols + c) = *reinterpret_cast<const uint2*>(b);
+    } else if (row_in) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (c + j < cols) q[r * cols + c + j] = b[j];
+    }
+  }
+  __syncthreads();
+  // qt rows are x's columns: 128 rows of 64 bytes per tile, 4 bytes (4 consecutive x rows) per thread and step
+  const bool vec_rows = (rows % 4) == 0;
+  for (int w = threadIdx.x; w < TC * (TR / 4); w += blockDim.x) {
+    const int ct = w / (TR / 4), rt = (w % (TR / 4)) * 4;
+    const int64_t c = c0 + ct, r = r0 + rt;
+    if (c >= cols) continue;
+    const uint8_t b0 = tile[rt][ct], b1 = tile[rt + 1][ct], b2 = tile[rt + 2][ct], b3 = tile[rt + 3][ct];
+    if (vec_rows && r + 4 <= rows) {
+      *reinterpret_cast<uint32_t*>(qt + c * rows + r) =
+          (uint32_t)b0 | ((uint32_t)b1 << 8) | ((uint32_t)b2 << 16) | ((uint32_t)b3 << 24);
+    } else {
+      const uint8_t bb[4] = {b0, b1, b2, b3};
+      for (int j = 0; j < 4; ++j)
+        if (r + j < rows) qt[c * rows + r + j] = bb[j];
+    }
+  }
+  // NaN's bits (> 0x7f800000) order above inf, so an unsigned max propagates NaN; out-of-bounds lanes hold 0
+  local = __reduce_max_sync(0xffffffffu, local);
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = local;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    unsigned v = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0u;
+    v = __reduce_max_sync(0xffffffffu, v);
+    if (threadIdx.x == 0) atomicMax(amax, v);
+  }
+}
+
 // dtype codes: 0 fp32, 1 bf16, 2 fp16
 void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, bool e4m3, unsigned* amax, int64_t n,
                       int sms, cudaStream_t stream) {
@@ -90,6 +174,29 @@ void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, boo
     cast_amax_kernel<T, true><<<blocks, threads, 0, stream>>>((const T*)x, scale, (uint8_t*)q, amax, n, fmax);  \
   else                                                                                                           \
     cast_amax_kernel<T, false><<<blocks, threads, 0, stream>>>((const T*)x, scale, (uint8_t*)q, amax, n, fmax);
+  if (dtype == 0) {
+    SUROGATE_LAUNCH(float)
+  } else if (dtype == 1) {
+    SUROGATE_LAUNCH(__nv_bfloat16)
+  } else {
+    SUROGATE_LAUNCH(__half)
+  }
+#undef SUROGATE_LAUNCH
+}
+
+// x [rows, cols] contiguous and 16-byte aligned; q [rows, cols] and qt [cols, rows] contiguous, 4-byte aligned.
+void launch_cast_transpose_amax(const void* x, int dtype, const float* scale, void* q, void* qt, bool e4m3,
+                                unsigned* amax, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid((unsigned)((rows + 63) / 64), (unsigned)((cols + 127) / 128));
+  const float fmax = e4m3 ? 448.0f : 57344.0f;
+#define SUROGATE_LAUNCH(T)                                                                                      \
+  if (e4m3)                                                                                                     \
+    cast_transpose_amax_kernel<T, true><<<grid, 256, 0, stream>>>((const T*)x, scale, (uint8_t*)q,             \
+                                                                  (uint8_t*)qt, amax, rows, cols, fmax);       \
+  else                                                                                                          \
+    cast_transpose_amax_kernel<T, false><<<grid, 256, 0, stream>>>((const T*)x, scale, (uint8_t*)q,            \
+                                                                   (uint8_t*)qt, amax, rows, cols, fmax);
   if (dtype == 0) {
     SUROGATE_LAUNCH(float)
   } else if (dtype == 1) {

@@ -100,4 +100,4 @@ def load(build: bool = False):
     return _module
 
 
-OPS = ("fp8_cast_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm")
+OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm")

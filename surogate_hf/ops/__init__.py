@@ -16,7 +16,7 @@ from .quant import (
     rht,
 )
 from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm
-from .ext import ext_fp8_block_gemm, ext_fp8_cast_amax, ext_fp8_quantize_tiles, ext_transpose_bytes
+from .ext import ext_fp8_block_gemm, ext_fp8_cast_amax, ext_fp8_cast_transpose_amax, ext_fp8_quantize_tiles, ext_transpose_bytes
 from .linear import (
     fp8_block_linear,
     fp8_block_linear_dgrad,

@@ -27,6 +27,8 @@ RECIPE_128X128 = int(_SCALING.BlockWise128x128.value) if _SCALING is not None el
 
 
 _lib.define("ext_fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()")
+_lib.define("ext_fp8_cast_transpose_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) qt, Tensor(c!) amax_bits) "
+            "-> ()")
 _lib.define("ext_fp8_quantize_tiles(Tensor x, int row_multiple) -> (Tensor, Tensor)")
 _lib.define("ext_transpose_bytes(Tensor x) -> Tensor")
 _lib.define("ext_fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool transpose_w, int recipe_a, int recipe_b) "
@@ -48,6 +50,21 @@ def _ext_fp8_cast_amax(x: Tensor, scale: Tensor, q: Tensor, amax_bits: Tensor) -
 
 @torch.library.register_fake(f"{NS}::ext_fp8_cast_amax", lib=_lib)
 def _(x, scale, q, amax_bits):
+    return None
+
+
+@torch.library.impl(f"{NS}::ext_fp8_cast_transpose_amax", "CompositeExplicitAutograd", lib=_lib)
+def _ext_fp8_cast_transpose_amax(x: Tensor, scale: Tensor, q: Tensor, qt: Tensor, amax_bits: Tensor) -> None:
+    """ext_fp8_cast_amax of the 2-D x [R, C] that also writes q's contiguous transpose into qt [C, R]."""
+    if x.dim() != 2 or tuple(q.shape) != tuple(x.shape) or tuple(qt.shape) != (x.shape[1], x.shape[0]):
+        raise ValueError(f"ext_fp8_cast_transpose_amax: x must be 2-D, q of its shape and qt of its transposed shape; "
+                         f"got x {tuple(x.shape)}, q {tuple(q.shape)}, qt {tuple(qt.shape)}")
+    torch.ops.surogate.ext_fp8_cast_amax(x, scale, q, amax_bits)  # (the decorated reference is not a callable)
+    qt.copy_(q.t())
+
+
+@torch.library.register_fake(f"{NS}::ext_fp8_cast_transpose_amax", lib=_lib)
+def _(x, scale, q, qt, amax_bits):
     return None
 
 
@@ -114,6 +131,7 @@ def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
 
 
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
+ext_fp8_cast_transpose_amax = torch.ops.surogate.ext_fp8_cast_transpose_amax.default
 ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
 ext_transpose_bytes = torch.ops.surogate.ext_transpose_bytes.default
 ext_fp8_block_gemm = torch.ops.surogate.ext_fp8_block_gemm.default

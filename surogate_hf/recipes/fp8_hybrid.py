@@ -16,7 +16,7 @@ reused by gradient-accumulation micro-batches and activation-checkpoint recomput
 cast straight to FP8 (no bf16 work copy in between).
 
 Three executions of the same arithmetic (formats.quantize_fp8_tensorwise is the spec):
-  - eager on CUDA: Triton casts that write into the state directly (kernels.triton_recipe);
+  - eager on CUDA: casts that write into the state directly (kernels.fp8_cast: the csrc kernel, or Triton);
   - under torch.compile: plain torch ops, so inductor fuses the cast (and its amax) into the kernel that
     produces the operand, and the GEMM as the surogate::fp8_scaled_mm op (cuBLASLt);
   - CPU: the same torch ops and the reference GEMM.
@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from .. import formats as F
-from ..kernels import probe
+from ..kernels import fp8_cast, probe
 from ..ops import recipe as recipe_ops
 from .bf16 import FloatBackward
 
@@ -86,23 +86,22 @@ def cast(x2d, scale, scale_inv, amax, row, fmt, transpose: bool, record: bool, c
     """
     if isinstance(row, RowViews):
         if not current and record and _eager_cuda(x2d):
-            q, qt = _tr().cast_fp8_into(x2d.contiguous(), row[1], row[2], fmt, transpose)
+            q, qt = fp8_cast.cast_fp8_into(x2d.contiguous(), row[1], row[2], fmt, transpose)
             return q, qt, row[3]
         row = row[0]
     if amax_row is None:
         amax_row = row
     if _eager_cuda(x2d):
-        tr = _tr()
         x2d = x2d.contiguous()
         bits = (amax.view(torch.int32)[amax_row : amax_row + 1] if record
                 else torch.zeros(1, dtype=torch.int32, device=x2d.device))
         if current:
             a = torch.zeros(1, dtype=torch.int32, device=x2d.device)
-            tr.amax_into(x2d, a)
+            _tr().amax_into(x2d, a)
             s = F.fp8_scale_from_amax(a.view(torch.float32), fmt)
-            q, qt = tr.cast_fp8_into(x2d, s, bits, fmt, transpose)
+            q, qt = fp8_cast.cast_fp8_into(x2d, s, bits, fmt, transpose)
             return q, qt, s.reciprocal().reshape(())
-        q, qt = tr.cast_fp8_into(x2d, scale[row : row + 1], bits, fmt, transpose)
+        q, qt = fp8_cast.cast_fp8_into(x2d, scale[row : row + 1], bits, fmt, transpose)
         return q, qt, scale_inv[row, 0]
     if TRACED_CAST == "op" and torch.compiler.is_compiling():
         # the cast as one opaque op (our Triton kernel on CUDA: cast, transpose and amax in one pass) instead of

@@ -603,6 +603,34 @@ def test_extension_kernels_match_their_references():
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
+@pytest.mark.parametrize("shape", [(4096, 576), (333, 960), (64, 1152), (5, 2880), (130, 200), (1, 8), (7, 13)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_extension_cast_transpose_matches_the_reference(shape, dtype, fmt):
+    """The csrc cast + transpose + amax (the eager recipe's cast) bit for bit against the op's reference and the
+    Triton kernel it replaces, on real widths and ragged tails (rows and columns that fill no tile or vector)."""
+    from surogate_hf.kernels import triton_recipe
+
+    _built_extension()
+    x = _rand(shape, dtype, seed=5)
+    x.view(-1)[min(17, x.numel() - 1)] = 6e4  # saturates E4M3 at this scale
+    r, c = shape
+    qc, qtc = torch.empty(shape, dtype=fmt, device=DEV), torch.empty((c, r), dtype=fmt, device=DEV)
+    amc = torch.full((1,), 7, dtype=torch.int32, device=DEV)  # a running amax smaller than x's
+    scale = torch.tensor([0.37], device=DEV)
+    ops.ext_fp8_cast_transpose_amax(x.to(DEV), scale, qc, qtc, amc)
+    q, qt, am = torch.empty(shape, dtype=fmt), torch.empty((c, r), dtype=fmt), torch.full((1,), 7, dtype=torch.int32)
+    ops.ext_fp8_cast_transpose_amax(x, scale.cpu(), q, qt, am)
+    assert_bits(qc, q, "ext cast_t q")
+    assert_bits(qtc, qt, "ext cast_t qt")
+    assert_bits(amc, am, "ext cast_t amax")
+    am_t = torch.full((1,), 7, dtype=torch.int32, device=DEV)
+    tq, tqt = triton_recipe.cast_fp8_into(x.to(DEV).contiguous(), scale, am_t, fmt, True)
+    assert_bits(qc, tq, "ext vs triton q")
+    assert_bits(qtc, tqt, "ext vs triton qt")
+    assert_bits(amc, am_t, "ext vs triton amax")
+
+@pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():
     """Under torch.compile the fp8 base runs `surogate::ext_fp8_block_gemm` inside one graph (no break) and
     gives the eager plan path's bits, forward and input gradient."""

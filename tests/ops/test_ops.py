@@ -53,6 +53,9 @@ def _cases():
         # the native extension's ops (their CUDA kernels come from csrc/; here their references)
         ("ext_fp8_cast_amax", O.ext_fp8_cast_amax,
          (x, torch.tensor([3.0]), torch.empty(6, 256, dtype=F.E4M3), torch.zeros(1, dtype=torch.int32)), NO_SCHEMA),
+        ("ext_fp8_cast_transpose_amax", O.ext_fp8_cast_transpose_amax,
+         (x, torch.tensor([3.0]), torch.empty(6, 256, dtype=F.E5M2), torch.empty(256, 6, dtype=F.E5M2),
+          torch.zeros(1, dtype=torch.int32)), NO_SCHEMA),
         ("ext_fp8_quantize_tiles", O.ext_fp8_quantize_tiles, (x, 16), NO_SCHEMA),
         ("ext_transpose_bytes", O.ext_transpose_bytes, (wq,), NO_SCHEMA),
         ("ext_fp8_block_gemm", O.ext_fp8_block_gemm, (x, wq[:128], mm_scales(ws[:1]), False, RECIPE_1X128, RECIPE_128X128),
