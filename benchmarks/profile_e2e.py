@@ -20,7 +20,7 @@ from common import time_train_steps, train_step_fn
 CATEGORIES = [
     ("attention", r"flash|fmha|attention|sdpa"),
     ("fp8 gemm", r"qqtst|f8f8|e4m3.*gemm"),  # cuBLASLt's FP8 kernels (nvjet_sm90_qqtst...)
-    ("fp8 quantize", r"quantize|fp8|cast_amax|transpose_bytes"),
+    ("fp8 quantize", r"quantize|fp8|cast_amax|cast_transpose|transpose_bytes"),
     ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|cublas|splitK|matmul"),
     ("cross-entropy/softmax", r"softmax|nll|cross_entropy|log_softmax"),
     ("triton (ours)", r"^_|triton"),

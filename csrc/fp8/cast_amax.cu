@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(256) cast_transpose_amax_kernel(const T* __res
                                                                   unsigned* __restrict__ amax, int64_t rows,
                                                                   int64_t cols, float fmax) {
   constexpr int TR = 64, TC = 128, PAD = 4;
-  __shared__ uint8_t tile[TR][TC + PAD];
+  __shared__ __align__(16) uint8_t tile[TR][TC + PAD];
   __shared__ unsigned warp_max[8];
   const float s = *scale;
   const int64_t r0 = (int64_t)blockIdx.x * TR, c0 = (int64_t)blockIdx.y * TC;
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(256) cast_transpose_amax_kernel(const T* __res
       for (int j = 0; j < 8; ++j)
         if (c + j < cols) v[j] = to_f32<T>(x[r * cols + c + j]);
     }
-    uint8_t b[8];
+    alignas(8) uint8_t b[8];
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       local = max(local, max(abs_bits(v[j]), abs_bits(v[j + 1])));
@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(256) cast_transpose_amax_kernel(const T* __res
       b[j] = p & 0xff;
       b[j + 1] = p >> 8;
     }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) tile[i][cc + j] = b[j];
+    // two 4-byte shared stores (rows are 132 bytes apart: 4-byte aligned)
+    reinterpret_cast<uint32_t*>(&tile[i][cc])[0] = *reinterpret_cast<const uint32_t*>(b);
+    reinterpret_cast<uint32_t*>(&tile[i][cc])[1] = *reinterpret_cast<const uint32_t*>(b + 4);
     if (row_in && vec_cols && c + 8 <= cols) {
       *reinterpret_cast<uint2*>(q + r * cols + c) = *reinterpret_cast<const uint2*>(b);
     } else if (row_in) {
