@@ -1,6 +1,6 @@
 """GPU time of the eager fp8 recipe's per-tensor cast (+ transpose + amax) on real linear shapes: the csrc kernel
 (kernels.fp8_cast, `surogate::ext_fp8_cast_transpose_amax`) next to the Triton kernel it replaces, and the
-effective bandwidth (bytes read + written per second). Needs the extension built
+effective bandwidth (bytes read + written per second, TB/s). Needs the extension built
 (`python -m surogate_hf.kernels.build`). Writes results/fp8_cast.md.
 """
 
@@ -40,7 +40,7 @@ def main():
                          t_tri * 1e3, moved / t_tri / 1e9, t_tri / t_ext])
             print(rows[-1], flush=True)
     body = (f"x {args.dtype}, E4M3, GPU time per call (median, CUDA events)\n\n"
-            + table(["shape", "transpose", "csrc us", "csrc GB/s", "Triton us", "Triton GB/s", "Triton / csrc"], rows))
+            + table(["shape", "transpose", "csrc us", "csrc TB/s", "Triton us", "Triton TB/s", "Triton / csrc"], rows))
     write_result("fp8_cast", "Eager fp8 cast: csrc vs Triton", body)
 
 

@@ -393,6 +393,22 @@ def _apply_lora_dtype(model, cfg):
     set_lora_dtype(model, TORCH_DTYPES[cfg.lora_dtype])
 
 
+
+def small_fp8_linears_advice(shapes: list[tuple[int, int]], min_width: int = 512) -> str | None:
+    """The warning for a real model (some linear at least min_width wide) whose FP8 linears are mostly too small
+    for FP8 GEMMs to pay (FP8_SMALL_LINEAR), else None. shapes: (in_features, out_features) of the FP8 linears."""
+    if not shapes or max(max(s) for s in shapes) < min_width:
+        return None
+    small = sum(i <= FP8_SMALL_LINEAR[0] and o <= FP8_SMALL_LINEAR[1] for i, o in shapes)
+    if 2 * small < len(shapes):
+        return None
+    return (f"{small} of {len(shapes)} FP8 linears have in_features <= {FP8_SMALL_LINEAR[0]} and out_features <= "
+            f"{FP8_SMALL_LINEAR[1]}, where FP8 GEMMs save less GPU time than each FP8 linear costs in casts and host "
+            "time: on an H200 a 576-wide model (SmolLM2-135M shape) trained at 0.69x the bf16 step with every linear "
+            "in FP8 and at 1.10x with fp8_skip_small_linears=True (benchmarks/results/e2e_recipes_smollm2.md). "
+            "Pass fp8_skip_small_linears=True to keep those linears in model_dtype")
+
+
 def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knobs) -> nn.Module:
     """Convert `model` in place to the precision recipe and return it.
 
@@ -460,6 +476,10 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         if cfg.fp8_skip_small_linears and cfg.uses_fp8() else (lambda m: False)
     targets = [(name, m, why is None and m is not out_emb and not small(m)) for name, m, why in plan
                if cfg.quantize_lora_adapters or not _is_lora_adapter(name)]
+    if cfg.uses_fp8() and not cfg.fp8_skip_small_linears:
+        advice = small_fp8_linears_advice([(m.in_features, m.out_features) for _, m, q in targets if q])
+        if advice:
+            warnings.warn(f"apply_recipe: {advice}", RuntimeWarning, stacklevel=2)
     others = [name for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not _is_quantized_base(m)]
     if others:

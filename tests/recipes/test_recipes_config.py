@@ -1,6 +1,7 @@
 """RecipeConfig: presets, the fallback chain, the environment round trip, and bad knobs named in errors."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -204,3 +205,27 @@ def test_fp8_skip_small_linears_leaves_the_small_projections_in_model_dtype():
     assert kinds[True] == ["down_proj"]
     with pytest.raises(ValueError, match="fp8_skip_small_linears"):
         RecipeConfig.from_recipe_name("nvfp4", fp8_skip_small_linears=True)
+
+
+def test_mostly_small_fp8_linears_warn_with_the_knob_to_use():
+    """A real model whose FP8 linears are mostly below the thresholds gets one warning naming fp8_skip_small_linears;
+    a model with large linears, a toy model, and the knob itself do not."""
+    from surogate_hf.recipes.linear import small_fp8_linears_advice
+
+    smollm2 = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
+    assert "fp8_skip_small_linears=True" in small_fp8_linears_advice(smollm2)
+    assert small_fp8_linears_advice([(2048, 2048), (2048, 1024), (2048, 6144), (6144, 2048)]) is None  # Qwen3-1.7B
+    assert small_fp8_linears_advice([(64, 64), (64, 128)]) is None  # a toy model: no advice
+    assert small_fp8_linears_advice([]) is None
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import surogate_hf.recipes as R
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=64, max_position_embeddings=64)
+    with pytest.warns(RuntimeWarning, match="fp8_skip_small_linears=True"):
+        R.apply_recipe(LlamaForCausalLM(cfg), "fp8-hybrid")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fp8_skip_small_linears=True")
+        R.apply_recipe(LlamaForCausalLM(cfg), "fp8-hybrid", fp8_skip_small_linears=True)
