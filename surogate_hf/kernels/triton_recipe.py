@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from ..formats.fp8 import FP8_MAX
 from .triton_quant import _EXACT, _INTERPRET, _TL_FP8, _amax_kernel, _fp8_tensorwise_kernel, _fp8_tensorwise_t_kernel
@@ -63,8 +64,32 @@ def nvfp4_mm_bf16_tensor_cores(a_packed, a_scale, a_global, b_packed, b_scale, b
     one = torch.ones((), dtype=torch.float32, device=a_packed.device)
     a = dequantize_nvfp4(a_packed, a_scale, one, torch.bfloat16)
     b = dequantize_nvfp4(b_packed, b_scale, one, torch.bfloat16)
-    out = torch.mm(a, b.t(), out_dtype=torch.float32)
-    out.mul_(a_global.float() * b_global.float())
-    if bias is not None:
-        out.add_(bias.float())
-    return out.to(out_dtype)
+    acc = torch.mm(a, b.t(), out_dtype=torch.float32)
+    return scale_bias_cast(acc, a_global, b_global, bias, out_dtype)
+
+
+@triton.jit
+def _scale_bias_cast_kernel(acc_ptr, ga_ptr, gb_ptr, bias_ptr, out_ptr, n, N, HAS_BIAS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(ga_ptr).to(tl.float32) * tl.load(gb_ptr).to(tl.float32)
+    v = tl.load(acc_ptr + offs, mask=m, other=0.0) * g
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def scale_bias_cast(acc: torch.Tensor, a_global, b_global, bias, out_dtype) -> torch.Tensor:
+    """cast(acc * (a_global * b_global) + bias.f32, out_dtype) of the fp32 GEMM result acc [M, N] in one pass (the
+    reference's roundings: the product of the globals, the scaling, the bias add, the final cast; no FMA). Three
+    torch ops read and wrote the fp32 result three times."""
+    m, n = acc.shape
+    out = acc if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    if acc.numel():
+        ga = a_global.float().reshape(1).contiguous()
+        gb = b_global.float().reshape(1).contiguous()
+        b = bias.contiguous() if bias is not None else ga
+        _scale_bias_cast_kernel[(triton.cdiv(acc.numel(), 2048),)](
+            acc, ga, gb, b, out, acc.numel(), n, HAS_BIAS=bias is not None, BLOCK=2048, **_EXACT, num_warps=4)
+    return out

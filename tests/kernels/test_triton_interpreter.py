@@ -45,7 +45,31 @@ _CHECK_NVFP4 = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("check", [_CHECK_WGRAD, _CHECK_NVFP4], ids=["fp8_tiles_wgrad", "nvfp4_quantize"])
+_CHECK_NVFP4_RECIPE = textwrap.dedent("""
+    import torch
+    from surogate_hf import formats as F
+    from surogate_hf.kernels import triton_recipe as TR
+    from surogate_hf.kernels.triton_quant import hadamard as H
+    torch.manual_seed(0)
+    # the Hadamard transform of a transposed (column-major) view, read in place, and of a contiguous tensor
+    signs = F.hadamard.random_signs(3)
+    for x in (torch.randn(48, 40).bfloat16().t(), torch.randn(40, 48).bfloat16(), torch.randn(5, 32, 33)[1].t()):
+        got, ref = H.rht(x, signs), F.rht(x, signs)
+        assert got.is_contiguous() and torch.equal(got, ref), tuple(x.shape)
+    # the nvfp4 GEMM's epilogue: acc * (ga * gb) + bias, one cast, against the reference's torch ops
+    acc = torch.randn(37, 24) * 1e3
+    ga, gb = torch.tensor(3.1e-3), torch.tensor(0.77)
+    for bias in (None, torch.randn(24).bfloat16(), torch.randn(24)):
+        ref = acc * (ga.float() * gb.float())
+        ref = ref + bias.float() if bias is not None else ref
+        got = TR.scale_bias_cast(acc.clone(), ga, gb, bias, torch.float32)
+        assert torch.equal(got, ref), ("fp32", bias is None)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("check", [_CHECK_WGRAD, _CHECK_NVFP4, _CHECK_NVFP4_RECIPE],
+                         ids=["fp8_tiles_wgrad", "nvfp4_quantize", "nvfp4_recipe_rht_epilogue"])
 def test_kernel_matches_the_reference_in_the_interpreter(check):
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
