@@ -240,6 +240,10 @@ def test_rht(shape, dtype):
     signs = F.random_signs(11)
     out, ref = both(ops.rht, x, signs)
     assert_bits(out, ref, "rht")
+    if x.dim() == 2 and x.shape[0] % 16 == 0:  # the wgrad operand dy^T: a transposed view, read in place
+        xt = _rand((x.shape[1], x.shape[0]), dtype, seed=7)
+        out, ref = ops.rht(xt.to(DEV).t(), signs.to(DEV)), ops.rht(xt.t(), signs)
+        assert_bits(out, ref, "rht of a transposed view")
 
 
 # ---------------------------------------------------------------- quantized-base GEMMs (SQNR)
