@@ -12,6 +12,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     lora-bf16                 stock PEFT LoRA on the bf16 model: the reference of every LoRA setup
     qlora-<fmt>               SurogateConfig(format=fmt) + prepare_for_training + PEFT, fmt in fp8/nvfp4/mxfp4/nf4
     qlora-<fmt>+loftq         the same, adapters initialised by surogate_hf.loftq_init (--loftq-iters)
+    qlora-<fmt>+aa            the same, activation-aware: loftq_init(iters=1, calibration=--aa-windows windows
+                              from the end of the train split), the rank-r fit of each layer's output error
     qlora-fp8+fp8-hybrid      QLoRA with a training recipe (apply_recipe on the PEFT model: the base GEMMs follow
                               the recipe, docs/recipes.md; a 128x128 fp8 base keeps its own W8A8 GEMMs);
     qlora-nvfp4+nvfp4         likewise qlora-mxfp4+nvfp4 and qlora-nf4+fp8-hybrid
@@ -55,6 +57,7 @@ ALL_SETUPS = (
     ["lora-bf16"]
     + [f"qlora-{f}" for f in FORMATS]
     + [f"qlora-{f}+loftq" for f in FORMATS]
+    + [f"qlora-{f}+aa" for f in FORMATS]
     + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
     + ["full-bf16", "full-fp8-hybrid", "full-fp8-blockwise", "full-nvfp4"]
 )
@@ -177,6 +180,8 @@ def build(setup: str, ckpt: Path, args, device: str):
         for extra in extras:
             if extra == "loftq":
                 surogate_hf.loftq_init(model, ckpt, iters=args.loftq_iters)
+            elif extra == "aa":
+                surogate_hf.loftq_init(model, ckpt, iters=1, calibration=args.calibration)
             else:
                 surogate_hf.apply_recipe(model, extra)
         lr = args.lr_lora
@@ -334,6 +339,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr-lora", type=float, default=2e-4)
     ap.add_argument("--lr-full", type=float, default=2e-5)
     ap.add_argument("--loftq-iters", type=int, default=3)
+    ap.add_argument("--aa-windows", type=int, default=8, help="calibration windows of the +aa setups (train split)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "convergence", help="stem of the .json and .png")
@@ -365,10 +371,13 @@ def main(argv=None) -> dict:
         config, state, train_ids, val_ids = assets.load_real(args.assets, args.layers)
         source = f"Gemma 3 270M ({config['num_hidden_layers']} layers, vocab cut to {config['vocab_size']}), Shakespeare (PG)"
     vals = val_batches(val_ids, args.seq_len, args.batch, args.val_seqs)
+    n_cal = min(args.aa_windows, len(train_ids) // args.seq_len)
+    # the +aa setups' calibration inputs: the last windows of the train split (training text, never validation)
+    args.calibration = val_batches(train_ids[len(train_ids) - n_cal * args.seq_len :], args.seq_len, 2, n_cal)
     print(f"convergence: {source}; {args.steps} steps x {args.batch} x {args.seq_len} tokens, device {args.device}")
 
     results = {}
-    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "calibration"}
     meta.update(source=source, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                 torch=torch.__version__)
 

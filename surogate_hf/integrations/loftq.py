@@ -117,15 +117,35 @@ def _low_rank_factors(e: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     return left.float(), right.float()
 
 
-def _frob_error(w: Tensor, deq: Tensor, lr: Tensor | None) -> float:
+def _frob_error(w: Tensor, deq: Tensor, lr: Tensor | None, root: Tensor | None = None) -> float:
+    """||W - deq - lr|| / ||W||, in the metric of the input second moment when root = H^(1/2) is given (the
+    relative error of the layer's output over the calibration inputs)."""
     d = w - deq if lr is None else w - deq - lr
+    if root is not None:
+        d, w = d.double() @ root, w.double() @ root
     return float(d.norm() / w.norm().clamp_min(1e-30))
 
 
+def input_metric(second_moment: Tensor, damp: float) -> tuple[Tensor, Tensor]:
+    """(H^(1/2), H^(-1/2)) in float64 of the damped input second moment H + damp * mean(diag H) * I (symmetric
+    roots through one eigendecomposition). The damping keeps directions the calibration never excited from
+    getting unbounded weight in H^(-1/2)."""
+    h = second_moment.double()
+    h = h + damp * h.diagonal().mean().clamp_min(1e-30) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    evals, vecs = torch.linalg.eigh(h)
+    evals = evals.clamp_min(evals.max() * 1e-12)
+    return (vecs * evals.sqrt()) @ vecs.T, (vecs * evals.rsqrt()) @ vecs.T
+
+
 @torch.no_grad()
-def loftq_decompose(base: nn.Module, w: Tensor, rank: int, scaling: float, iters: int = 1):
+def loftq_decompose(base: nn.Module, w: Tensor, rank: int, scaling: float, iters: int = 1,
+                    metric: tuple[Tensor, Tensor] | None = None):
     """Alternate quantize / SVD for one quantized linear `base` and its dense weight `w` [out, in].
 
+    metric: (H^(1/2), H^(-1/2)) of the layer's input second moment (input_metric), or None. With it the rank-r fit
+    minimises the output error over those inputs, ||(E - s B A) H^(1/2)||_F, whose minimiser is the truncated
+    SVD of E H^(1/2) mapped back by H^(-1/2) (activation-aware, as in QERA, Zhang et al. 2024); without it the
+    weight error ||E - s B A||_F (LoftQ). Errors and the choice of iterate use the same metric.
     Returns (slots {buffer name: tensor} to load into base, A [rank, in], B [out, rank] in fp32, errors) where
     errors = {"plain": relative error of deq(Q(w)) alone, "loftq": of deq(Q_t) + scaling * B @ A}."""
     if iters < 1:
@@ -140,16 +160,21 @@ def loftq_decompose(base: nn.Module, w: Tensor, rank: int, scaling: float, iters
     def deq_of(slots):
         return base.fmt.dequantize({name[len("weight") :]: v for name, v in slots.items()}, n, k, torch.float32)
 
+    root, inv_root = (None, None) if metric is None else (metric[0].to(w.device), metric[1].to(w.device))
     res, best, plain = w, None, None
     for t in range(iters):
         slots = base.quantize_weight(res)
         deq = deq_of(slots)
         if plain is None:
-            plain = _frob_error(w, deq, None)
-        left, right = _low_rank_factors(w - deq, rank)
+            plain = _frob_error(w, deq, None, root)
+        if root is None:
+            left, right = _low_rank_factors(w - deq, rank)
+        else:
+            left, right = _low_rank_factors((w - deq).double() @ root, rank)
+            right = (right.double() @ inv_root).float()
         b, a = left / math.sqrt(scaling), right / math.sqrt(scaling)
         lr = scaling * (b @ a)
-        err = _frob_error(w, deq, lr)
+        err = _frob_error(w, deq, lr, root)
         if best is None or err < best[3]:
             best = (slots, a, b, err)
         res = w - lr
@@ -165,6 +190,9 @@ def loftq_init(
     weights=None,
     iters: int = 1,
     adapter_name: str = "default",
+    calibration=None,
+    damp: float = 0.01,
+    calibration_memory: int = 4 << 30,
 ) -> dict[str, dict[str, float]]:
     """Initialise the LoRA adapters (and requantize the bases) of a PEFT model over surogate quantized
     linears so that deq(W_q) + scaling * B @ A approximates the dense weights (see the module doc).
@@ -175,7 +203,15 @@ def loftq_init(
             model; None = the directory the base model was loaded from. Keys as in the base model's state dict.
         iters: alternating steps, 1 to 5 (1 = SVD of the plain quantization error; the base is unchanged).
         adapter_name: the adapter to initialise.
-    Returns {module name: {"plain": error, "loftq": error}} (relative Frobenius errors of each weight).
+        calibration: None (LoftQ: fit the weight error), or batches of model inputs (input_ids tensors, or dicts
+            of forward kwargs) from the training data: the fit then minimises each layer's output error over
+            these inputs (activation-aware; see loftq_decompose). Each layer's input second moment is collected
+            in fp32 by forward hooks on the quantized model.
+        damp: the second moments' damping, relative to their mean diagonal (calibration only).
+        calibration_memory: bytes of second moments held at once (in_features^2 * 4 per layer); layers beyond it
+            are calibrated in further passes over the batches, after the earlier layers got their adapters.
+    Returns {module name: {"plain": error, "loftq": error}}: relative Frobenius errors of each weight, or of each
+    layer's output over the calibration inputs when calibration is given.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -183,8 +219,10 @@ def loftq_init(
 
     if not 1 <= int(iters) <= 5:
         raise ValueError(f"loftq_init: iters must be in 1..5, got {iters}")
+    if not damp > 0:
+        raise ValueError(f"loftq_init: damp must be > 0, got {damp}")
     dense = _dense_weights(peft_model, weights)
-    report = {}
+    targets = []
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer) or adapter_name not in getattr(module, "lora_A", {}):
             continue
@@ -196,15 +234,78 @@ def loftq_init(
         key = (name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name) + ".weight"
         if key not in dense:
             raise KeyError(f"loftq_init: the dense weights have no tensor {key!r} for LoRA layer {name}")
-        slots, a, b, errors = loftq_decompose(
-            base, dense[key], module.r[adapter_name], float(module.scaling[adapter_name]), int(iters)
-        )
-        for slot, v in slots.items():
-            S.set_slot(base, slot, v)
-        la, lb = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
-        la.data = a.to(device=la.device, dtype=la.dtype)
-        lb.data = b.to(device=lb.device, dtype=lb.dtype)
-        report[name] = errors
-    if not report:
+        targets.append((name, module, base, key))
+    if not targets:
         raise ValueError(f"loftq_init: no LoRA layer (adapter {adapter_name!r}) over a surogate_hf quantized linear found")
+    batches = None if calibration is None else list(calibration)
+    if batches is not None and not batches:
+        raise ValueError("loftq_init: calibration holds no batch")
+    report = {}
+    for group in _groups(targets, None if batches is None else calibration_memory):
+        moments = None if batches is None else _input_moments(peft_model, [t[2] for t in group], batches)
+        for i, (name, module, base, key) in enumerate(group):
+            metric = None if moments is None else input_metric(moments[i], damp)
+            slots, a, b, errors = loftq_decompose(
+                base, dense[key], module.r[adapter_name], float(module.scaling[adapter_name]), int(iters), metric
+            )
+            for slot, v in slots.items():
+                S.set_slot(base, slot, v)
+            la, lb = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
+            la.data = a.to(device=la.device, dtype=la.dtype)
+            lb.data = b.to(device=lb.device, dtype=lb.dtype)
+            report[name] = errors
     return report
+
+
+def _groups(targets: list, memory: int | None) -> list[list]:
+    """The layers in module order, split so that each group's second moments fit in `memory` bytes (one group
+    without calibration). A layer larger than the budget gets a group of its own."""
+    if memory is None:
+        return [targets]
+    groups, size = [[]], 0
+    for t in targets:
+        need = t[2].in_features ** 2 * 4
+        if groups[-1] and size + need > memory:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += need
+    return groups
+
+
+@torch.no_grad()
+def _input_moments(model: nn.Module, bases: list, batches: list) -> list[Tensor]:
+    """E[x x^T] (fp32, on each layer's device) of the inputs of `bases` over the calibration batches."""
+    sums = [None] * len(bases)
+    counts = [0] * len(bases)
+
+    def hook(i):
+        def fn(_mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            sums[i] = x.t() @ x if sums[i] is None else sums[i].addmm_(x.t(), x)
+            counts[i] += x.shape[0]
+
+        return fn
+
+    handles = [b.register_forward_pre_hook(hook(i)) for i, b in enumerate(bases)]
+    device = next(p.device for p in model.parameters())
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            if isinstance(batch, Mapping):
+                model(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()})
+            elif isinstance(batch, Tensor):
+                model(input_ids=batch.to(device))
+            else:
+                raise TypeError(f"loftq_init: calibration batches must be input_ids tensors or dicts of model inputs, "
+                                f"got {type(batch).__name__}")
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    missing = [i for i, c in enumerate(counts) if c == 0]
+    if missing:
+        raise ValueError(f"loftq_init: {len(missing)} LoRA layer(s) saw no calibration input (the forward never "
+                         "reached them)")
+    return [sm / c for sm, c in zip(sums, counts)]
