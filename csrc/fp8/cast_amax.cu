@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace surogate {
 
 template <typename T> __device__ __forceinline__ float to_f32(T v);
@@ -29,6 +31,20 @@ __device__ __forceinline__ uint16_t cvt2(float a, float b) {
 template <bool E4M3>
 __device__ __forceinline__ uint8_t cvt1(float a) {
   return __nv_cvt_float_to_fp8(a, __NV_SATFINITE, E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// Folds the block's max of each thread's `local` (|x| as float bits) into *amax with one atomic; blocks of at most
+// 256 threads, every thread calling. NaN's bits (> 0x7f800000) order above inf, so an unsigned max propagates NaN.
+__device__ __forceinline__ void block_amax_into(unsigned local, unsigned* amax) {
+  __shared__ unsigned warp_max[8];
+  local = __reduce_max_sync(0xffffffffu, local);
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = local;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    unsigned v = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0u;
+    v = __reduce_max_sync(0xffffffffu, v);
+    if (threadIdx.x == 0) atomicMax(amax, v);
+  }
 }
 
 // VEC elements (16 bytes of input) per thread per step; grid-stride; tail done element-wise.
@@ -64,16 +80,7 @@ __global__ void __launch_bounds__(256) cast_amax_kernel(const T* __restrict__ x,
     local = max(local, abs_bits(a));
     q[i] = cvt1<E4M3>(clamp_keep_nan(a * s, fmax));
   }
-  // NaN's bits (> 0x7f800000) order above inf, so an unsigned max propagates NaN
-  local = __reduce_max_sync(0xffffffffu, local);
-  __shared__ unsigned warp_max[8];
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = local;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    unsigned v = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0u;
-    v = __reduce_max_sync(0xffffffffu, v);
-    if (threadIdx.x == 0) atomicMax(amax, v);
-  }
+  block_amax_into(local, amax);
 }
 
 // The same cast, also writing the contiguous transpose qt [C, R] of q [R, C] from the same pass (the operand
@@ -87,7 +94,6 @@ __global__ void __launch_bounds__(256) cast_transpose_amax_kernel(const T* __res
                                                                   int64_t cols, float fmax) {
   constexpr int TR = 64, TC = 128, PAD = 4;
   __shared__ __align__(16) uint8_t tile[TR][TC + PAD];
-  __shared__ unsigned warp_max[8];
   const float s = *scale;
   const int64_t r0 = (int64_t)blockIdx.x * TR, c0 = (int64_t)blockIdx.y * TC;
   const int lane16 = threadIdx.x & 15, sub = threadIdx.x >> 4;  // 16 threads x 8 elements per 128-wide row
@@ -150,18 +156,21 @@ __global__ void __launch_bounds__(256) cast_transpose_amax_kernel(const T* __res
         if (r + j < rows) qt[c * rows + r + j] = bb[j];
     }
   }
-  // NaN's bits (> 0x7f800000) order above inf, so an unsigned max propagates NaN; out-of-bounds lanes hold 0
-  local = __reduce_max_sync(0xffffffffu, local);
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = local;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    unsigned v = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0u;
-    v = __reduce_max_sync(0xffffffffu, v);
-    if (threadIdx.x == 0) atomicMax(amax, v);
-  }
+  block_amax_into(local, amax);  // out-of-bounds lanes hold 0
 }
 
-// dtype codes: 0 fp32, 1 bf16, 2 fp16
+// Calls f(T{}, E4M3{}) with the input element type of the dtype code (0 fp32, 1 bf16, 2 fp16) and the FP8 format
+// as a std::integral_constant<bool, e4m3>: one switch for every launcher.
+template <typename F>
+void dispatch_cast(int dtype, bool e4m3, F&& f) {
+  auto by_format = [&](auto tag) {
+    if (e4m3) f(tag, std::true_type{}); else f(tag, std::false_type{});
+  };
+  if (dtype == 0) by_format(float{});
+  else if (dtype == 1) by_format(__nv_bfloat16{});
+  else by_format(__half{});
+}
+
 void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, bool e4m3, unsigned* amax, int64_t n,
                       int sms, cudaStream_t stream) {
   if (n == 0) return;
@@ -170,19 +179,11 @@ void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, boo
   int blocks = (int)(want < (int64_t)sms * 8 ? want : (int64_t)sms * 8);
   if (blocks < 1) blocks = 1;
   const float fmax = e4m3 ? 448.0f : 57344.0f;
-#define SUROGATE_LAUNCH(T)                                                                                       \
-  if (e4m3)                                                                                                      \
-    cast_amax_kernel<T, true><<<blocks, threads, 0, stream>>>((const T*)x, scale, (uint8_t*)q, amax, n, fmax);  \
-  else                                                                                                           \
-    cast_amax_kernel<T, false><<<blocks, threads, 0, stream>>>((const T*)x, scale, (uint8_t*)q, amax, n, fmax);
-  if (dtype == 0) {
-    SUROGATE_LAUNCH(float)
-  } else if (dtype == 1) {
-    SUROGATE_LAUNCH(__nv_bfloat16)
-  } else {
-    SUROGATE_LAUNCH(__half)
-  }
-#undef SUROGATE_LAUNCH
+  dispatch_cast(dtype, e4m3, [&](auto tag, auto fmt) {
+    using T = decltype(tag);
+    cast_amax_kernel<T, decltype(fmt)::value><<<blocks, threads, 0, stream>>>((const T*)x, scale, (uint8_t*)q, amax,
+                                                                             n, fmax);
+  });
 }
 
 // x [rows, cols] contiguous and 16-byte aligned; q [rows, cols] and qt [cols, rows] contiguous, 4-byte aligned.
@@ -191,21 +192,11 @@ void launch_cast_transpose_amax(const void* x, int dtype, const float* scale, vo
   if (rows == 0 || cols == 0) return;
   const dim3 grid((unsigned)((rows + 63) / 64), (unsigned)((cols + 127) / 128));
   const float fmax = e4m3 ? 448.0f : 57344.0f;
-#define SUROGATE_LAUNCH(T)                                                                                      \
-  if (e4m3)                                                                                                     \
-    cast_transpose_amax_kernel<T, true><<<grid, 256, 0, stream>>>((const T*)x, scale, (uint8_t*)q,             \
-                                                                  (uint8_t*)qt, amax, rows, cols, fmax);       \
-  else                                                                                                          \
-    cast_transpose_amax_kernel<T, false><<<grid, 256, 0, stream>>>((const T*)x, scale, (uint8_t*)q,            \
-                                                                   (uint8_t*)qt, amax, rows, cols, fmax);
-  if (dtype == 0) {
-    SUROGATE_LAUNCH(float)
-  } else if (dtype == 1) {
-    SUROGATE_LAUNCH(__nv_bfloat16)
-  } else {
-    SUROGATE_LAUNCH(__half)
-  }
-#undef SUROGATE_LAUNCH
+  dispatch_cast(dtype, e4m3, [&](auto tag, auto fmt) {
+    using T = decltype(tag);
+    cast_transpose_amax_kernel<T, decltype(fmt)::value><<<grid, 256, 0, stream>>>(
+        (const T*)x, scale, (uint8_t*)q, (uint8_t*)qt, amax, rows, cols, fmax);
+  });
 }
 
 }  // namespace surogate

@@ -4,6 +4,7 @@
     model = prepare_for_training(model)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     surogate_hf.loftq_init(model, path, iters=2)      # path: the bf16 checkpoint the model was loaded from
+    surogate_hf.loftq_init(model, path, calibration=[input_ids, ...])   # or: fit each layer's outputs
 
 For every LoRA layer over a surogate quantized linear (fp8, nvfp4, mxfp4, nf4), with W the bf16 weight,
 Q the layer's own quantizer and s the adapter's scaling (lora_alpha / r, or its rsLoRA value), it
@@ -15,6 +16,12 @@ alternates (LoftQ, Li et al. 2023, algorithm 1):
 and keeps the iterate with the smallest ||W - (deq(Q_t) + s * B_t A_t)||_F, so the result is never worse
 than one iteration, which is never worse than the plain init (B = 0). The base layer's packed weight and
 scales are replaced by Q_t, the adapters by A_t, B_t (in the adapters' own dtype).
+
+With `calibration=` (batches of training inputs) the fit is activation-aware instead: each layer's input second
+moment H = E[x x^T] is collected by forward hooks, and B A minimises the layer's output error over those inputs,
+||(W - deq(Q) - s B A) H^(1/2)||_F: the rank-r SVD of (W - deq(Q)) H^(1/2), mapped back by H^(-1/2) (QERA,
+Zhang et al. 2024). On the convergence benchmark's real model the weight-space fit raised the step-0 loss of
+nvfp4 QLoRA while lowering every layer's output error; the activation-aware fit lowered it (docs/fidelity.md).
 
 The quantized model no longer holds W, so the dense weights must be given: a checkpoint directory or
 .safetensors file (read lazily, one tensor at a time, like PEFT's `replace_lora_weights_loftq`), a state
