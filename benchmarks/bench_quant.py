@@ -10,7 +10,7 @@ import torch
 from common import attempt, bench_ms, table, write_result
 
 import surogate_hf.kernels  # noqa: F401  (registers the CUDA kernels)
-from surogate_hf.kernels import ext, triton_quant as TQ
+from surogate_hf.kernels import ext, triton_recipe as TR
 
 ops = torch.ops.surogate
 TARGET = 2.4
@@ -42,6 +42,7 @@ def main():
             mod.fp8_cast_amax(x, scale.reshape(1), q, am)
             return q
 
+        scale_row, bits = scale.reshape(1), torch.zeros(1, dtype=torch.int32, device="cuda")
         nv_q = ops.quantize_nvfp4(x, False, True, "mse", False, 0, amax_t)
         mx_q = ops.quantize_mxfp4(x)
         fb_q = ops.quantize_fp8_blocks(x, 128, 128, False)
@@ -52,8 +53,8 @@ def main():
             ("fp8 tensorwise+amax: torch eager", eager_cast, 3 * n),
             ("fp8 tensorwise+amax: torch.compile", compiled_cast, 3 * n),
             ("fp8 tensorwise+amax: ours CUDA (csrc)", ext_cast if mod is not None else None, 3 * n),
-            ("fp8 tensorwise+amax: ours Triton", lambda: TQ.quantize_fp8_tensorwise(x, scale, e4), 3 * n),
-            ("fp8 tensorwise+amax+transpose: ours Triton", lambda: TQ.quantize_fp8_tensorwise_t(x, scale, e4), 4 * n),
+            ("fp8 tensorwise+amax: ours Triton", lambda: TR.cast_fp8_into(x, scale_row, bits, e4, False), 3 * n),
+            ("fp8 tensorwise+amax+transpose: ours Triton", lambda: TR.cast_fp8_into(x, scale_row, bits, e4, True), 4 * n),
             ("fp8 1x128 tiles: ours Triton", lambda: ops.quantize_fp8_tiles(x, 128), 3 * n + 4 * n // 128),
             ("fp8 1x128 tiles: ours CUDA (csrc)", (lambda: mod.fp8_quantize_tiles(x, 16)) if mod is not None else None,
              3 * n + 4 * n // 128),

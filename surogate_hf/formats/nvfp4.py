@@ -48,9 +48,13 @@ class NVFP4Quantized(NamedTuple):
     global_scale: torch.Tensor  # fp32 scalar, the decode global (ModelOpt weight_scale_2)
 
 
+# S * 6 of the encode above: the tensor amax maps to the largest E4M3 block scale times the largest E2M1 element
+GLOBAL_RANGE = FP8_MAX[E4M3] * E2M1_MAX
+
+
 def nvfp4_global_scales(amax: torch.Tensor):
     """(encode, decode) global scales from a tensor amax. Zero amax gives 1 (the tensor is zeros)."""
-    s = FP8_MAX[E4M3] * E2M1_MAX
+    s = GLOBAL_RANGE
     amax = amax.float()
     zero = amax == 0
     enc = torch.where(zero, torch.ones_like(amax), s / torch.where(zero, torch.ones_like(amax), amax))

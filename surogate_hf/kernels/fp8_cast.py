@@ -1,4 +1,5 @@
-"""The eager fp8 recipes' per-tensor cast on CUDA (q = sat(x * scale), its transpose, the running amax).
+"""The per-tensor FP8 cast on CUDA (q = sat(x * scale), its transpose, the running amax): the eager fp8 recipes'
+casts and the CUDA kernels of surogate::quantize_fp8_tensorwise[_t] (kernels.registry).
 
 Two kernels with the same bits (formats.quantize_fp8_tensorwise is the spec; tests/kernels compares them):
   - the csrc extension's `surogate::ext_fp8_cast[_transpose]_amax`, when it is built: one dispatcher call,
@@ -38,7 +39,7 @@ def _resolve():
     from . import ext
 
     if ext.load(build=False) is None:
-        warn_once("fp8_cast_ext", "surogate_hf: the eager fp8 casts run as Triton kernels, whose Python launcher "
+        warn_once("fp8_cast_ext", "surogate_hf: the per-tensor FP8 casts run as Triton kernels, whose Python launcher "
                   "costs ~60 us of host time per call (a host-bound step runs slower); the CUDA extension is "
                   f"{ext.status()[1]}")
         return _triton

@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from . import paths, probe
+from . import fp8_cast, paths, probe
 from ._warn import warn_once
 from .fp8_layout import RECIPE_1X128, RECIPE_128X128, mm_scales, pad_columns, pad_weight
 
@@ -54,23 +54,22 @@ def _fp8():
 
 # ---------------------------------------------------------------- quantize / dequantize
 def quantize_fp8_tensorwise(x, scale, fp8_dtype):
-    from . import ext
-
-    mod = ext.load(build=False)
-    xc = x.contiguous()
-    if mod is not None and xc.dtype in (torch.float32, torch.bfloat16, torch.float16) and xc.data_ptr() % 16 == 0:
-        q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-        am = torch.zeros(1, dtype=torch.int32, device=x.device)
-        mod.fp8_cast_amax(xc, scale.float().reshape(1).contiguous(), q, am)
-        return q, am.view(torch.float32).reshape(())
-    if mod is None:
-        ok, why = ext.status()
-        warn_once("ext", f"surogate::quantize_fp8_tensorwise uses the Triton kernel; the CUDA extension is {why}")
-    return _tq().quantize_fp8_tensorwise(x, scale, fp8_dtype)
+    # elementwise: any contiguous 2-D view will do, one row keeps empty and 0-dim tensors valid
+    am = torch.zeros(1, dtype=torch.int32, device=x.device)
+    q, _ = fp8_cast.cast_fp8_into(x.contiguous().reshape(1, -1), _scale_row(scale), am, fp8_dtype, False)
+    return q.reshape(x.shape), am.view(torch.float32).reshape(())
 
 
 def quantize_fp8_tensorwise_t(x, scale, fp8_dtype):
-    return _tq().quantize_fp8_tensorwise_t(x, scale, fp8_dtype)
+    if x.dim() < 2:
+        raise ValueError(f"quantize_fp8_tensorwise_t needs a tensor with >= 2 dims, got shape {tuple(x.shape)}")
+    am = torch.zeros(1, dtype=torch.int32, device=x.device)
+    q, qt = fp8_cast.cast_fp8_into(x.reshape(-1, x.shape[-1]).contiguous(), _scale_row(scale), am, fp8_dtype, True)
+    return q.reshape(x.shape), qt, am.view(torch.float32).reshape(())
+
+
+def _scale_row(scale):
+    return scale.float().reshape(1).contiguous()
 
 
 def delayed_scaling_update(history, scale, amax, fp8_dtype, margin, use_max):

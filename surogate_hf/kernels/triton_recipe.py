@@ -31,6 +31,9 @@ def cast_fp8_into(x2d: torch.Tensor, scale_row: torch.Tensor, amax_row_bits: tor
     x2d: contiguous [R, C]; scale_row: a one-element fp32 view (the state row); amax_row_bits: the int32 view of
     the row's running amax. Bit-exact to formats.quantize_fp8_tensorwise.
     """
+    if _INTERPRET and dtype != torch.float8_e4m3fn:
+        # the interpreter's software FP8 encoder (SW_FP8) writes E4M3 bits only
+        raise NotImplementedError("the Triton interpreter path implements the e4m3 cast only")
     r, c = x2d.shape
     q = torch.empty((r, c), dtype=dtype, device=x2d.device)
     fmax, tl_fp8 = FP8_MAX[dtype], _TL_FP8[dtype]

@@ -33,7 +33,6 @@ from ._common import (  # noqa: F401
 from .e2m1 import _e2m1_decode, _e2m1_encode, _e2m1_encode_sr, _hash_uniform, _nibbles, _pack_pairs  # noqa: F401
 from .fp8 import (  # noqa: F401
     _block_scale,
-    _check_fp8_target,
     _delayed_update_kernel,
     _fp8_blocks_dequant_kernel,
     _fp8_blocks_kernel,
@@ -44,8 +43,6 @@ from .fp8 import (  # noqa: F401
     delayed_scaling_update,
     dequantize_fp8_blocks,
     quantize_fp8_blocks,
-    quantize_fp8_tensorwise,
-    quantize_fp8_tensorwise_t,
     quantize_fp8_tiles,
     transpose_2d,
 )

@@ -1,4 +1,5 @@
-"""FP8 kernels (formats.fp8): per-tensor casts (also cast + transpose), the delayed-scaling state update,
+"""FP8 kernels (formats.fp8): per-tensor casts (also cast + transpose; launched by kernels.triton_recipe, which
+kernels.fp8_cast falls back to), the delayed-scaling state update,
 block / tile scaling and block dequantization, and the byte transpose the FP8 GEMMs use for weights."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ...formats.fp8 import FP8_MAX, fp8_dtype
-from ._common import _EXACT, _INTERPRET, _TL_FP8, _abs_bits, _clamp_nan, _to_fp8
+from ._common import _EXACT, _INTERPRET, _abs_bits, _clamp_nan, _to_fp8
 
 
 # ------------------------------------------------------------------ FP8 per tensor
@@ -47,44 +48,6 @@ def _fp8_tensorwise_t_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, R, C, FP
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :],
              _to_fp8(_clamp_nan(xt * s, -FMAX, FMAX), FP8, SW_FP8), mask=mt)
     tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-
-
-def _check_fp8_target(dtype):
-    dtype = fp8_dtype(dtype)
-    if _INTERPRET and dtype != torch.float8_e4m3fn:
-        raise NotImplementedError("the Triton interpreter path implements the e4m3 cast only")
-    return dtype
-
-
-def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = _check_fp8_target(dtype)
-    xc = x.contiguous()
-    q = torch.empty(x.shape, dtype=dtype, device=x.device)
-    am = torch.zeros((), dtype=torch.int32, device=x.device)
-    n = xc.numel()
-    if n:
-        _fp8_tensorwise_kernel[(triton.cdiv(n, 4096),)](
-            xc, scale.float().reshape(()).contiguous(), q, am, n, FP8=_TL_FP8[dtype], FMAX=FP8_MAX[dtype],
-            SW_FP8=_INTERPRET, BLOCK=4096, **_EXACT, num_warps=8,
-        )
-    return q, am.view(torch.float32)
-
-
-def quantize_fp8_tensorwise_t(x: torch.Tensor, scale: torch.Tensor, dtype):
-    dtype = _check_fp8_target(dtype)
-    if x.dim() < 2:
-        raise ValueError(f"quantize_fp8_tensorwise_t needs a tensor with >= 2 dims, got shape {tuple(x.shape)}")
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    r, c = x2.shape
-    q = torch.empty((r, c), dtype=dtype, device=x.device)
-    qt = torch.empty((c, r), dtype=dtype, device=x.device)
-    am = torch.zeros((), dtype=torch.int32, device=x.device)
-    if r and c:
-        _fp8_tensorwise_t_kernel[(triton.cdiv(r, 32) * triton.cdiv(c, 128),)](
-            x2, scale.float().reshape(()).contiguous(), q, qt, am, r, c, FP8=_TL_FP8[dtype], FMAX=FP8_MAX[dtype],
-            SW_FP8=_INTERPRET, BR=32, BC=128, **_EXACT, num_warps=4,
-        )
-    return q.reshape(x.shape), qt, am.view(torch.float32)
 
 
 # ------------------------------------------------------------------ delayed scaling state update

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats.nvfp4 import check_nvfp4_scales
+from ...formats.nvfp4 import GLOBAL_RANGE, check_nvfp4_scales
 from ._common import _EXACT, _FLT_MAX, _GOLDEN, _INTERPRET, _abs_bits, _clamp_nan, _tile_configs, _to_fp8, amax
 from .e2m1 import _e2m1_decode, _e2m1_encode, _e2m1_encode_sr, _hash_uniform, _nibbles, _pack_pairs
 
@@ -139,7 +139,7 @@ def quantize_nvfp4(x: torch.Tensor, block_2d: bool, four_over_six: bool, rule: s
     if r and k:
         args = (x2, amax_t.float().reshape(()).contiguous(), packed, scales, g_dec, r, k, seed_mix)
         opts = dict(BLOCK_2D=block_2d, FOUR_SIX=four_over_six, RULE=_RULES[rule], STOCHASTIC=stochastic,
-                    S_GLOBAL=448.0 * 6.0, SW_FP8=_INTERPRET)  # S_GLOBAL: formats.nvfp4.nvfp4_global_scales
+                    S_GLOBAL=GLOBAL_RANGE, SW_FP8=_INTERPRET)
         if _INTERPRET:
             _nvfp4_quant_kernel[(triton.cdiv(r, 16), triton.cdiv(k // 16, 8))](*args, **opts, ROWS=16, NB=8)
         else:
