@@ -1,8 +1,11 @@
-"""End-to-end training step, Qwen3-1.7B-shaped model (random weights from its config), batch
-4 x 2048, LoRA r=16 on all seven projections; plus full fine-tuning. tokens/s and peak memory.
-Targets: our fp8 QLoRA >= 1.3x PEFT LoRA on a bf16 base with bf16 adapters; our nf4 QLoRA >= 1.5x
-PEFT + bitsandbytes NF4 QLoRA (stock); full fine-tune fp8-hybrid >= 1.3x bf16 and ahead of torchao
-float8 under torch.compile. Every setup runs in this one process; failures are reported."""
+"""End-to-end training step on a model built from a real config (random weights; --shape picks a row of
+shared/notes/shapes.md, each with its own architecture; default the Qwen3-1.7B shape), batch 4 x 2048, LoRA r=16
+on all seven projections; plus full fine-tuning. tokens/s and peak memory; every surogate_hf warning a setup
+raised (a slower path taken) goes into its row.
+Targets: each QLoRA format >= 1.0x PEFT LoRA on a bf16 base with bf16 adapters, eager and compiled (issue 13),
+fp8 QLoRA + fp8-hybrid >= 1.25x (issue 12); our nf4 QLoRA >= 1.5x PEFT + bitsandbytes NF4 QLoRA (stock); full
+fine-tune fp8-hybrid >= 1.15x bf16 and >= 1.10x torchao float8 under torch.compile. Every setup runs in this one
+process; failures are reported."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import argparse
 import json
 import gc
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -22,22 +26,41 @@ PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 
 SHAPES = {
-    # name: (hidden, intermediate, heads, kv heads, head_dim, vocab, default layers); shared/notes/shapes.md
-    "qwen3-1.7b": (2048, 6144, 16, 8, 128, 151936, 28),
-    "smollm2-135m": (576, 1536, 9, 3, 64, 49152, 30),
-    "llama-3.1-8b": (4096, 14336, 32, 8, 128, 128256, 32),
-    "qwen3-14b": (5120, 17408, 40, 8, 128, 151936, 40),
+    # name: (hidden, intermediate, heads, kv heads, head_dim, vocab, layers, architecture); the rows of
+    # shared/notes/shapes.md (up to 8B) with each model's own architecture, plus a 14B for the one-GPU QLoRA rows.
+    # qwen3-1.7b / smollm2-135m / llama-3.1-8b results before 2026-11-24 used the qwen3 architecture for all three.
+    "smollm2-135m": (576, 1536, 9, 3, 64, 49152, 30, "llama"),
+    "smollm2-360m": (960, 2560, 15, 5, 64, 49152, 32, "llama"),
+    "qwen2.5-0.5b": (896, 4864, 14, 2, 64, 151936, 24, "qwen2"),
+    "qwen2.5-1.5b": (1536, 8960, 12, 2, 128, 151936, 28, "qwen2"),
+    "qwen3-0.6b": (1024, 3072, 16, 8, 128, 151936, 28, "qwen3"),
+    "qwen3-1.7b": (2048, 6144, 16, 8, 128, 151936, 28, "qwen3"),
+    "llama-3.2-1b": (2048, 8192, 32, 8, 64, 128256, 16, "llama"),
+    "gemma-3-1b": (1152, 6912, 4, 1, 256, 262144, 26, "gemma3"),
+    "gemma-2-2b": (2304, 9216, 8, 4, 256, 256000, 26, "gemma2"),
+    "qwen2.5-7b": (3584, 18944, 28, 4, 128, 152064, 28, "qwen2"),
+    "llama-3.1-8b": (4096, 14336, 32, 8, 128, 128256, 32, "llama"),
+    "qwen3-14b": (5120, 17408, 40, 8, 128, 151936, 40, "qwen3"),
 }
+UNTIED = ("qwen2.5-7b", "llama-3.1-8b", "qwen3-14b")  # the others tie lm_head to the embedding
 SHAPE = "qwen3-1.7b"
 
 
 def config(layers: int):
-    from transformers import Qwen3Config
+    import transformers
 
-    hidden, inter, heads, kv, head_dim, vocab, _ = SHAPES[SHAPE]
-    return Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=True,
-                       max_position_embeddings=4096)
+    hidden, inter, heads, kv, head_dim, vocab, _, arch = SHAPES[SHAPE]
+    cls = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "gemma3": "Gemma3TextConfig",
+           "gemma2": "Gemma2Config"}[arch]
+    return getattr(transformers, cls)(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=SHAPE not in UNTIED,
+        max_position_embeddings=4096)
+
+
+def _attention() -> str:
+    # Gemma-2's soft-capped attention has no SDPA path in transformers (HF recommends eager for it)
+    return "eager" if SHAPES[SHAPE][7] == "gemma2" else "sdpa"
 
 
 def base_model(layers: int):
@@ -45,7 +68,7 @@ def base_model(layers: int):
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        m = AutoModelForCausalLM.from_config(config(layers), dtype=torch.bfloat16, attn_implementation="sdpa")
+        m = AutoModelForCausalLM.from_config(config(layers), dtype=torch.bfloat16, attn_implementation=_attention())
     m.config.use_cache = False
     return m
 
@@ -171,6 +194,10 @@ SETUPS = {
                           "lora"),
     "ours_nvfp4": ("ours nvfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nvfp4"), "lora"),
     "ours_mxfp4": ("ours mxfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "mxfp4"), "lora"),
+    "ours_nvfp4_compiled": ("ours nvfp4 QLoRA, bf16 adapters, compiled layers",
+                            compiled(lambda L: ours_qlora(L, "nvfp4")), "lora"),
+    "ours_mxfp4_compiled": ("ours mxfp4 QLoRA, bf16 adapters, compiled layers",
+                            compiled(lambda L: ours_qlora(L, "mxfp4")), "lora"),
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_bf16_fused_norms": ("full fine-tune bf16, eager, our FusedRMSNorm only (stock linears)",
                               lambda L: full(L, fused_norms_only=True), "full"),
@@ -191,14 +218,18 @@ SETUPS = {
 # setup -> [(peer, target ratio), ...]: the first pair measured in the run fills the ratio column, every
 # measured pair goes into the note. The issue's peers are eager; compiled peers are listed for honesty.
 TARGETS = {
-    "ours_fp8": [("peft_bf16", 1.3)],
-    "ours_fp8_compiled": [("peft_bf16", 1.3), ("peft_bf16_compiled", 1.3)],
+    "ours_fp8": [("peft_bf16", 1.0)],
+    "ours_fp8_compiled": [("peft_bf16_compiled", 1.0), ("peft_bf16", 1.0)],
     "ours_nf4": [("bnb_nf4", 1.5), ("bnb_nf4_bf16_adapters", 1.5), ("peft_bf16", 1.0)],
     "ours_nf4_fp32_adapters": [("bnb_nf4", 1.5)],
     "ours_nf4_stock_norms": [("peft_bf16", 1.0)],
     "ours_fp8_fp8_hybrid": [("peft_bf16", 1.25)],
     "ours_nf4_fp8_hybrid": [("peft_bf16", 1.0)],
-    "ours_nf4_compiled": [("bnb_nf4", 1.5)],
+    "ours_nf4_compiled": [("peft_bf16_compiled", 1.0), ("bnb_nf4", 1.5)],
+    "ours_nvfp4": [("peft_bf16", 1.0)],
+    "ours_mxfp4": [("peft_bf16", 1.0), ("ours_nvfp4", 1.0)],
+    "ours_nvfp4_compiled": [("peft_bf16_compiled", 1.0)],
+    "ours_mxfp4_compiled": [("peft_bf16_compiled", 1.0), ("ours_nvfp4_compiled", 1.0)],
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_fp8_compiled": [("full_bf16_compiled", 1.15), ("full_torchao_compiled", 1.10), ("full_bf16", 1.15)],
@@ -274,12 +305,19 @@ def main():
         fh.TRACED_CAST = args.traced_cast or fh.TRACED_CAST
     if args.layers is None:
         args.layers = SHAPES[SHAPE][6]
-    errors, tps, measured = {}, {}, {}
+    errors, tps, measured, warned = {}, {}, {}, {}
     keys = args.setups.split(",")
     for key in keys:
         label = SETUPS[key][0]
         t0 = time.perf_counter()
-        res = attempt(label, lambda: run_setup(key, args.layers, args.batch, args.seq, args.warmup, args.steps), errors)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            res = attempt(label, lambda: run_setup(key, args.layers, args.batch, args.seq, args.warmup, args.steps),
+                          errors)
+        ours = sorted({str(w.message).split("\n")[0][:160] for w in seen if "surogate" in str(w.message)})
+        if ours:
+            warned[key] = ours
+            print(f"{label}: WARNED {ours}", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
         if res is None:
@@ -306,9 +344,10 @@ def main():
                 ratio, target = r, want
             verdict = "meets" if r >= want else f"misses by {want - r:.2f}x"
             notes.append(f"{r:.2f}x {SETUPS[peer][0]} (target {want}): {verdict}")
+        notes += [f"WARNED: {w}" for w in warned.get(key, [])]
         rows.append([label, tok, peak, ntrain / 1e6, ratio, target, "; ".join(notes)])
-    hidden, inter, *_, vocab, _ = SHAPES[SHAPE]
-    body = (f"Model: {SHAPE} shape ({args.layers} layers, hidden {hidden}, intermediate {inter}, vocab {vocab}), "
+    hidden, inter, _, _, _, vocab, _, arch = SHAPES[SHAPE]
+    body = (f"Model: {SHAPE} shape ({arch} architecture, {_attention()} attention, {args.layers} layers, hidden {hidden}, intermediate {inter}, vocab {vocab}), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
             + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
             + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "")

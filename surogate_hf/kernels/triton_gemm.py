@@ -6,6 +6,11 @@ x's dtype with fp32 accumulation. The decoded weight element is bit-identical to
 dequantization (surogate_hf.formats, rounded to x's dtype), so the products differ from the
 reference op only by the order of the fp32 accumulation.
 
+Few tokens (M <= 64, the memory-bound regime) split the reduction as well (`_wo_linear_fwd_splitk` /
+`_wo_linear_dgrad_splitk`): one output tile per program leaves most SMs idle on a weight of a few thousand
+rows (a 4096x4096 nvfp4 weight took 92 us, 0.25x bf16 cuBLAS, on the H100), so the reduction is cut into
+chunks, each program writes an fp32 partial, and `_splitk_sum` adds them in a fixed order (deterministic).
+
 Large token counts take another route (`dense_gemm`): the weight is decoded once into a transient
 dense buffer in x's dtype (the exact reference decode, ~2.5 TB/s) and the GEMM runs in cuBLAS; the
 buffer is freed when the call returns. Which route, and whether a kernel applies at all, is decided
@@ -18,10 +23,13 @@ to 0; x / dy load as 0), so a tail never changes a product.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from . import paths
 from . import triton_quant as TQ
 from .triton_quant import _e2m1_decode, _e8m0_to_f32
 
@@ -225,6 +233,94 @@ def _wo_linear_dgrad(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, dx_ptr, M, N, K, M_B
              mask=mmask[:, None] & (rk[None, :] < K))
 
 
+# Split-reduction kernels for few tokens: grid (output tiles, SPLIT); program (t, s) reduces over
+# [s * CHUNK, (s + 1) * CHUNK) and writes its fp32 partial to ws[s]. paths.splitk_plan picks SPLIT and CHUNK.
+# (BN, BK, warps, stages); every BK divides paths.SPLITK_CHUNK_UNIT
+_SPLITK = ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 2), (128, 128, 4, 3), (32, 256, 4, 2), (64, 64, 4, 4))
+
+
+def _splitk_configs():
+    from .triton_quant import AUTOTUNE
+
+    if not AUTOTUNE:
+        return [triton.Config({"BN": 64, "BK": 128}, num_warps=4, num_stages=3)]
+    return [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _SPLITK]
+
+
+@triton.autotune(configs=_splitk_configs(), key=["M_BUCKET", "N", "K", "FMT", "FAST", "SPLIT"])
+@triton.jit(do_not_specialize=["M_BUCKET"])
+def _wo_linear_fwd_splitk(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, ws_ptr, M, N, K, M_BUCKET, SPLIT, CHUNK,
+                          FMT: tl.constexpr, NF4_BS: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """ws[s, M, N] = x[:, chunk s] @ W[:, chunk s]^T for M <= BM (fp32 partials; tails masked)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_lo = pid_s * CHUNK
+    for k0 in tl.range(k_lo, tl.minimum(k_lo + CHUNK, K), BK):
+        rk = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mmask[:, None] & (rk[None, :] < K),
+                     other=0.0)
+        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, k0, N, K, FMT, NF4_BS, BN, BK, x_ptr.dtype.element_ty,
+                          FAST)
+        if IEEE:
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    out = ws_ptr + pid_s.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, acc, mask=mmask[:, None] & (rn[None, :] < N))
+
+
+@triton.autotune(configs=_splitk_configs(), key=["M_BUCKET", "N", "K", "FMT", "FAST", "SPLIT"])
+@triton.jit(do_not_specialize=["M_BUCKET"])
+def _wo_linear_dgrad_splitk(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, ws_ptr, M, N, K, M_BUCKET, SPLIT, CHUNK,
+                            FMT: tl.constexpr, NF4_BS: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """ws[s, M, K] = dy[:, chunk s] @ W[chunk s, :] for M <= BM; BN tiles the output (K), the chunks split N."""
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rk = pid_k * BN + tl.arange(0, BN)
+    mmask = rm < M
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    n_lo = pid_s * CHUNK
+    for n0 in tl.range(n_lo, tl.minimum(n_lo + CHUNK, N), BK):
+        rn = n0 + tl.arange(0, BK)
+        dyt = tl.load(dy_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mmask[:, None] & (rn[None, :] < N),
+                      other=0.0)
+        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, pid_k * BN, N, K, FMT, NF4_BS, BK, BN,
+                          dy_ptr.dtype.element_ty, FAST)
+        if IEEE:
+            acc = tl.dot(dyt, wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dyt, wt, acc)
+    out = ws_ptr + pid_s.to(tl.int64) * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+    tl.store(out, acc, mask=mmask[:, None] & (rk[None, :] < K))
+
+
+@triton.jit
+def _splitk_sum(ws_ptr, g_ptr, out_ptr, NUMEL, SPLIT, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """out = (sum over s of ws[s]) [* global scale], in a fixed order, cast once to out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(ws_ptr + s * NUMEL + offs, mask=mask, other=0.0)
+    if SCALE:
+        acc = acc * tl.load(g_ptr)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's CPU interpreter (tests): an H100's count, so the splits run there too
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @triton.jit
 def _nf4_dequant_kernel(p_ptr, a_ptr, code_ptr, out_ptr, N, K, NF4_BS: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """Dense [N, K] NF4 decode (the GEMM's own tile decode, exact: fp32 level x fp32 absmax, rounded
@@ -269,6 +365,19 @@ def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n
     dummy = packed  # unused pointer slots for formats that do not need them
     g = gscale if gscale is not None else dummy
     c = code if code is not None else dummy
+    split, chunk = paths.splitk_plan(m, red, out_cols, _sm_count(a.device))
+    if split > 1:
+        ws = torch.empty((split, m, out_cols), dtype=torch.float32, device=a.device)
+        kern = _wo_linear_fwd_splitk if fwd else _wo_linear_dgrad_splitk
+        kern[lambda meta: (triton.cdiv(out_cols, meta["BN"]), split)](
+            a2, packed.reshape(n, k // 2), scale, g, c, ws, m, n, k, m_bucket(m), split, chunk, FMT=fmt,
+            NF4_BS=nf4_bs, IEEE=a.dtype == torch.float32, FAST=a.dtype == torch.bfloat16 and fmt != NF4,
+            BM=max(16, m_bucket(m)))
+        numel = m * out_cols
+        _splitk_sum[(triton.cdiv(numel, 1024),)](ws, g, out, numel, split,
+                                                 SCALE=a.dtype == torch.bfloat16 and fmt == NVFP4, BLOCK=1024,
+                                                 num_warps=4)
+        return out if a.dim() == 2 else out.reshape(*a.shape[:-1], out_cols)
     kern = _wo_linear_fwd if fwd else _wo_linear_dgrad
 
     def grid(meta):

@@ -115,3 +115,24 @@ def test_gpt_oss_experts_module_plans_the_fast_path(fmt):
             _, rows, k = q.units(proj)
             assert plan == P.plan_gemm(fmt, m, k, rows, torch.bfloat16, SM90, **q.fmt.path_options())
             assert plan.fast or fmt == "fp8" and not hasattr(torch.nn.functional, "scaled_mm"), (proj, m, plan)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+def test_few_token_split_covers_the_reduction_once(m):
+    """Every shapes.md linear, forward (reduce over K) and dgrad (over N): the chunks tile the reduction
+    exactly once, are whole K tiles, and the fp32 partials stay within a quarter of the weight's codes."""
+    for k, n in S.unique_linears():
+        for red, cols in ((k, n), (n, k)):
+            split, chunk = P.splitk_plan(m, red, cols, 132)
+            assert (split - 1) * chunk < red <= split * chunk, (m, red, cols, split, chunk)
+            if split > 1:
+                assert chunk % P.SPLITK_CHUNK_UNIT == 0
+                assert split * m * cols * 4 <= red * cols / 2 / 4
+
+
+def test_few_token_split_fills_the_gpu_where_the_weight_is_large():
+    # Llama-3.1-8B q (4096 -> 4096) at 16 tokens: 64 column tiles alone would leave half of 132 SMs idle
+    split, _ = P.splitk_plan(16, 4096, 4096, 132)
+    assert split * 64 >= 3 * 132
+    assert P.splitk_plan(65, 4096, 4096, 132) == (1, 4096)  # more tokens: the one-pass kernels
+    assert P.splitk_plan(16, 256, 4096, 132) == (1, 256)  # one chunk of reduction: nothing to split
