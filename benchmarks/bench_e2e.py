@@ -335,7 +335,8 @@ def main():
             continue
         tok, peak, ntrain, _ = measured[key]
         ratio, target, notes = None, None, []
-        for peer, want in SMALL_MODEL_TARGETS.get(key, []) if SHAPE == "smollm2-135m" else TARGETS.get(key, []):
+        pairs = SMALL_MODEL_TARGETS.get(key) if SHAPE == "smollm2-135m" else None
+        for peer, want in pairs or TARGETS.get(key, []):
             if peer not in tps:
                 notes.append(f"peer {peer} not measured in this run")
                 continue
