@@ -120,8 +120,34 @@ def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
     return plan.fwd(x, *plan.args)
 
 
+def _decoded_linear(x: Tensor, fmt: Format, n: int, k: int, keys: tuple[str, ...], *tensors: Tensor) -> Tensor:
+    return torch.nn.functional.linear(x, fmt.dequantize_traced(dict(zip(keys, tensors)), n, k, x.dtype))
+
+
+def decoded_linear(x: Tensor, fmt: Format, t: dict[str, Tensor], n: int, k: int) -> Tensor:
+    """y = x deq(W)^T with the decode in plain torch ops (Format.dequantize_traced), for compiled graphs with
+    many tokens: inductor fuses the decode into one kernel ahead of the extern GEMM, the eager dense route's
+    math without a custom op (and its Python host time) per call. The region is checkpointed so that the
+    partitioner recomputes the decode for the input gradient instead of saving the dense weight (measured:
+    without it, the compiled graph saved the [n, k] weight of every layer for backward)."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return _decoded_linear(x, fmt, n, k, tuple(t), *t.values())
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_decoded_linear, x, fmt, n, k, tuple(t), *t.values(), use_reentrant=False)
+
+
+def traced_decode_applies(x: Tensor, fmt: Format, k: int) -> bool:
+    """Inside torch.compile, with as many tokens as the eager CUDA kernels' dense route takes
+    (paths.DENSE_MIN_TOKENS), for a format whose GEMM is a decode plus a dense GEMM."""
+    return (torch.compiler.is_compiling() and type(fmt).dequantize_traced is not Format.dequantize_traced
+            and x.numel() >= _paths.DENSE_MIN_TOKENS * k)
+
+
 def quantized_linear(x: Tensor, fmt: Format, t: dict[str, Tensor], n: int, k: int) -> Tensor:
     keys = tuple(t)
+    if traced_decode_applies(x, fmt, k):
+        return decoded_linear(x, fmt, t, n, k)
     if torch.is_grad_enabled() and x.requires_grad:
         return QuantLinearFunction.apply(x, fmt, n, k, keys, *t.values())
     return fmt.linear(x, t, n, k)

@@ -121,6 +121,12 @@ class Format:
     def dequantize(self, t: dict[str, Tensor], n: int, k: int, dtype: torch.dtype) -> Tensor:
         raise NotImplementedError
 
+    def dequantize_traced(self, t: dict[str, Tensor], n: int, k: int, dtype: torch.dtype) -> Tensor | None:
+        """The dense weight from the formats/ reference decode in plain torch ops (no custom op), so that a
+        compiled graph fuses it into one kernel; bit-identical to `dequantize`. None: the format has no such
+        route (its GEMM is more than a decode, e.g. fp8's activation quantization)."""
+        return None
+
     def linear(self, x: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
         raise NotImplementedError
 

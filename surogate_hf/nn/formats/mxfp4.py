@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from ... import formats as F
 from ... import ops
 from ...formats.mxfp4 import MXFP4_BLOCK
 from ...kernels import registry as _cuda
@@ -60,6 +61,9 @@ class MXFP4Format(Format):
 
     def dequantize(self, t, n, k, dtype):
         return ops.dequantize_mxfp4(*self._canon(t, n, k), dtype)
+
+    def dequantize_traced(self, t, n, k, dtype):
+        return F.dequantize_mxfp4(*self._canon(t, n, k), dtype)
 
     def linear(self, x, t, n, k):
         return ops.mxfp4_linear(x, *self._canon(t, n, k))

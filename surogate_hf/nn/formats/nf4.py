@@ -126,6 +126,9 @@ class NF4Format(Format):
         # the same decode the linear ops use (bitsandbytes' dequantize_4bit agrees for k % block == 0)
         return F.dequantize_nf4_raw(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, (n, k), dtype)
 
+    def dequantize_traced(self, t, n, k, dtype):
+        return self.dequantize(t, n, k, dtype)  # already the formats/ decode in torch ops
+
     def linear(self, x, t, n, k):
         return ops.nf4_linear(x, t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
 

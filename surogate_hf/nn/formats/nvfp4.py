@@ -72,6 +72,9 @@ class NVFP4Format(Format):
     def dequantize(self, t, n, k, dtype):
         return ops.dequantize_nvfp4(t[""], t["_scale"], t["_scale_2"], dtype)
 
+    def dequantize_traced(self, t, n, k, dtype):
+        return F.dequantize_nvfp4(t[""], t["_scale"], t["_scale_2"], dtype)
+
     def linear(self, x, t, n, k):
         return ops.nvfp4_linear(x, t[""], t["_scale"], t["_scale_2"])
 
