@@ -307,10 +307,16 @@ def test_merge_to_dense_from_prequantized_checkpoint(tiny_dir, batch, tmp_path, 
     assert err <= 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nf4"])
-def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt):
+@pytest.mark.parametrize("fmt,traced", [("fp8", False), ("nf4", False), ("nf4", True), ("nvfp4", True),
+                                        ("mxfp4", True)])
+def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, monkeypatch):
     """What the README recommends for speed: each decoder layer under torch.compile (fullgraph, so a graph break
-    in our LoRA layer or quantized base fails here), same loss and adapter gradients as eager."""
+    in our LoRA layer or quantized base fails here), same loss and adapter gradients as eager. traced: with the
+    token threshold at 0, the 4-bit bases take the in-graph decode (nn.linear.decoded_linear) a real batch takes."""
+    from surogate_hf.kernels import paths
+
+    if traced:
+        monkeypatch.setattr(paths, "DENSE_MIN_TOKENS", 0)
     torch._dynamo.reset()
     eager = get_peft_model(load(tiny_dir, fmt, torch.bfloat16), lora_cfg())
     set_lora_dtype(eager, "fp32")
