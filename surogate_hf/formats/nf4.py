@@ -77,7 +77,9 @@ def dequantize_nf4_raw(
     packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int, shape, out_dtype=torch.bfloat16
 ) -> torch.Tensor:
     """NF4 decode without a QuantState: bitsandbytes packs the even element in the HIGH nibble."""
-    p = packed.reshape(-1)
-    idx = torch.stack((p >> 4, p & 0xF), dim=-1).reshape(-1).long()
+    # broadcast shifts, not a stack of the two nibbles: one pointwise expression, which a compiled graph fuses
+    # into a single decode kernel (a stack made it two, with the codes written out in between)
+    shifts = torch.tensor([4, 0], dtype=torch.uint8, device=packed.device)
+    idx = ((packed.reshape(-1, 1) >> shifts) & 0xF).reshape(-1).long()
     vals = code.float()[idx].reshape(-1, block_size) * absmax.float().reshape(-1, 1)
     return vals.reshape(shape).to(out_dtype)
