@@ -6,10 +6,10 @@ x's dtype with fp32 accumulation. The decoded weight element is bit-identical to
 dequantization (surogate_hf.formats, rounded to x's dtype), so the products differ from the
 reference op only by the order of the fp32 accumulation.
 
-Few tokens (M <= 64, the memory-bound regime) split the reduction as well (`_wo_linear_fwd_splitk` /
-`_wo_linear_dgrad_splitk`): one output tile per program leaves most SMs idle on a weight of a few thousand
-rows (a 4096x4096 nvfp4 weight took 92 us, 0.25x bf16 cuBLAS, on the H100), so the reduction is cut into
-chunks, each program writes an fp32 partial, and `_splitk_sum` adds them in a fixed order (deterministic).
+Few tokens (M <= 64, the memory-bound regime) split the reduction as well (`_wo_linear_splitk`): one
+output tile per program leaves most SMs idle on a weight of a few thousand rows (a 4096x4096 nvfp4 weight
+took 92 us, 0.25x bf16 cuBLAS, on the H100), so the reduction is cut into chunks, each program writes an
+fp32 partial, and `_splitk_sum` adds them in a fixed order (deterministic).
 
 Large token counts take another route (`dense_gemm`): the weight is decoded once into a transient
 dense buffer in x's dtype (the exact reference decode, ~2.5 TB/s) and the GEMM runs in cuBLAS; the
@@ -247,58 +247,40 @@ def _splitk_configs():
     return [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _SPLITK]
 
 
-@triton.autotune(configs=_splitk_configs(), key=["M_BUCKET", "N", "K", "FMT", "FAST", "SPLIT"])
+@triton.autotune(configs=_splitk_configs(), key=["M_BUCKET", "N", "K", "FMT", "FAST", "SPLIT", "FWD"])
 @triton.jit(do_not_specialize=["M_BUCKET"])
-def _wo_linear_fwd_splitk(x_ptr, p_ptr, s_ptr, g_ptr, code_ptr, ws_ptr, M, N, K, M_BUCKET, SPLIT, CHUNK,
-                          FMT: tl.constexpr, NF4_BS: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """ws[s, M, N] = x[:, chunk s] @ W[:, chunk s]^T for M <= BM (fp32 partials; tails masked)."""
-    pid_n = tl.program_id(0)
+def _wo_linear_splitk(a_ptr, p_ptr, s_ptr, g_ptr, code_ptr, ws_ptr, M, N, K, M_BUCKET, SPLIT, CHUNK,
+                      FWD: tl.constexpr, FMT: tl.constexpr, NF4_BS: tl.constexpr, IEEE: tl.constexpr,
+                      FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """fp32 partial s of a few-token GEMM (M <= BM), over chunk s of the reduction, into ws[s]:
+    FWD: ws[s, M, N] = x[:, chunk] @ W[:, chunk]^T (x = a [M, K]); else ws[s, M, K] = dy[:, chunk] @ W[chunk, :]
+    (dy = a [M, N]). BN tiles the output columns, BK the reduction; tails masked."""
+    pid_o = tl.program_id(0)
     pid_s = tl.program_id(1)
+    RED = K if FWD else N
+    OUT = N if FWD else K
     rm = tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    ro = pid_o * BN + tl.arange(0, BN)
     mmask = rm < M
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_lo = pid_s * CHUNK
-    for k0 in tl.range(k_lo, tl.minimum(k_lo + CHUNK, K), BK):
-        rk = k0 + tl.arange(0, BK)
-        xt = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mmask[:, None] & (rk[None, :] < K),
+    r_lo = pid_s * CHUNK
+    for r0 in tl.range(r_lo, tl.minimum(r_lo + CHUNK, RED), BK):
+        rr = r0 + tl.arange(0, BK)
+        at = tl.load(a_ptr + rm[:, None].to(tl.int64) * RED + rr[None, :], mask=mmask[:, None] & (rr[None, :] < RED),
                      other=0.0)
-        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, k0, N, K, FMT, NF4_BS, BN, BK, x_ptr.dtype.element_ty,
-                          FAST)
+        if FWD:  # W rows = output columns, W columns = this reduction chunk
+            wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, ro, r0, N, K, FMT, NF4_BS, BN, BK,
+                              a_ptr.dtype.element_ty, FAST)
+            wt = tl.trans(wt)
+        else:  # W rows = this reduction chunk, W columns = output columns
+            wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rr, pid_o * BN, N, K, FMT, NF4_BS, BK, BN,
+                              a_ptr.dtype.element_ty, FAST)
         if IEEE:
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+            acc = tl.dot(at, wt, acc, input_precision="ieee")
         else:
-            acc = tl.dot(xt, tl.trans(wt), acc)
-    out = ws_ptr + pid_s.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, acc, mask=mmask[:, None] & (rn[None, :] < N))
-
-
-@triton.autotune(configs=_splitk_configs(), key=["M_BUCKET", "N", "K", "FMT", "FAST", "SPLIT"])
-@triton.jit(do_not_specialize=["M_BUCKET"])
-def _wo_linear_dgrad_splitk(dy_ptr, p_ptr, s_ptr, g_ptr, code_ptr, ws_ptr, M, N, K, M_BUCKET, SPLIT, CHUNK,
-                            FMT: tl.constexpr, NF4_BS: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """ws[s, M, K] = dy[:, chunk s] @ W[chunk s, :] for M <= BM; BN tiles the output (K), the chunks split N."""
-    pid_k = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rk = pid_k * BN + tl.arange(0, BN)
-    mmask = rm < M
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    n_lo = pid_s * CHUNK
-    for n0 in tl.range(n_lo, tl.minimum(n_lo + CHUNK, N), BK):
-        rn = n0 + tl.arange(0, BK)
-        dyt = tl.load(dy_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mmask[:, None] & (rn[None, :] < N),
-                      other=0.0)
-        wt = _decode_tile(p_ptr, s_ptr, g_ptr, code_ptr, rn, pid_k * BN, N, K, FMT, NF4_BS, BK, BN,
-                          dy_ptr.dtype.element_ty, FAST)
-        if IEEE:
-            acc = tl.dot(dyt, wt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(dyt, wt, acc)
-    out = ws_ptr + pid_s.to(tl.int64) * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
-    tl.store(out, acc, mask=mmask[:, None] & (rk[None, :] < K))
+            acc = tl.dot(at, wt, acc)
+    out = ws_ptr + pid_s.to(tl.int64) * M * OUT + rm[:, None].to(tl.int64) * OUT + ro[None, :]
+    tl.store(out, acc, mask=mmask[:, None] & (ro[None, :] < OUT))
 
 
 @triton.jit
@@ -368,9 +350,8 @@ def _launch(fwd: bool, fmt: int, a: torch.Tensor, packed, scale, gscale, code, n
     split, chunk = paths.splitk_plan(m, red, out_cols, _sm_count(a.device))
     if split > 1:
         ws = torch.empty((split, m, out_cols), dtype=torch.float32, device=a.device)
-        kern = _wo_linear_fwd_splitk if fwd else _wo_linear_dgrad_splitk
-        kern[lambda meta: (triton.cdiv(out_cols, meta["BN"]), split)](
-            a2, packed.reshape(n, k // 2), scale, g, c, ws, m, n, k, m_bucket(m), split, chunk, FMT=fmt,
+        _wo_linear_splitk[lambda meta: (triton.cdiv(out_cols, meta["BN"]), split)](
+            a2, packed.reshape(n, k // 2), scale, g, c, ws, m, n, k, m_bucket(m), split, chunk, FWD=fwd, FMT=fmt,
             NF4_BS=nf4_bs, IEEE=a.dtype == torch.float32, FAST=a.dtype == torch.bfloat16 and fmt != NF4,
             BM=max(16, m_bucket(m)))
         numel = m * out_cols

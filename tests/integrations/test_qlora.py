@@ -307,18 +307,22 @@ def test_merge_to_dense_from_prequantized_checkpoint(tiny_dir, batch, tmp_path, 
     assert err <= 1e-5
 
 
-@pytest.mark.parametrize("fmt,traced", [("fp8", False), ("nf4", False), ("nf4", True), ("nvfp4", True),
-                                        ("mxfp4", True)])
-def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, monkeypatch):
+@pytest.mark.parametrize("fmt,traced,ckpt", [("fp8", False, False), ("nf4", False, False), ("nf4", True, False),
+                                             ("nvfp4", True, False), ("mxfp4", True, False), ("nvfp4", True, True)])
+def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, ckpt, monkeypatch):
     """What the README recommends for speed: each decoder layer under torch.compile (fullgraph, so a graph break
     in our LoRA layer or quantized base fails here), same loss and adapter gradients as eager. traced: with the
-    token threshold at 0, the 4-bit bases take the in-graph decode (nn.linear.decoded_linear) a real batch takes."""
+    token threshold at 0, the 4-bit bases take the in-graph decode (nn.linear.decoded_linear) a real batch takes;
+    ckpt: under non-reentrant activation checkpointing as well (a checkpoint region inside a checkpointed layer)."""
     from surogate_hf.kernels import paths
 
     if traced:
         monkeypatch.setattr(paths, "DENSE_MIN_TOKENS", 0)
     torch._dynamo.reset()
     eager = get_peft_model(load(tiny_dir, fmt, torch.bfloat16), lora_cfg())
+    if ckpt:
+        eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        eager.train()
     set_lora_dtype(eager, "fp32")
     with torch.no_grad():
         for n, p in eager.named_parameters():
