@@ -181,7 +181,7 @@ def build(setup: str, ckpt: Path, args, device: str):
             if extra == "loftq":
                 surogate_hf.loftq_init(model, ckpt, iters=args.loftq_iters)
             elif extra == "aa":
-                surogate_hf.loftq_init(model, ckpt, iters=1, calibration=args.calibration)
+                surogate_hf.loftq_init(model, ckpt, iters=1, calibration=args.calibration, damp=args.aa_damp)
             else:
                 surogate_hf.apply_recipe(model, extra)
         lr = args.lr_lora
@@ -340,6 +340,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr-full", type=float, default=2e-5)
     ap.add_argument("--loftq-iters", type=int, default=3)
     ap.add_argument("--aa-windows", type=int, default=8, help="calibration windows of the +aa setups (train split)")
+    ap.add_argument("--aa-damp", type=float, default=0.01,
+                    help="damping of the +aa setups' input second moment (share of its mean diagonal)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "convergence", help="stem of the .json and .png")
