@@ -175,6 +175,10 @@ SCHEMA: dict[str, Opt] = {
     "qlora_bnb_block_size": Opt(64, _int(1)),
     "qlora_bnb_double_quant": Opt(True, _bool),
     "qlora_four_over_six": Opt(True, _bool),
+    # surogate-hf additions: the adapters' initialisation on a QLoRA base (surogate_hf.loftq_init)
+    "qlora_init": Opt("zero", _choice("zero", "loftq", "activation_aware")),
+    "qlora_init_iters": Opt(1, _int(1)),
+    "qlora_init_windows": Opt(8, _int(1)),
     # precision recipe (surogate_hf.recipes)
     "recipe": Opt("bf16", _str),
     "matmul_dtype": Opt(None, _opt_str),
@@ -346,6 +350,15 @@ def check_combinations(cfg: dict) -> None:
     for key, owner in QLORA_FORMAT_KEYS.items():
         if cfg[key] != SCHEMA[key].default and fmt != QLORA_FLAGS[owner]:
             errs.append(f"{key}: {cfg[key]!r} only applies with {owner}: true and would be ignored; drop it")
+    if cfg["qlora_init"] != "zero" and not on:
+        errs.append(f"qlora_init: {cfg['qlora_init']} compensates the quantization error of a QLoRA base; it needs "
+                    f"one of {sorted(QLORA_FLAGS)}")
+    if cfg["qlora_init_iters"] > 5:
+        errs.append(f"qlora_init_iters: {cfg['qlora_init_iters']} is above 5 (loftq_init alternates 1 to 5 times)")
+    for key, needs in (("qlora_init_iters", ("loftq", "activation_aware")), ("qlora_init_windows", ("activation_aware",))):
+        if cfg[key] != SCHEMA[key].default and cfg["qlora_init"] not in needs:
+            errs.append(f"{key}: {cfg[key]!r} only applies with qlora_init: {' or '.join(needs)} and would be "
+                        "ignored; drop it")
     if cfg["qlora_bnb"] and cfg["qlora_bnb_block_size"] not in (64, 128):
         errs.append(f"qlora_bnb_block_size: {cfg['qlora_bnb_block_size']} is not supported; use 64 or 128")
     if cfg["datasets"] is None:

@@ -86,6 +86,11 @@ def test_prequantized_model_with_a_qlora_flag_stops_before_loading(tmp_path, cap
         ("model: builtin:tiny-llama\ndatasets: [{type: text, path: a.jsonl}]\n", "only trains on type: synthetic"),
         ("model: builtin:tiny-llama\ndatasets: [{type: synthetic, task: unscramble}]\n", "task must be one of"),
         ("datasets: [{type: synthetic}]\n", "model is required"),
+        (BASE + "qlora_init: activation_aware\n", "qlora_init: activation_aware compensates the quantization error"),
+        (BASE + "qlora_bnb: true\nqlora_init: loftq\nqlora_init_windows: 4\n",
+         "qlora_init_windows: 4 only applies with qlora_init: activation_aware"),
+        (BASE + "qlora_bnb: true\nqlora_init: loftq\nqlora_init_iters: 7\n", "qlora_init_iters: 7 is above 5"),
+        (BASE + "qlora_init_iters: 2\n", "qlora_init_iters: 2 only applies with qlora_init: loftq or activation_aware"),
     ],
 )
 def test_bad_values_and_combinations(tmp_path, capsys, text, needle):
@@ -173,3 +178,29 @@ def test_recipe_skip_layers_unset_zero_and_set():
     assert zero.resolved_skip_layers(18) == (1, 0)
     qc = surogate_config(check_config({**base}))
     assert qc is None or (qc.skip_quant_first_layers, qc.skip_quant_last_layers) == (0, 0)
+
+
+def test_activation_aware_qlora_init_runs(tmp_path, monkeypatch):
+    """qlora_init: activation_aware fits the adapters on the first training sequences before training (nf4 base):
+    every layer's output error on those sequences ends below the plain base's."""
+    from surogate_hf.integrations import loftq
+
+    seen = []
+    real = loftq.loftq_init
+
+    def spy(model, weights, **kw):
+        seen.append((kw, real(model, weights, **kw)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(loftq, "loftq_init", spy)
+    out = tmp_path / "run"
+    data = "[{type: synthetic, task: reverse, alphabet: 16, min_len: 4, max_len: 8, samples: 200, eval_samples: 16}]"
+    rc = main(["sft", "--set", f"output_dir={out}", "--set", "max_steps=3", "--set", f"datasets={data}",
+               "--set", "qlora_fp8=false", "--set", "qlora_bnb=true", "--set", "optimizer=adamw",
+               "--set", "qlora_init=activation_aware", "--set", "qlora_init_windows=4"])
+    assert rc == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["qlora_format"] == "nf4" and m["qlora_init"] == "activation_aware" and m["steps"] == 3
+    (kw, errors), = seen
+    assert kw["iters"] == 1 and len(kw["calibration"]) == 4
+    assert errors and all(e["loftq"] < e["plain"] for e in errors.values())
