@@ -4,6 +4,9 @@
 #   bash benchmarks/device_run.sh tests     [OUTDIR]   # build the extension, GPU tests of what changed last (~6 min)
 #   bash benchmarks/device_run.sh bench     [OUTDIR]   # eager end-to-end benchmarks of the open targets (~6 min)
 #   bash benchmarks/device_run.sh compiled  [OUTDIR]   # compiled layers: CUDA graphs, the casts as one op (~9 min)
+#   bash benchmarks/device_run.sh rows      [OUTDIR]   # QLoRA on the shapes.md rows below 2B, eager (~5 min)
+# The QLoRA rows of small models are host-bound: run them with nothing else on the machine (not beside a job on
+# the other GPU; measured: a busy host read SmolLM2-360M nf4 at 0.52x instead of 0.76x), with the extension built.
 # OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
 # Set BENCH_COMMIT=<git hash> first (the machine gets the tree without .git): the tables print it.
 # The convergence benchmark needs its assets (benchmarks/convergence.py --prepare) carried separately; run it with
@@ -51,5 +54,14 @@ case "$what" in
         --setups full_bf16_compiled,full_fp8_compiled,full_torchao_compiled
     cp results/*.md "$out/results/" 2>/dev/null
     ;;
-  *) echo "usage: device_run.sh tests|bench|compiled [OUTDIR]"; exit 2 ;;
+  rows)
+    step build 150 python3 -m surogate_hf.kernels.build
+    cd benchmarks
+    for r in smollm2-135m smollm2-360m qwen2.5-0.5b qwen3-0.6b gemma-3-1b llama-3.2-1b qwen2.5-1.5b; do
+      step "row_$r" 110 python3 bench_e2e.py --shape "$r" --steps 5 --name "e2e_row_$r" \
+          --setups peft_bf16,ours_fp8,ours_nf4,ours_nvfp4,ours_mxfp4
+    done
+    cp results/e2e_row_*.md "$out/results/" 2>/dev/null
+    ;;
+  *) echo "usage: device_run.sh tests|bench|compiled|rows [OUTDIR]"; exit 2 ;;
 esac
