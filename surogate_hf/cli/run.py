@@ -140,6 +140,10 @@ def init_qlora_adapters(model, cfg: dict, base_path: str, train_set, device) -> 
 
     from ..integrations.loftq import loftq_init
 
+    if not os.path.exists(base_path):  # a Hub id: the snapshot transformers loaded it from (the local cache)
+        from huggingface_hub import snapshot_download
+
+        base_path = snapshot_download(base_path, allow_patterns=["*.json", "*.safetensors"])
     calibration = None
     if cfg["qlora_init"] == "activation_aware":
         n = min(cfg["qlora_init_windows"], len(train_set))
