@@ -48,6 +48,9 @@ def _resolve():
 
     def native(x2d, scale_row, amax_bits, dtype, transpose):
         if x2d.dtype not in _FLOATS or x2d.data_ptr() % 16:  # the kernels load 16 bytes at a time
+            warn_once("fp8_cast_layout", "surogate_hf: an FP8 cast took the Triton kernel (more host time per call): "
+                      f"the CUDA kernel needs a {'/'.join(str(d).replace('torch.', '') for d in _FLOATS)} input "
+                      f"at a 16-byte aligned address, got {x2d.dtype} at offset {x2d.data_ptr() % 16}")
             return _triton(x2d, scale_row, amax_bits, dtype, transpose)
         q = torch.empty(x2d.shape, dtype=dtype, device=x2d.device)
         if not transpose:

@@ -393,7 +393,6 @@ def _apply_lora_dtype(model, cfg):
     set_lora_dtype(model, TORCH_DTYPES[cfg.lora_dtype])
 
 
-
 def small_fp8_linears_advice(shapes: list[tuple[int, int]], min_width: int = 512) -> str | None:
     """The warning for a real model (some linear at least min_width wide) whose FP8 linears are mostly too small
     for FP8 GEMMs to pay (FP8_SMALL_LINEAR), else None. shapes: (in_features, out_features) of the FP8 linears."""

@@ -1,12 +1,12 @@
 """kernels.fp8_cast picks the eager recipe's cast kernel once per process: the csrc extension when it is loaded,
 else Triton with one warning that says how to build the extension; inputs the csrc kernels cannot load (a
-misaligned view, a dtype they do not take) go to Triton, which writes the same bits. The CUDA launches themselves
+misaligned view, a dtype they do not take) go to Triton, which writes the same bits, with one warning per reason. The CUDA launches themselves
 are checked on the GPU (tests/kernels/test_gpu_kernels.py); here the choice, with both kernels stubbed."""
 
 import pytest
 import torch
 
-from surogate_hf.kernels import ext, fp8_cast
+from surogate_hf.kernels import _warn, ext, fp8_cast
 
 
 @pytest.fixture
@@ -43,6 +43,9 @@ def test_with_the_extension_its_ops_run_and_unloadable_inputs_take_triton(fresh,
     assert qt is None
     assert seen == [("cast_t", (6, 32), (32, 6)), ("cast", (6, 32), torch.float8_e4m3fn)]
     misaligned = torch.zeros(6 * 32 + 1, dtype=torch.bfloat16)[1:].view(6, 32)  # 2 bytes past a 16-byte boundary
-    assert fp8_cast.cast_fp8_into(misaligned, scale, bits, torch.float8_e4m3fn, True) == "tri"
-    assert fp8_cast.cast_fp8_into(x.double(), scale, bits, torch.float8_e4m3fn, True) == "tri"
+    monkeypatch.setattr(_warn, "_seen", set())
+    with pytest.warns(RuntimeWarning, match="16-byte aligned address, got torch.bfloat16 at offset 2"):
+        assert fp8_cast.cast_fp8_into(misaligned, scale, bits, torch.float8_e4m3fn, True) == "tri"
+    with pytest.warns(RuntimeWarning, match="got torch.float64"):
+        assert fp8_cast.cast_fp8_into(x.double(), scale, bits, torch.float8_e4m3fn, True) == "tri"
     assert [c[0] for c in fresh] == ["triton", "triton"]
