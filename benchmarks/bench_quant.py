@@ -10,7 +10,8 @@ import torch
 from common import attempt, bench_ms, table, write_result
 
 import surogate_hf.kernels  # noqa: F401  (registers the CUDA kernels)
-from surogate_hf.kernels import ext, triton_recipe as TR
+from surogate_hf import formats as F
+from surogate_hf.kernels import ext, nvfp4_qdq as QDQ, triton_recipe as TR
 
 ops = torch.ops.surogate
 TARGET = 2.4
@@ -19,6 +20,7 @@ TARGET = 2.4
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="8192x4096,8192x14336")
+    ap.add_argument("--name", default="quant_kernels", help="results/<name>.md")
     args = ap.parse_args()
     mod = ext.load(build=True)
     rows, errors = [], {}
@@ -73,6 +75,26 @@ def main():
             ("dequant nvfp4 -> bf16: ours", lambda: ops.dequantize_nvfp4(*nv_q, torch.bfloat16), 2 * n + n // 2 + n // 16),
             ("dequant mxfp4 -> bf16: ours", lambda: ops.dequantize_mxfp4(*mx_q, torch.bfloat16), 2 * n + n // 2 + n // 32),
         ]
+        # the nvfp4 recipe's operand passes: amax, then quantize + write e2m1 * s_blk as bf16 (rows: x, dy for the
+        # forward / dgrad; tokens: the wgrad's dy and x, blocks along axis 0 with the transform and stochastic rounding)
+        rht_signs = F.random_signs(0).cuda()
+        if mod is not None:
+            cases += [
+                ("nvfp4 operand amax, rows: ours CUDA (csrc)", lambda: mod.nvfp4_amax(x, None, 1), 2 * n),
+                ("nvfp4 operand amax, tokens + RHT: ours CUDA (csrc)", lambda: mod.nvfp4_amax(x, rht_signs, 0), 2 * n),
+                ("nvfp4 qdq rows 4/6: ours CUDA (csrc)", lambda: mod.nvfp4_qdq(x, amax_t, None, 1, True, 0, False, 0),
+                 4 * n),
+                ("nvfp4 qdq rows 4/6 + SR: ours CUDA (csrc)",
+                 lambda: mod.nvfp4_qdq(x, amax_t, None, 1, True, 0, True, 7), 4 * n),
+                ("nvfp4 qdq tokens 4/6 + SR + RHT: ours CUDA (csrc)",
+                 lambda: mod.nvfp4_qdq(x, amax_t, rht_signs, 0, True, 0, True, 7), 4 * n),
+            ]
+        cases += [
+            ("nvfp4 qdq rows 4/6 + SR: Triton composed (no extension)",
+             lambda: QDQ._triton_qdq(x, amax_t, None, 1, True, "mse", True, 7), 4 * n),
+            ("nvfp4 qdq tokens 4/6 + SR + RHT: Triton composed (no extension)",
+             lambda: QDQ._triton_qdq(x, amax_t, rht_signs, 0, True, "mse", True, 7), 4 * n),
+        ]
         try:
             from torchao.prototype.mx_formats.mx_tensor import to_mx
             from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
@@ -104,7 +126,7 @@ def main():
     body = table(["kernel", "shape (bf16 in)", "ms", "TB/s", "x copy", "target TB/s", "note"], rows)
     if errors:
         body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())
-    write_result("quant_kernels", "Quantize / dequantize kernels, effective bandwidth", body)
+    write_result(args.name, "Quantize / dequantize kernels, effective bandwidth", body)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ void launch_cast_transpose_amax(const void* x, int dtype, const float* scale, vo
 void launch_quantize_tiles(const void* x, int dtype, void* q, float* s_colmajor, int64_t m, int64_t mp, int64_t k,
                            cudaStream_t stream);
 void launch_transpose_bytes(const void* in, void* out, int64_t rows, int64_t cols, cudaStream_t stream);
+void launch_nvfp4_amax(const void* x, int dtype, const float* signs, unsigned* amax, int64_t R, int64_t C, int axis,
+                       cudaStream_t stream);
+void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsigned* amax, void* out, float* g_dec_out,
+                      int64_t R, int64_t C, int axis, bool four_over_six, int rule, bool stochastic, int64_t seed,
+                      cudaStream_t stream);
 }
 
 static int dtype_code(const torch::Tensor& x, const char* who) {
@@ -128,6 +133,55 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
   return y.size(0) == m ? y : y.narrow(0, 0, m);
 }
 
+static void check_nvfp4_operand(const torch::Tensor& x, const c10::optional<torch::Tensor>& signs, int64_t axis,
+                                const char* who) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, who, ": x must be a contiguous 2-D CUDA tensor");
+  TORCH_CHECK(axis == 0 || axis == 1, who, ": axis must be 0 or 1, got ", axis);
+  TORCH_CHECK(axis == 0 ? x.size(1) % 2 == 0 : x.size(1) % 16 == 0, who, ": the last dim (", x.size(1),
+              ") must be a multiple of ", axis == 0 ? 2 : 16);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, who, ": x must be 16-byte aligned");
+  if (signs.has_value())
+    TORCH_CHECK(signs->is_cuda() && signs->scalar_type() == at::kFloat && signs->numel() == 16 && signs->is_contiguous(),
+                who, ": signs must be 16 contiguous fp32 values on the GPU");
+}
+
+// fp32 amax (0-dim) of the NVFP4 operand quantize_nvfp4 would see: x's blocks along `axis`, transformed by the RHT
+// with `signs` when given (axis 0: columns zero-padded to whole blocks).
+torch::Tensor nvfp4_amax(const torch::Tensor& x, const c10::optional<torch::Tensor>& signs, int64_t axis) {
+  check_nvfp4_operand(x, signs, axis, "nvfp4_amax");
+  const int dtype = dtype_code(x, "nvfp4_amax");
+  const at::cuda::CUDAGuard guard(x.device());
+  auto bits = torch::zeros({}, x.options().dtype(at::kInt));
+  surogate::launch_nvfp4_amax(x.data_ptr(), dtype, signs.has_value() ? signs->data_ptr<float>() : nullptr,
+                              reinterpret_cast<unsigned*>(bits.data_ptr<int>()), x.size(0), x.size(1), (int)axis,
+                              at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return bits.view(at::kFloat);
+}
+
+// (values bf16 [R, C] (axis 1) or [ceil16(R), C] (axis 0), g_dec fp32 0-dim): NVFP4 quantization of x's blocks along
+// `axis` (global scale from amax) written back as e2m1 * s_blk, the GEMM operand without its global.
+std::tuple<torch::Tensor, torch::Tensor> nvfp4_qdq(const torch::Tensor& x, const torch::Tensor& amax,
+                                                   const c10::optional<torch::Tensor>& signs, int64_t axis,
+                                                   bool four_over_six, int64_t rule, bool stochastic, int64_t seed) {
+  check_nvfp4_operand(x, signs, axis, "nvfp4_qdq");
+  TORCH_CHECK(amax.is_cuda() && amax.scalar_type() == at::kFloat && amax.numel() == 1,
+              "nvfp4_qdq: amax must be one fp32 value on the GPU");
+  TORCH_CHECK(rule >= 0 && rule <= 2, "nvfp4_qdq: rule must be 0 (mse), 1 (mae) or 2 (abs_max)");
+  const int dtype = dtype_code(x, "nvfp4_qdq");
+  const at::cuda::CUDAGuard guard(x.device());
+  const int64_t r = x.size(0), c = x.size(1), rp = axis == 1 ? r : (r + 15) / 16 * 16;
+  auto out = torch::empty({rp, c}, x.options().dtype(at::kBFloat16));
+  auto g_dec = torch::empty({}, x.options().dtype(at::kFloat));
+  const torch::Tensor a = amax.contiguous();
+  surogate::launch_nvfp4_qdq(x.data_ptr(), dtype, signs.has_value() ? signs->data_ptr<float>() : nullptr,
+                             reinterpret_cast<const unsigned*>(a.data_ptr<float>()), out.data_ptr(),
+                             g_dec.data_ptr<float>(), r, c, (int)axis, four_over_six, (int)rule, stochastic, seed,
+                             at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, g_dec};
+}
+
 // CUDA kernels of the surogate::ext_* ops. Their schemas, fake kernels and reference (CPU) kernels are declared in
 // Python (surogate_hf/ops/ext.py), which the package imports before this library can be loaded; torch.compile
 // graphs call them with no Python in between. On the H100 machine a TORCH_CHECK that threw in here ended the
@@ -139,4 +193,6 @@ TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_fp8_quantize_tiles", &fp8_quantize_tiles);
   m.impl("ext_transpose_bytes", &transpose_bytes);
   m.impl("ext_fp8_block_gemm", &fp8_block_gemm);
+  m.impl("ext_nvfp4_amax", &nvfp4_amax);
+  m.impl("ext_nvfp4_qdq", &nvfp4_qdq);
 }

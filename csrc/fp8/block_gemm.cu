@@ -11,15 +11,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../common/device.cuh"
+
 namespace surogate {
 namespace {
-
-template <typename T> __device__ __forceinline__ float f32(T v);
-template <> __device__ __forceinline__ float f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float f32<__half>(__half v) { return __half2float(v); }
-
-__device__ __forceinline__ float clamp_keep_nan(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
 
 __device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
   const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
@@ -49,7 +44,7 @@ __global__ void __launch_bounds__(WARPS * 32) quantize_tiles_kernel(const T* __r
       const uint4 raw = *reinterpret_cast<const uint4*>(x + off + h * PER16);
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int j = 0; j < PER16; ++j) v[h * PER16 + j] = f32<T>(e[j]);
+      for (int j = 0; j < PER16; ++j) v[h * PER16 + j] = to_f32<T>(e[j]);
     }
   }
   // |x| bits order like the floats, NaN above inf: an unsigned max is the tile's amax with NaN propagating

@@ -9,19 +9,9 @@
 
 #include <type_traits>
 
+#include "../common/device.cuh"
+
 namespace surogate {
-
-template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-
-__device__ __forceinline__ float clamp_keep_nan(float v, float m) {
-  // comparisons with NaN are false, so NaN passes through (fminf/fmaxf would drop it)
-  return v > m ? m : (v < -m ? -m : v);
-}
-
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
 template <bool E4M3>
 __device__ __forceinline__ uint16_t cvt2(float a, float b) {
@@ -31,20 +21,6 @@ __device__ __forceinline__ uint16_t cvt2(float a, float b) {
 template <bool E4M3>
 __device__ __forceinline__ uint8_t cvt1(float a) {
   return __nv_cvt_float_to_fp8(a, __NV_SATFINITE, E4M3 ? __NV_E4M3 : __NV_E5M2);
-}
-
-// Folds the block's max of each thread's `local` (|x| as float bits) into *amax with one atomic; blocks of at most
-// 256 threads, every thread calling. NaN's bits (> 0x7f800000) order above inf, so an unsigned max propagates NaN.
-__device__ __forceinline__ void block_amax_into(unsigned local, unsigned* amax) {
-  __shared__ unsigned warp_max[8];
-  local = __reduce_max_sync(0xffffffffu, local);
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = local;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    unsigned v = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0u;
-    v = __reduce_max_sync(0xffffffffu, v);
-    if (threadIdx.x == 0) atomicMax(amax, v);
-  }
 }
 
 // VEC elements (16 bytes of input) per thread per step; grid-stride; tail done element-wise.
@@ -163,12 +139,9 @@ __global__ void __launch_bounds__(256) cast_transpose_amax_kernel(const T* __res
 // as a std::integral_constant<bool, e4m3>: one switch for every launcher.
 template <typename F>
 void dispatch_cast(int dtype, bool e4m3, F&& f) {
-  auto by_format = [&](auto tag) {
+  dispatch_float(dtype, [&](auto tag) {
     if (e4m3) f(tag, std::true_type{}); else f(tag, std::false_type{});
-  };
-  if (dtype == 0) by_format(float{});
-  else if (dtype == 1) by_format(__nv_bfloat16{});
-  else by_format(__half{});
+  });
 }
 
 void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, bool e4m3, unsigned* amax, int64_t n,

@@ -31,6 +31,8 @@ from .nvfp4 import (
     dequantize_nvfp4,
     fake_quantize_nvfp4,
     nvfp4_global_scales,
+    nvfp4_operand,
+    qdq_nvfp4,
     quantize_nvfp4,
 )
 from .rng import uniform_from_counter, uniform_like

@@ -35,6 +35,7 @@ import torch
 
 from .e2m1 import E2M1_MAX, decode_packed_e2m1, e2m1_decode, e2m1_encode, e2m1_encode_stochastic, pack_e2m1
 from .fp8 import E4M3, FP8_MAX
+from .hadamard import rht
 from .rng import uniform_like
 
 NVFP4_BLOCK = 16
@@ -189,3 +190,37 @@ def fake_quantize_nvfp4(x: torch.Tensor, out_dtype=None, **kwargs) -> torch.Tens
     """quantize then dequantize: the values an NVFP4 GEMM operand really holds."""
     qt = quantize_nvfp4(x, **kwargs)
     return dequantize_nvfp4(*qt, out_dtype=out_dtype or x.dtype)
+
+
+QDQ_AXES = (0, 1)
+
+
+def nvfp4_operand(x: torch.Tensor, axis: int, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor an NVFP4 GEMM operand quantizes, from a 2-D x [R, C] with 1D blocks along `axis`:
+    axis 1: x itself (blocks along rows); axis 0: x^T with its R columns zero-padded to a multiple of 16, [C, Rp]
+    (blocks along x's columns: the wgrad operands, reduced over tokens). With `signs`, the random Hadamard
+    transform of those blocks (fp32)."""
+    if x.dim() != 2 or axis not in QDQ_AXES:
+        raise ValueError(f"nvfp4 operand: x must be 2-D and axis 0 or 1; got shape {tuple(x.shape)}, axis {axis}")
+    t = x
+    if axis == 0:
+        pad = (-x.shape[0]) % NVFP4_BLOCK
+        t = torch.nn.functional.pad(x.t(), (0, pad)) if pad else x.t()
+    if signs is not None:
+        t = rht(t, signs)
+    return t
+
+
+def qdq_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, axis: int, signs: torch.Tensor | None = None,
+              four_over_six: bool = True, rule: str = "mse", stochastic: bool = False, seed: int = 0):
+    """(values, global_scale): x's NVFP4 operand (nvfp4_operand) quantized with the global scale of `amax`, returned as
+    e2m1 * s_blk in bf16 (exact: at most 5 significant bits, within bf16's range) laid out like x ([R, C], or
+    [Rp, C] for axis 0), and the decode global. values * global is the dequantized operand; a GEMM over two such
+    operands with fp32 accumulation, scaled by the product of their globals, is the NVFP4 GEMM (the nvfp4 recipe's
+    operands on GPUs without FP4 tensor cores). Stochastic draws are indexed in the quantized tensor (x^T for
+    axis 0)."""
+    t = nvfp4_operand(x, axis, signs)
+    q = quantize_nvfp4(t, four_over_six=four_over_six, rule=rule, stochastic=stochastic, seed=seed, amax=amax)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    v = dequantize_nvfp4(q.packed, q.block_scale, one, torch.bfloat16)
+    return (v.t().contiguous() if axis == 0 else v), q.global_scale

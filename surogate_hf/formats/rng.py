@@ -24,6 +24,16 @@ def hash32(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def hash32_int(seed: int, offset: int) -> int:
+    """hash32 of one Python int offset, in Python arithmetic (no tensor, no device): seeds derived per call."""
+    h = (int(offset) + ((int(seed) * _GOLDEN) & _M32)) & _M32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
 def uniform_from_counter(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     """fp32 uniforms in [0, 1) with 24 random bits, one per offset."""
     return (hash32(seed, offsets) >> 8).to(torch.float32) * (2.0**-24)

@@ -18,7 +18,7 @@ NAME = "surogate_hf_ext"
 # the sources ship inside the package (surogate_hf/_csrc, a link to the repository's top-level csrc/ that the wheel
 # build copies), so an installed wheel can build the extension as well as a checkout can
 _CSRC = Path(__file__).resolve().parent.parent / "_csrc"
-SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu")
+SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu", "fp4/nvfp4_qdq.cu")
 
 _module = None
 _error: str | None = None
@@ -100,4 +100,5 @@ def load(build: bool = False):
     return _module
 
 
-OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm")
+OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm",
+       "nvfp4_amax", "nvfp4_qdq")

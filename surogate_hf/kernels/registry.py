@@ -12,6 +12,7 @@ import importlib
 import torch
 
 from . import fp8_cast, paths, probe
+from . import nvfp4_qdq as _nvfp4_qdq
 from ._warn import warn_once
 from .fp8_layout import RECIPE_1X128, RECIPE_128X128, mm_scales, pad_columns, pad_weight
 
@@ -102,6 +103,14 @@ def quantize_mxfp4(x):
 
 def dequantize_mxfp4(packed, scales, out_dtype):
     return _tq().dequantize_mxfp4(packed, scales, out_dtype)
+
+
+def nvfp4_amax(x, signs, axis):
+    return _nvfp4_qdq.amax(x, signs, axis)
+
+
+def nvfp4_qdq(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
+    return _nvfp4_qdq.qdq(x, amax, signs, axis, four_over_six, rule, stochastic, seed)
 
 
 def rht(x, signs):
@@ -280,6 +289,7 @@ _QUANT = (
     "quantize_fp8_tensorwise", "quantize_fp8_tensorwise_t", "delayed_scaling_update", "quantize_fp8_blocks",
     "dequantize_fp8_blocks",
     "quantize_fp8_tiles", "quantize_nvfp4", "dequantize_nvfp4", "quantize_mxfp4", "dequantize_mxfp4", "rht",
+    "nvfp4_amax", "nvfp4_qdq",
 )
 _LINEAR = (
     "fp8_block_linear", "fp8_block_linear_dgrad", "nvfp4_linear", "nvfp4_linear_dgrad", "mxfp4_linear",

@@ -11,12 +11,22 @@ from .quant import (
     quantize_fp8_tensorwise,
     quantize_fp8_tensorwise_t,
     quantize_fp8_tiles,
+    nvfp4_amax,
+    nvfp4_qdq,
     quantize_mxfp4,
     quantize_nvfp4,
     rht,
 )
 from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm
-from .ext import ext_fp8_block_gemm, ext_fp8_cast_amax, ext_fp8_cast_transpose_amax, ext_fp8_quantize_tiles, ext_transpose_bytes
+from .ext import (
+    ext_fp8_block_gemm,
+    ext_fp8_cast_amax,
+    ext_fp8_cast_transpose_amax,
+    ext_fp8_quantize_tiles,
+    ext_nvfp4_amax,
+    ext_nvfp4_qdq,
+    ext_transpose_bytes,
+)
 from .linear import (
     fp8_block_linear,
     fp8_block_linear_dgrad,

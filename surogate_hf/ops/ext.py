@@ -33,6 +33,10 @@ _lib.define("ext_fp8_quantize_tiles(Tensor x, int row_multiple) -> (Tensor, Tens
 _lib.define("ext_transpose_bytes(Tensor x) -> Tensor")
 _lib.define("ext_fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool transpose_w, int recipe_a, int recipe_b) "
             "-> Tensor")
+_lib.define("ext_nvfp4_amax(Tensor x, Tensor? signs, int axis) -> Tensor")
+_lib.define("ext_nvfp4_qdq(Tensor x, Tensor amax, Tensor? signs, int axis, bool four_over_six, int rule, bool stochastic, "
+            "int seed) -> (Tensor, Tensor)")
+NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
 
 @torch.library.impl(f"{NS}::ext_fp8_cast_amax", "CompositeExplicitAutograd", lib=_lib)
@@ -130,8 +134,35 @@ def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
     return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[0]))
 
 
+@torch.library.impl(f"{NS}::ext_nvfp4_amax", "CompositeExplicitAutograd", lib=_lib)
+def _ext_nvfp4_amax(x: Tensor, signs: Tensor | None, axis: int) -> Tensor:
+    """surogate::nvfp4_amax (the csrc kernel reads a contiguous 2-D x: axis 1 needs C % 16 == 0, axis 0 an even C)."""
+    return torch.ops.surogate.nvfp4_amax(x, signs, axis)
+
+
+@torch.library.register_fake(f"{NS}::ext_nvfp4_amax", lib=_lib)
+def _(x, signs, axis):
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.impl(f"{NS}::ext_nvfp4_qdq", "CompositeExplicitAutograd", lib=_lib)
+def _ext_nvfp4_qdq(x: Tensor, amax: Tensor, signs: Tensor | None, axis: int, four_over_six: bool, rule: int,
+                   stochastic: bool, seed: int) -> tuple[Tensor, Tensor]:
+    """surogate::nvfp4_qdq with the 4/6 rule as its index in NVFP4_RULES."""
+    return torch.ops.surogate.nvfp4_qdq(x, amax, signs, axis, four_over_six, NVFP4_RULES[rule], stochastic, seed)
+
+
+@torch.library.register_fake(f"{NS}::ext_nvfp4_qdq", lib=_lib)
+def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
+    r, c = x.shape
+    rows = r if axis == 1 else -(-r // F.NVFP4_BLOCK) * F.NVFP4_BLOCK
+    return x.new_empty((rows, c), dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
+
+
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
 ext_fp8_cast_transpose_amax = torch.ops.surogate.ext_fp8_cast_transpose_amax.default
 ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
 ext_transpose_bytes = torch.ops.surogate.ext_transpose_bytes.default
 ext_fp8_block_gemm = torch.ops.surogate.ext_fp8_block_gemm.default
+ext_nvfp4_amax = torch.ops.surogate.ext_nvfp4_amax.default
+ext_nvfp4_qdq = torch.ops.surogate.ext_nvfp4_qdq.default

@@ -7,16 +7,23 @@ wgrad    dW = dy^T x  : reduction over tokens; both operands get the random Hada
                         tokens (cancels exactly in the product), then 1x16 blocks, dy^T with
                         stochastic rounding, x^T with RNE. The token count is zero-padded to a multiple
                         of 16 (zeros add nothing to the product).
-Four-Over-Six per the recipe config. Quantization is surogate::quantize_nvfp4 (formats.nvfp4), the
-GEMMs surogate::nvfp4_mm, the transform surogate::rht.
+Four-Over-Six per the recipe config.
+
+Each operand takes one amax pass and one quantize pass (surogate::nvfp4_amax / nvfp4_qdq, formats.nvfp4.qdq_nvfp4)
+that writes the values the FP4 GEMM operand holds, e2m1 * s_blk, as bf16: exact (at most 5 significant bits). The
+wgrad operands are quantized along the token axis in place of a transposed copy, the transform and the padding done
+in the same pass. The GEMM is then a bf16 tensor-core GEMM with fp32 output, scaled by the product of the two
+globals and rounded once (`gemm`): the NVFP4 GEMM up to fp32 summation order. The weight is quantized once per
+optimizer step in 16x16 blocks and cached as bf16 (2 bytes per parameter, like the fp8 recipe's E4M3 weight and
+its transpose); the dgrad multiplies its transposed view.
 
 Stochastic rounding is replayable: the seed of each draw is a hash of (config seed, the layer's
 index, the layer's step counter, the role); the step counter is a persistent buffer, so a resumed
 run draws the same numbers as the uninterrupted one.
 
-Native path: on SM100+ a CUDA kernel registered for surogate::nvfp4_mm runs the FP4 GEMM. No such
-kernel exists in this package yet and none was run here; everywhere else (CPU, Hopper) a one-time
-warning says the recipe is emulated.
+Native path: SM100+ has FP4 tensor cores that would take the packed operands (surogate::quantize_nvfp4 and
+surogate::nvfp4_mm, whose contract this path meets); no such kernel is written in this package and none could run
+here (Hopper). Everywhere a one-time warning says the recipe is emulated.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from .. import formats as F
-from ..ops import quant as _quant_ops  # noqa: F401  (registers quantize_nvfp4, rht)
+from ..kernels import probe
+from ..ops import quant as _quant_ops  # noqa: F401  (registers quantize_nvfp4, nvfp4_qdq, rht)
 from .fp8_hybrid import warn_emulation_once
 
 ROLE_DGRAD, ROLE_WGRAD = 0, 1
@@ -32,20 +40,37 @@ ROLE_DGRAD, ROLE_WGRAD = 0, 1
 
 def sr_seed(base_seed: int, index: int, step: int, role: int) -> int:
     """32-bit seed for one stochastic-rounding draw (counter-based hash, formats.rng)."""
-    layer = int(F.rng.hash32(base_seed, torch.tensor([index])).item())
-    return int(F.rng.hash32(layer, torch.tensor([step * 2 + role])).item())
+    return F.rng.hash32_int(F.rng.hash32_int(base_seed, index), step * 2 + role)
 
 
-def transpose_nvfp4_2d(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
-    """W^T of a 2D-block NVFP4 tensor (layout only: codes and tile scales move, values do not change)."""
-    codes = F.unpack_e2m1(packed).t().contiguous()
-    tiles = scale[::F.NVFP4_BLOCK].t()  # [K/16, N/16]: one scale per 16x16 tile
-    return F.pack_e2m1(codes), tiles.repeat_interleave(F.NVFP4_BLOCK, dim=0).contiguous(), global_scale
+def qdq(t: torch.Tensor, axis: int, fos: bool, rule: str, stochastic: bool = False, seed: int = 0, signs=None):
+    """(e2m1 * s_blk in bf16, decode global) of t's NVFP4 operand with 1x16 blocks along `axis` (formats.nvfp4.
+    qdq_nvfp4): one amax pass and one quantize pass over t on the GPU (kernels.nvfp4_qdq)."""
+    amax = torch.ops.surogate.nvfp4_amax(t, signs, axis)
+    return torch.ops.surogate.nvfp4_qdq(t, amax, signs, axis, fos, rule, stochastic, seed)
 
 
-def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
-    pad = (-t.shape[-1]) % F.NVFP4_BLOCK
-    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+def weight_qdq(w: torch.Tensor, fos: bool, rule: str):
+    """(e2m1 * s_blk in bf16 [N, K], decode global) of the weight in 16x16 blocks: W and W^T quantize alike, so the
+    dgrad multiplies the transposed view of the same tensor."""
+    packed, scale, g = torch.ops.surogate.quantize_nvfp4(w, True, fos, rule, False, 0, None)
+    one = torch.ones((), dtype=torch.float32, device=w.device)
+    return torch.ops.surogate.dequantize_nvfp4(packed, scale, one, torch.bfloat16), g
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor, bias, out_dtype: torch.dtype):
+    """cast((a @ b) * (ga * gb) + bias, out_dtype) for qdq operands a [M, K] and b [K, N] (any strides): the NVFP4
+    GEMM, exactly up to fp32 summation order (surogate::nvfp4_mm's contract). On the GPU a bf16 tensor-core GEMM
+    with fp32 output and one epilogue pass (Hopper has no FP4 tensor cores; the bf16 operands hold the FP4 values
+    exactly)."""
+    if a.is_cuda:
+        acc = torch.mm(a, b, out_dtype=torch.float32)
+        return probe.triton_kernels("triton_recipe", "the nvfp4 recipe's GEMM epilogue").scale_bias_cast(
+            acc, ga, gb, bias, out_dtype)
+    out = (a.float() @ b.float()) * (ga.float() * gb.float())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
 class NVFP4Engine:
@@ -57,44 +82,35 @@ class NVFP4Engine:
         self.rht = cfg.fp4_rht
         self.seed = cfg.seed
 
-    def _q(self, t, block_2d=False, stochastic=False, seed=0):
-        return torch.ops.surogate.quantize_nvfp4(t, block_2d, self.fos, self.rule, stochastic, seed, None)
-
-    def _weight(self, owner, w, need_t: bool):
-        """The 2D-block quantized weight (packed, scales, global) and, with need_t, its transpose: built once per
-        optimizer step (the layer's weight key) and reused by micro-batches, recomputes and the dgrad."""
+    def _weight(self, owner, w):
+        """The 16x16-block quantized weight as (bf16 e2m1 * s_blk, global): built once per optimizer step (the
+        layer's weight key) and reused by micro-batches, recomputes and the dgrad."""
         if torch.compiler.is_compiling():
-            wq = self._q(w, block_2d=True)
-            return wq, (transpose_nvfp4_2d(*wq) if need_t else None)
+            return weight_qdq(w, self.fos, self.rule)
         key = owner._weight_key()
         cached = getattr(owner, "_nvfp4_w", None)
         if cached is None or cached[0] != key:
-            cached = (key, self._q(w, block_2d=True), None)
-        if need_t and cached[2] is None:
-            cached = (key, cached[1], transpose_nvfp4_2d(*cached[1]))
-        owner._nvfp4_w = cached
-        return cached[1], cached[2]
+            cached = owner._nvfp4_w = (key, weight_qdq(w, self.fos, self.rule))
+        return cached[1]
 
     def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):
         warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
-        xq = self._q(x)
-        wq, wt = self._weight(owner, w, need_dx)
-        y = torch.ops.surogate.nvfp4_mm(*xq, *wq, bias, x.dtype)
-        return y, (x, *(wt if wt is not None else (None, None, None)), owner.fwd_sr_step)
+        xv, xg = qdq(x, 1, self.fos, self.rule)
+        wv, wg = self._weight(owner, w)
+        y = gemm(xv, wv.t(), xg, wg, bias, x.dtype)
+        return y, (x, wv, wg, owner.fwd_sr_step)
 
     def backward(self, owner, dy, saved, need_dx, need_dw):
-        x, wtp, wts, wtg, step = saved
+        x, wv, wg, step = saved
         seed = lambda role: sr_seed(self.seed, owner.recipe_index, step, role) if self.sr else 0  # noqa: E731
         dx = dw = None
         if need_dx:
-            dyq = self._q(dy, stochastic=self.sr, seed=seed(ROLE_DGRAD))
-            dx = torch.ops.surogate.nvfp4_mm(*dyq, wtp, wts, wtg, None, dy.dtype)
+            dyv, dyg = qdq(dy, 1, self.fos, self.rule, self.sr, seed(ROLE_DGRAD))
+            dx = gemm(dyv, wv, dyg, wg, None, dy.dtype)
         if need_dw:
-            a, b = _pad_tokens(dy.t()), _pad_tokens(x.t())
-            if self.rht:
-                signs = owner.rht_signs
-                a, b = torch.ops.surogate.rht(a, signs), torch.ops.surogate.rht(b, signs)
-            aq = self._q(a, stochastic=self.sr, seed=seed(ROLE_WGRAD))
-            bq = self._q(b)
-            dw = torch.ops.surogate.nvfp4_mm(*aq, *bq, None, torch.float32)
+            # the reduction runs over tokens: blocks along axis 0 (zero-padded to 16), the transform on both operands
+            signs = owner.rht_signs if self.rht else None
+            av, ag = qdq(dy, 0, self.fos, self.rule, self.sr, seed(ROLE_WGRAD), signs)
+            bv, bg = qdq(x, 0, self.fos, self.rule, signs=signs)
+            dw = gemm(av.t(), bv, ag, bg, None, torch.float32)
         return dx, dw

@@ -36,7 +36,10 @@ from .bf16 import FloatBackward, float_mm
 from .config import TORCH_DTYPES, RecipeConfig
 from .fp8_hybrid import cast, scaled_mm, warn_emulation_once
 from .norm import input_handoff
-from .nvfp4 import ROLE_DGRAD, sr_seed, transpose_nvfp4_2d
+from .nvfp4 import ROLE_DGRAD, sr_seed
+from .nvfp4 import gemm as nvfp4_gemm
+from .nvfp4 import qdq as nvfp4_qdq
+from .nvfp4 import weight_qdq as nvfp4_weight_qdq
 
 
 
@@ -128,23 +131,21 @@ class _Fp8Blockwise:
 
 class _Nvfp4:
     """nvfp4 recipe: FP4 x (1x16, RNE) x W (16x16 blocks of the decoded weight); dgrad FP4 dy (1x16, stochastic
-    rounding with the seed in args, or RNE) x the same W transposed. args = (four_over_six, rule, sr, dgrad seed)."""
-
-    @staticmethod
-    def _weight(decode, args):
-        return torch.ops.surogate.quantize_nvfp4(decode(torch.float32), True, args[0], args[1], False, 0, None)
+    rounding with the seed in args, or RNE) x the same W transposed. args = (four_over_six, rule, sr, dgrad seed).
+    Operands as recipes.nvfp4 makes them (bf16 e2m1 * s_blk, one GEMM with the globals in its epilogue)."""
 
     @staticmethod
     def forward(x2d, decode, args):
-        xq = torch.ops.surogate.quantize_nvfp4(x2d, False, args[0], args[1], False, 0, None)
-        return torch.ops.surogate.nvfp4_mm(*xq, *_Nvfp4._weight(decode, args), None, x2d.dtype)
+        xv, xg = nvfp4_qdq(x2d, 1, args[0], args[1])
+        wv, wg = nvfp4_weight_qdq(decode(torch.float32), args[0], args[1])
+        return nvfp4_gemm(xv, wv.t(), xg, wg, None, x2d.dtype)
 
     @staticmethod
     def dgrad(dy2d, decode, args):
         fos, rule, sr, seed = args
-        dyq = torch.ops.surogate.quantize_nvfp4(dy2d, False, fos, rule, sr, seed, None)
-        wt = transpose_nvfp4_2d(*_Nvfp4._weight(decode, args))
-        return torch.ops.surogate.nvfp4_mm(*dyq, *wt, None, dy2d.dtype)
+        dyv, dyg = nvfp4_qdq(dy2d, 1, fos, rule, sr, seed)
+        wv, wg = nvfp4_weight_qdq(decode(torch.float32), fos, rule)
+        return nvfp4_gemm(dyv, wv, dyg, wg, None, dy2d.dtype)
 
 
 _GEMMS = {"float": _Float, "fp8": _Fp8Delayed, "blockwise": _Fp8Blockwise, "nvfp4": _Nvfp4}

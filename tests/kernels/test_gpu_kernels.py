@@ -703,3 +703,55 @@ def test_recipe_training_steps_on_gpu_match_cpu(recipe):
     # measured on the H100 after 3 steps; fp8-hybrid and bf16 stay above 20 dB)
     floor = {"nvfp4": 10.0}.get(recipe, 20.0)
     assert sqnr(grads[DEV][1], grads["cpu"][1]) > floor
+
+
+# ---------------------------------------------------------------- nvfp4 recipe operands (amax + quantize-dequantize)
+# (rows, cols, axis, four_over_six, rule, stochastic, rht): real model widths, token counts that are not multiples of
+# 16 (the axis-0 kernels pad them), every option of the recipe's operands
+QDQ_CASES = [
+    (4096, 576, 1, True, "mse", False, False),  # forward x
+    (333, 960, 1, True, "mse", True, False),  # dgrad dy, stochastic
+    (64, 1152, 1, True, "mae", False, False),
+    (5, 2880, 1, False, "mse", True, False),
+    (1000, 192, 0, True, "mse", True, True),  # wgrad dy: tokens padded, transform, stochastic
+    (37, 1536, 0, True, "mse", False, True),  # wgrad x
+    (2048, 2048, 0, True, "abs_max", False, False),
+    (3, 64, 0, False, "mse", True, True),
+]
+
+
+@pytest.mark.parametrize("case", QDQ_CASES, ids=lambda c: "-".join(str(v) for v in c))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", ["extension", "triton"])
+def test_nvfp4_qdq_matches_the_reference(case, dtype, impl, monkeypatch):
+    """surogate::nvfp4_amax / nvfp4_qdq on CUDA (the csrc kernels, or the Triton kernels composed when the extension
+    is not built) give the reference's bits: amax, decode global and every e2m1 * s_blk value."""
+    from surogate_hf.kernels import nvfp4_qdq as Q
+
+    r, c, axis, fos, rule, sr, rht = case
+    if impl == "extension":
+        _built_extension()
+    else:
+        monkeypatch.setattr(Q, "_impl", [(Q._triton_amax, Q._triton_qdq)])
+    x = _rand((r, c), dtype, seed=r + c, spread=dtype != torch.float16)  # (spread values overflow fp16 to inf)
+    signs = F.random_signs(11) if rht else None
+    seed = 987654 if sr else 0
+    am, am_ref = both(ops.nvfp4_amax, x, signs, axis)
+    assert_bits(am, am_ref, f"{impl} amax")
+    (v, g), (v_ref, g_ref) = both(ops.nvfp4_qdq, x, am_ref, signs, axis, fos, rule, sr, seed)
+    assert_bits(g, g_ref, f"{impl} global")
+    assert_bits(v, v_ref, f"{impl} values")
+
+
+def test_nvfp4_qdq_extension_nan_and_misaligned_input():
+    _built_extension()
+    x = _rand((48, 64), torch.bfloat16, seed=5)
+    x[7, 9] = float("nan")
+    (v, g), (v_ref, g_ref) = both(ops.nvfp4_qdq, x, ops.nvfp4_amax(x, None, 1), None, 1, True, "mse", False, 0)
+    assert torch.isnan(g) and torch.equal(torch.isnan(v.cpu()), torch.isnan(v_ref))
+    xo = torch.empty(48 * 64 + 1, dtype=torch.bfloat16, device=DEV)[1:].view(48, 64)  # not 16-byte aligned
+    xo.copy_(_rand((48, 64), torch.bfloat16, seed=6).to(DEV))
+    am = ops.nvfp4_amax(xo, None, 0)
+    v = ops.nvfp4_qdq(xo, am, None, 0, True, "mse", True, 4)[0]
+    v_ref = ops.nvfp4_qdq(xo.cpu(), am.cpu(), None, 0, True, "mse", True, 4)[0]
+    assert_bits(v, v_ref, "misaligned input")

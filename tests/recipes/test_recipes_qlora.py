@@ -132,10 +132,11 @@ def test_nvfp4_recipe_on_any_base(fmt):
     xq = F.quantize_nvfp4(x.reshape(-1, 256))
     ref = torch.ops.surogate.nvfp4_mm(*xq, *wq, None, torch.bfloat16)
     assert torch.equal(y.reshape(-1, 160), ref)
-    from surogate_hf.recipes.nvfp4 import transpose_nvfp4_2d
-
     dq = F.quantize_nvfp4(dy.reshape(-1, 160))
-    wt = transpose_nvfp4_2d(*wq)
+    # W^T of the 2D-block weight: 16x16 tiles, so the transposed codes keep their tile scales
+    codes_t = F.unpack_e2m1(wq.packed).t().contiguous()
+    scale_t = wq.block_scale[::16].t().repeat_interleave(16, dim=0).contiguous()
+    wt = (F.pack_e2m1(codes_t), scale_t, wq.global_scale)
     assert torch.equal(dx.reshape(-1, 256), torch.ops.surogate.nvfp4_mm(*dq, *wt, None, torch.bfloat16))
 
 

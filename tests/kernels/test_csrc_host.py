@@ -1,0 +1,103 @@
+"""The NVFP4 block math of the csrc kernels (csrc/fp4/nvfp4_math.cuh), built for the host with nvcc and checked bit
+for bit against the reference (surogate::nvfp4_amax / nvfp4_qdq, formats.nvfp4.qdq_nvfp4) with no GPU.
+
+The harness (tests/kernels/host/nvfp4_qdq_host.cu) walks the blocks the way the kernels do and calls the same
+__host__ __device__ functions; the GPU tests check the kernels themselves (tests/kernels/test_gpu_kernels.py).
+Skipped where no CUDA toolkit (nvcc) is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import surogate_hf.formats as F
+import surogate_hf.ops  # noqa: F401  (declares surogate::nvfp4_qdq)
+
+HARNESS = Path(__file__).parent / "host" / "nvfp4_qdq_host.cu"
+RULES = {"mse": 0, "mae": 1, "abs_max": 2}
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    cand = Path(home) / "bin" / "nvcc"
+    return str(cand) if cand.exists() else None
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit (nvcc): the host build of the csrc block math needs one")
+    exe = tmp_path_factory.mktemp("csrc_host") / "nvfp4_qdq_host"
+    res = subprocess.run([nvcc, "-std=c++17", "-O2", "-o", str(exe), str(HARNESS)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return exe
+
+
+def _run(exe, x, axis, fos, rule, sr, seed, signs):
+    r, c = x.shape
+    hdr = np.array([r, c, axis, fos, RULES[rule], sr, seed, signs is not None], dtype=np.int64)
+    sg = (signs if signs is not None else torch.ones(16)).float().numpy()
+    data = hdr.tobytes() + sg.tobytes() + x.float().contiguous().numpy().tobytes()
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    vals = np.frombuffer(out, dtype=np.float32)
+    rp = r if axis == 1 else -(-r // 16) * 16
+    assert vals.size == 2 + rp * c
+    return torch.from_numpy(vals[:1].copy())[0], torch.from_numpy(vals[1:2].copy())[0], \
+        torch.from_numpy(vals[2:].copy()).reshape(rp, c)
+
+
+def _data(r, c, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, c, generator=g) * torch.exp(torch.randn(r, 1, generator=g) * 2)
+    x[0, :16] = 0.0  # an all-zero block (scale 0)
+    x[1 % r, 3] = 900.0  # an outlier: most blocks then take small and subnormal E4M3 scales
+    x[-1, -5:] = 1e-30  # below every scale: codes round to zero
+    return x.bfloat16().float()  # the kernels read bf16 operands exactly
+
+
+CASES = [
+    # (rows, cols, axis, four_over_six, rule, stochastic, rht)
+    (5, 48, 1, True, "mse", False, False),
+    (33, 64, 1, True, "mae", True, False),
+    (8, 32, 1, True, "abs_max", False, True),
+    (16, 96, 1, False, "mse", True, False),
+    (37, 48, 0, True, "mse", True, True),
+    (16, 32, 0, True, "mse", False, False),
+    (50, 18, 0, True, "abs_max", False, True),
+    (3, 64, 0, False, "mse", True, True),
+]
+
+
+@pytest.mark.parametrize("r, c, axis, fos, rule, sr, rht", CASES)
+def test_nvfp4_block_math_matches_reference(harness, r, c, axis, fos, rule, sr, rht):
+    x = _data(r, c, seed=r * 131 + c)
+    signs = F.random_signs(7) if rht else None
+    seed = 1234567 if sr else 0
+    amax_h, gdec_h, vals_h = _run(harness, x, axis, fos, rule, sr, seed, signs)
+    amax = torch.ops.surogate.nvfp4_amax(x, signs, axis)
+    vals, gdec = torch.ops.surogate.nvfp4_qdq(x, amax, signs, axis, fos, rule, sr, seed)
+    assert amax_h.view(torch.int32) == amax.view(torch.int32)
+    assert gdec_h.view(torch.int32) == gdec.view(torch.int32)
+    ref = vals.float()
+    mismatch = (ref.view(torch.int32) != vals_h.view(torch.int32)).sum().item()
+    assert mismatch == 0, f"{mismatch} of {ref.numel()} values differ"
+
+
+def test_nvfp4_block_math_propagates_nan(harness):
+    x = _data(16, 32, seed=3)
+    x[4, 7] = float("nan")
+    amax_h, gdec_h, vals_h = _run(harness, x, 1, True, "mse", False, 0, None)
+    assert torch.isnan(amax_h) and torch.isnan(gdec_h)
+    vals, _ = torch.ops.surogate.nvfp4_qdq(x, torch.ops.surogate.nvfp4_amax(x, None, 1), None, 1, True, "mse", False, 0)
+    assert torch.equal(torch.isnan(vals.float()), torch.isnan(vals_h))
