@@ -21,6 +21,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="8192x4096,8192x14336")
     ap.add_argument("--name", default="quant_kernels", help="results/<name>.md")
+    ap.add_argument("--only", default="", help="run the kernels whose name contains this (and the copy ceiling)")
     args = ap.parse_args()
     mod = ext.load(build=True)
     rows, errors = [], {}
@@ -110,6 +111,8 @@ def main():
             errors["torchao"] = f"import failed: {exc}"
         copy_tbs = None
         for name, fn, nbytes in cases:
+            if args.only and args.only not in name and not name.startswith("copy"):
+                continue
             label = f"{name} [{shp}]"
             if fn is None:
                 rows.append([name, shp, None, None, None, TARGET, f"not run: extension {ext.status()[1]}"])

@@ -19,6 +19,7 @@ from common import time_train_steps, train_step_fn
 # (category, regex on the kernel name), first match wins
 CATEGORIES = [
     ("attention", r"flash|fmha|attention|sdpa"),
+    ("nvfp4 operands + epilogue", r"qdq_kernel|amax_kernel|nvfp4|rht|scale_bias_cast"),
     ("fp8 gemm", r"qqtst|f8f8|e4m3.*gemm"),  # cuBLASLt's FP8 kernels (nvjet_sm90_qqtst...)
     ("fp8 quantize", r"quantize|fp8|cast_amax|cast_transpose|transpose_bytes"),
     ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|cublas|splitK|matmul"),

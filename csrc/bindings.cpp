@@ -137,8 +137,8 @@ static void check_nvfp4_operand(const torch::Tensor& x, const c10::optional<torc
                                 const char* who) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, who, ": x must be a contiguous 2-D CUDA tensor");
   TORCH_CHECK(axis == 0 || axis == 1, who, ": axis must be 0 or 1, got ", axis);
-  TORCH_CHECK(axis == 0 ? x.size(1) % 2 == 0 : x.size(1) % 16 == 0, who, ": the last dim (", x.size(1),
-              ") must be a multiple of ", axis == 0 ? 2 : 16);
+  TORCH_CHECK(axis == 0 || x.size(1) % 16 == 0, who, ": blocks along rows need the last dim (", x.size(1),
+              ") to be a multiple of 16");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, who, ": x must be 16-byte aligned");
   if (signs.has_value())
     TORCH_CHECK(signs->is_cuda() && signs->scalar_type() == at::kFloat && signs->numel() == 16 && signs->is_contiguous(),

@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_fp8.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #ifdef __CUDACC__
@@ -86,19 +87,24 @@ SG_HD float e4m3_value(uint8_t b) {
 // non-negative fp32 (or NaN), already clamped to <= 448 -> E4M3 byte, saturating round-to-nearest-even
 SG_HD uint8_t e4m3_rne(float v) { return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
 
-// formats.e2m1.e2m1_encode: nearest with the reference's tie thresholds, saturating; NaN -> 0 (sign kept)
-SG_HD uint32_t e2m1_encode(float x) {
-  const float a = abs_of(x);
-  const uint32_t code = (uint32_t)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
-                        (a > 5.0f);
-  return code | ((bits_of(x) >> 31) << 3);
+SG_HD float rint_(float v) { return rintf(v); }  // round half to even (the default rounding mode on the host)
+SG_HD float floor_(float v) { return floorf(v); }
+SG_HD float copysign_(float mag, float sign_of) { return float_of(abs_bits_of(mag) | (bits_of(sign_of) & 0x80000000u)); }
+
+// The E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} has one mantissa bit: steps of 0.5 below 2, 1 below 4, 2 up to 6.
+SG_HD float e2m1_step(float a) { return a < 2.f ? 0.5f : (a < 4.f ? 1.f : 2.f); }
+SG_HD float e2m1_inv_step(float a) { return a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f); }
+
+// |value| of formats.e2m1.e2m1_encode(y) for a = |y|: round to nearest with ties to the even code, which is the
+// even multiple of the step (its thresholds 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+// are rint's); saturating at 6 (inf included); NaN encodes to code 0. Decoding the code is then a no-op: the
+// kernels never pack codes, they write e2m1 * s_blk.
+SG_HD float e2m1_round_mag(float a) {
+  if (!(a == a)) return 0.f;
+  const float h = mul(rint_(mul(a, e2m1_inv_step(a))), e2m1_step(a));
+  return h > 6.f ? 6.f : h;
 }
-// E2M1 code (low 4 bits) -> fp32, by building the fp32 bits (no table: a local array would live in memory)
-SG_HD float e2m1_decode(uint32_t c) {
-  const uint32_t m = c & 7;
-  const uint32_t mag = m >= 2 ? ((((m >> 1) + 126) << 23) | ((m & 1) << 22)) : (m == 1 ? (126u << 23) : 0u);
-  return float_of(mag | ((c & 8) << 28));
-}
+
 // formats.rng.uniform_from_counter: murmur3's finalizer of (offset + seed * golden) mod 2^32, 24 bits
 SG_HD float uniform(int64_t offset, uint32_t seed_mix) {
   uint32_t h = (uint32_t)((uint64_t)offset + seed_mix);
@@ -109,15 +115,15 @@ SG_HD float uniform(int64_t offset, uint32_t seed_mix) {
   h ^= h >> 16;
   return (float)(h >> 8) * 5.9604644775390625e-08f;
 }
-// formats.e2m1.e2m1_encode_stochastic: up with probability (|x| - lo) / (hi - lo), by an exact multiply
-SG_HD uint32_t e2m1_encode_sr(float x, float u) {
-  const float a = min_keep_nan(abs_of(x), 6.f);
-  const uint32_t lo = (uint32_t)(a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f) +
-                      (a >= 6.0f);
-  const float level = lo == 7 ? 6.f : e2m1_decode(lo);
-  const float inv_gap = lo < 4 ? 2.f : (lo < 6 ? 1.f : (lo == 6 ? 0.5f : 0.f));
-  const float p_up = mul(sub(a, level), inv_gap);
-  return (lo + (uint32_t)(u < p_up)) | ((bits_of(x) >> 31) << 3);
+// |value| of formats.e2m1.e2m1_encode_stochastic(y, u) for a = |y|: the grid level below (lo) and up by one step with
+// probability (a - lo) * inv_gap; the reference's inv_gap is the level's inverse step below 6 and 0 at 6 (where
+// a - lo is 0 as well, so one formula serves both)
+SG_HD float e2m1_sr_mag(float a_in, float u) {
+  const float a = min_keep_nan(a_in, 6.f);
+  if (!(a == a)) return 0.f;
+  const float step = e2m1_step(a), inv = e2m1_inv_step(a);
+  const float lo = mul(floor_(mul(a, inv)), step);
+  return u < mul(sub(a, lo), inv) ? add(lo, step) : lo;
 }
 // seed -> the mixing constant of formats.rng.hash32: (seed * golden) mod 2^32 (two's complement for a negative seed)
 SG_HD uint32_t seed_mix_of(int64_t seed) { return (uint32_t)((uint64_t)seed * (uint64_t)kGolden); }
@@ -167,15 +173,18 @@ SG_HD Scale candidate(float blk_amax, Globals g, bool four) {
   return {s, min_keep_nan(div(1.f, mul(s, g.dec)), kFltMax)};
 }
 
-// formats.nvfp4._block_error of candidate c over the block
-SG_HD float block_error(const float* x, Scale c, Globals g, int rule) {
+// Candidate c over the block: v[i] = e2m1(x[i] * enc) * s (the value the operand holds without the global) and, when
+// `with_error`, formats.nvfp4._block_error of its decode (v * global) against x.
+SG_HD float candidate_values(const float* x, Scale c, Globals g, int rule, bool with_error, float* v) {
   float e[kBlock];
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
-    const float deq = mul(mul(e2m1_decode(e2m1_encode(mul(x[i], c.enc))), c.s), g.dec);
-    const float d = sub(deq, x[i]);
+    const float y = mul(x[i], c.enc);
+    v[i] = mul(copysign_(e2m1_round_mag(abs_of(y)), y), c.s);
+    const float d = sub(mul(v[i], g.dec), x[i]);
     e[i] = rule == kMse ? mul(d, d) : abs_of(d);
   }
+  if (!with_error) return 0.f;
   if (rule == kAbsMax) {
     uint32_t m = 0;
 #pragma unroll
@@ -203,15 +212,22 @@ SG_HD void quantize_block(const float* x, Globals g, int rule, bool stochastic, 
   for (int i = 0; i < kBlock; ++i) amax_bits = amax_bits > abs_bits_of(x[i]) ? amax_bits : abs_bits_of(x[i]);
   const float blk_amax = float_of(amax_bits);
   Scale c = candidate(blk_amax, g, false);
+  const float err6 = candidate_values(x, c, g, rule, FOUR_SIX, out);
   if (FOUR_SIX) {
     const Scale c4 = candidate(blk_amax, g, true);
-    if (block_error(x, c4, g, rule) < block_error(x, c, g, rule)) c = c4;
-  }
+    float v4[kBlock];
+    if (candidate_values(x, c4, g, rule, true, v4) < err6) {
+      c = c4;
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) {
-    const float scaled = mul(x[i], c.enc);
-    const uint32_t code = stochastic ? e2m1_encode_sr(scaled, uniform(offset0 + i, seed_mix)) : e2m1_encode(scaled);
-    out[i] = mul(e2m1_decode(code), c.s);
+      for (int i = 0; i < kBlock; ++i) out[i] = v4[i];
+    }
+  }
+  if (stochastic) {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) {
+      const float y = mul(x[i], c.enc);
+      out[i] = mul(copysign_(e2m1_sr_mag(abs_of(y), uniform(offset0 + i, seed_mix)), y), c.s);
+    }
   }
 }
 

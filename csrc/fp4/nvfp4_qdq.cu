@@ -40,20 +40,12 @@ __device__ __forceinline__ void load_row_block(const T* __restrict__ x, int64_t 
   }
 }
 
-// columns c and c + 1 of rows r0 .. r0 + 15 (zeros past R)
+// column c of rows r0 .. r0 + 15 (zeros past R); a warp reads 32 adjacent columns of each row
 template <typename T>
-__device__ __forceinline__ void load_col_pair(const T* __restrict__ x, int64_t r0, int64_t c, int64_t R, int64_t C,
-                                              float* v0, float* v1) {
+__device__ __forceinline__ void load_col_block(const T* __restrict__ x, int64_t r0, int64_t c, int64_t R, int64_t C,
+                                               float* v) {
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) {
-    v0[i] = 0.f;
-    v1[i] = 0.f;
-    if (r0 + i < R) {
-      const T* p = x + (r0 + i) * C + c;
-      v0[i] = to_f32<T>(p[0]);
-      v1[i] = to_f32<T>(p[1]);
-    }
-  }
+  for (int i = 0; i < kBlock; ++i) v[i] = r0 + i < R ? to_f32<T>(x[(r0 + i) * C + c]) : 0.f;
 }
 
 __device__ __forceinline__ void load_signs(const float* __restrict__ signs, float* sg) {
@@ -68,8 +60,8 @@ __device__ __forceinline__ unsigned block_max_bits(const float* v) {
   return m;
 }
 
-// amax of x (axis 1) or of its column blocks (axis 0), after the transform when signs is given; one thread per row
-// block (axis 1) or per pair of column blocks (axis 0)
+// amax of x (axis 1) or of its column blocks (axis 0), after the transform when signs is given; one thread per
+// 16-block
 template <typename T, int AXIS>
 __global__ void __launch_bounds__(256) amax_kernel(const T* __restrict__ x, const float* __restrict__ signs,
                                                    unsigned* __restrict__ amax, int64_t R, int64_t C, int64_t work) {
@@ -84,14 +76,10 @@ __global__ void __launch_bounds__(256) amax_kernel(const T* __restrict__ x, cons
       if (signs) nvfp4::rht16(v, sg);
       local = block_max_bits(v);
     } else {
-      const int64_t pairs = C / 2, rb = t / pairs, c = (t - rb * pairs) * 2;
-      float v1[kBlock];
-      load_col_pair<T>(x, rb * kBlock, c, R, C, v, v1);
-      if (signs) {
-        nvfp4::rht16(v, sg);
-        nvfp4::rht16(v1, sg);
-      }
-      local = max(block_max_bits(v), block_max_bits(v1));
+      const int64_t rb = t / C, c = t - rb * C;
+      load_col_block<T>(x, rb * kBlock, c, R, C, v);
+      if (signs) nvfp4::rht16(v, sg);
+      local = block_max_bits(v);
     }
   }
   block_amax_into(local, amax);
@@ -122,30 +110,23 @@ __global__ void __launch_bounds__(256) qdq_kernel(const T* __restrict__ x, const
     dst[0] = packed[0];
     dst[1] = packed[1];
   } else {
-    const int64_t pairs = C / 2, rb = t / pairs, c = (t - rb * pairs) * 2, r0 = rb * kBlock;
-    float v1[kBlock], q1[kBlock];
-    load_col_pair<T>(x, r0, c, R, C, v, v1);
-    if (signs) {
-      nvfp4::rht16(v, sg);
-      nvfp4::rht16(v1, sg);
-    }
+    const int64_t rb = t / C, c = t - rb * C, r0 = rb * kBlock;
+    load_col_block<T>(x, r0, c, R, C, v);
+    if (signs) nvfp4::rht16(v, sg);
     nvfp4::quantize_block<FOUR_SIX>(v, g, rule, stochastic, seed_mix, c * Rp + r0, q);
-    nvfp4::quantize_block<FOUR_SIX>(v1, g, rule, stochastic, seed_mix, (c + 1) * Rp + r0, q1);
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i) {
-      *reinterpret_cast<__nv_bfloat162*>(out + (r0 + i) * C + c) = __floats2bfloat162_rn(q[i], q1[i]);
-    }
+    for (int i = 0; i < kBlock; ++i) out[(r0 + i) * C + c] = __float2bfloat16_rn(q[i]);
   }
 }
 
 int64_t work_items(int axis, int64_t R, int64_t C) {
-  return axis == 1 ? R * C / kBlock : (R + kBlock - 1) / kBlock * (C / 2);
+  return axis == 1 ? R * C / kBlock : (R + kBlock - 1) / kBlock * C;
 }
 
 }  // namespace
 
-// x [R, C] contiguous (axis 1: C % 16 == 0 and x 16-byte aligned; axis 0: C even and x 4-byte aligned); amax: a
-// zeroed uint32 that receives the bits of the fp32 amax.
+// x [R, C] contiguous (axis 1: C % 16 == 0 and x 16-byte aligned; axis 0: any C); amax: a zeroed uint32 that
+// receives the bits of the fp32 amax.
 void launch_nvfp4_amax(const void* x, int dtype, const float* signs, unsigned* amax, int64_t R, int64_t C, int axis,
                        cudaStream_t stream) {
   const int64_t work = work_items(axis, R, C);

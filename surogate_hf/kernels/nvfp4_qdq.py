@@ -88,24 +88,11 @@ def _resolve():
             x = x.clone()
         return x, (signs.float().contiguous() if signs is not None else None)
 
-    def odd_width(x, axis):
-        # the axis-0 kernel reads column pairs; recipe operands are multiples of 16 wide, so only a direct op call
-        # gets here
-        if axis == 0 and x.shape[1] % 2:
-            warn_once("nvfp4_qdq_odd", f"surogate_hf: nvfp4_qdq along axis 0 of an odd-width tensor {tuple(x.shape)} "
-                      "takes the Triton kernels (the CUDA kernel reads column pairs)")
-            return True
-        return False
-
     def native_amax(x, signs, axis):
-        if odd_width(x, axis):
-            return _triton_amax(x, signs, axis)
         x, signs = native_input(x, signs)
         return ext_amax(x, signs, axis)
 
     def native_qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed):
-        if odd_width(x, axis):
-            return _triton_qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed)
         x, signs = native_input(x, signs)
         return ext_qdq(x, amax_t.float().reshape(()), signs, axis, four_over_six, FOUR_OVER_SIX_RULES.index(rule),
                        stochastic, int(seed))

@@ -136,7 +136,7 @@ def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
 
 @torch.library.impl(f"{NS}::ext_nvfp4_amax", "CompositeExplicitAutograd", lib=_lib)
 def _ext_nvfp4_amax(x: Tensor, signs: Tensor | None, axis: int) -> Tensor:
-    """surogate::nvfp4_amax (the csrc kernel reads a contiguous 2-D x: axis 1 needs C % 16 == 0, axis 0 an even C)."""
+    """surogate::nvfp4_amax (the csrc kernel reads a contiguous 2-D x, 16-byte aligned)."""
     return torch.ops.surogate.nvfp4_amax(x, signs, axis)
 
 

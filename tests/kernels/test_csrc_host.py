@@ -76,6 +76,7 @@ CASES = [
     (16, 32, 0, True, "mse", False, False),
     (50, 18, 0, True, "abs_max", False, True),
     (3, 64, 0, False, "mse", True, True),
+    (21, 7, 0, True, "mae", True, True),
 ]
 
 
@@ -101,3 +102,23 @@ def test_nvfp4_block_math_propagates_nan(harness):
     assert torch.isnan(amax_h) and torch.isnan(gdec_h)
     vals, _ = torch.ops.surogate.nvfp4_qdq(x, torch.ops.surogate.nvfp4_amax(x, None, 1), None, 1, True, "mse", False, 0)
     assert torch.equal(torch.isnan(vals.float()), torch.isnan(vals_h))
+
+
+def test_e2m1_rounding_matches_the_reference_at_every_threshold(harness):
+    """Element rounding (nearest-even and stochastic) on the thresholds, their fp32 neighbours, the saturation and
+    special values, against formats.e2m1's encoders decoded."""
+    base = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30])
+    up = torch.nextafter(base, torch.full_like(base, float("inf")))
+    down = torch.nextafter(base, torch.zeros_like(base))
+    mags = torch.cat((base, up, down, torch.rand(2000, generator=torch.Generator().manual_seed(0)) * 7))
+    y = torch.cat((mags, -mags, torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0])))
+    u = torch.rand(y.numel(), generator=torch.Generator().manual_seed(1))
+    u[:40] = torch.tensor([0.0, 0.5, 0.99999994, 0.25] * 10)
+    hdr = np.array([-1, y.numel(), 0, 0, 0, 0, 0, 0], dtype=np.int64)
+    out = subprocess.run([str(harness)], input=hdr.tobytes() + np.zeros(16, np.float32).tobytes() + y.numpy().tobytes()
+                         + u.numpy().tobytes(), capture_output=True, check=True).stdout
+    got = torch.from_numpy(np.frombuffer(out, dtype=np.float32).copy()).reshape(2, -1)
+    rne = F.e2m1_decode(F.e2m1_encode(y))
+    sr = F.e2m1_decode(F.e2m1_encode_stochastic(y, u))
+    assert torch.equal(got[0].view(torch.int32), rne.view(torch.int32))
+    assert torch.equal(got[1].view(torch.int32), sr.view(torch.int32))

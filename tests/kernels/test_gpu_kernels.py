@@ -717,6 +717,7 @@ QDQ_CASES = [
     (37, 1536, 0, True, "mse", False, True),  # wgrad x
     (2048, 2048, 0, True, "abs_max", False, False),
     (3, 64, 0, False, "mse", True, True),
+    (37, 45, 0, True, "mse", True, True),  # an odd width: blocks run down columns, any count of them
 ]
 
 

@@ -2,6 +2,8 @@
 // nvfp4_qdq kernels run on the CPU, element for element in the kernels' order, so the Python reference can check it
 // bit for bit on a machine with no GPU. Input on stdin (binary): int64 R, C, axis, four_over_six, rule, stochastic,
 // seed, has_signs; fp32 signs[16]; fp32 x[R * C]. Output on stdout: fp32 amax, fp32 g_dec, fp32 out[Rp * C].
+// Element mode (R = -1, C = n): after the signs, fp32 y[n], fp32 u[n]; output the E2M1 values of y, round-to-nearest then
+// stochastic with draw u (fp32 rne[n], sr[n]).
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -25,6 +27,17 @@ int main() {
   const bool rht = hdr[7] != 0;
   float signs[kBlock];
   read_exact(signs, sizeof signs);
+  if (R == -1) {
+    std::vector<float> y(C), u(C), out(2 * C);
+    read_exact(y.data(), C * 4);
+    read_exact(u.data(), C * 4);
+    for (int64_t i = 0; i < C; ++i) {
+      out[i] = copysign_(e2m1_round_mag(abs_of(y[i])), y[i]);
+      out[C + i] = copysign_(e2m1_sr_mag(abs_of(y[i]), u[i]), y[i]);
+    }
+    fwrite(out.data(), 4, out.size(), stdout);
+    return 0;
+  }
   std::vector<float> x(R * C);
   read_exact(x.data(), x.size() * 4);
   const int64_t Rp = axis == 1 ? R : (R + kBlock - 1) / kBlock * kBlock;
