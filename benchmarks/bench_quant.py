@@ -89,6 +89,10 @@ def main():
                  lambda: mod.nvfp4_qdq(x, amax_t, None, 1, True, 0, True, 7), 4 * n),
                 ("nvfp4 qdq tokens 4/6 + SR + RHT: ours CUDA (csrc)",
                  lambda: mod.nvfp4_qdq(x, amax_t, rht_signs, 0, True, 0, True, 7), 4 * n),
+                ("nvfp4 qdq 16x16 tiles 4/6 (weights): ours CUDA (csrc)",
+                 lambda: mod.nvfp4_qdq(x, amax_t, None, 2, True, 0, False, 0), 4 * n),
+                ("nvfp4 qdq rows 4/6 + own amax (one call, two passes): ours CUDA (csrc)",
+                 lambda: mod.nvfp4_qdq(x, None, None, 1, True, 0, False, 0), 6 * n),
             ]
         cases += [
             ("nvfp4 qdq rows 4/6 + SR: Triton composed (no extension)",

@@ -20,6 +20,8 @@ void launch_nvfp4_amax(const void* x, int dtype, const float* signs, unsigned* a
 void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsigned* amax, void* out, float* g_dec_out,
                       int64_t R, int64_t C, int axis, bool four_over_six, int rule, bool stochastic, int64_t seed,
                       cudaStream_t stream);
+void launch_nvfp4_scale_bias_cast(const float* acc, const float* ga, const float* gb, const void* bias, int bias_dtype,
+                                  void* out, int out_dtype, int64_t M, int64_t N, int sms, cudaStream_t stream);
 }
 
 static int dtype_code(const torch::Tensor& x, const char* who) {
@@ -136,50 +138,82 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
 static void check_nvfp4_operand(const torch::Tensor& x, const c10::optional<torch::Tensor>& signs, int64_t axis,
                                 const char* who) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, who, ": x must be a contiguous 2-D CUDA tensor");
-  TORCH_CHECK(axis == 0 || axis == 1, who, ": axis must be 0 or 1, got ", axis);
+  TORCH_CHECK(axis >= 0 && axis <= 2, who, ": axis must be 0, 1 or 2, got ", axis);
   TORCH_CHECK(axis == 0 || x.size(1) % 16 == 0, who, ": blocks along rows need the last dim (", x.size(1),
               ") to be a multiple of 16");
+  TORCH_CHECK(axis != 2 || (x.size(0) % 16 == 0 && !signs.has_value()), who,
+              ": 16x16 tiles need rows that are a multiple of 16 and no transform");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, who, ": x must be 16-byte aligned");
   if (signs.has_value())
     TORCH_CHECK(signs->is_cuda() && signs->scalar_type() == at::kFloat && signs->numel() == 16 && signs->is_contiguous(),
                 who, ": signs must be 16 contiguous fp32 values on the GPU");
 }
 
+static const float* signs_ptr(const c10::optional<torch::Tensor>& signs) {
+  return signs.has_value() ? signs->data_ptr<float>() : nullptr;
+}
+
 // fp32 amax (0-dim) of the NVFP4 operand quantize_nvfp4 would see: x's blocks along `axis`, transformed by the RHT
-// with `signs` when given (axis 0: columns zero-padded to whole blocks).
+// with `signs` when given (axis 0: columns zero-padded to whole blocks; axis 2, 16x16 tiles: x itself).
 torch::Tensor nvfp4_amax(const torch::Tensor& x, const c10::optional<torch::Tensor>& signs, int64_t axis) {
   check_nvfp4_operand(x, signs, axis, "nvfp4_amax");
   const int dtype = dtype_code(x, "nvfp4_amax");
   const at::cuda::CUDAGuard guard(x.device());
   auto bits = torch::zeros({}, x.options().dtype(at::kInt));
-  surogate::launch_nvfp4_amax(x.data_ptr(), dtype, signs.has_value() ? signs->data_ptr<float>() : nullptr,
-                              reinterpret_cast<unsigned*>(bits.data_ptr<int>()), x.size(0), x.size(1), (int)axis,
-                              at::cuda::getCurrentCUDAStream());
+  surogate::launch_nvfp4_amax(x.data_ptr(), dtype, signs_ptr(signs), reinterpret_cast<unsigned*>(bits.data_ptr<int>()),
+                              x.size(0), x.size(1), (int)axis, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return bits.view(at::kFloat);
 }
 
-// (values bf16 [R, C] (axis 1) or [ceil16(R), C] (axis 0), g_dec fp32 0-dim): NVFP4 quantization of x's blocks along
-// `axis` (global scale from amax) written back as e2m1 * s_blk, the GEMM operand without its global.
-std::tuple<torch::Tensor, torch::Tensor> nvfp4_qdq(const torch::Tensor& x, const torch::Tensor& amax,
+// (values bf16 [R, C] (axes 1, 2) or [ceil16(R), C] (axis 0), g_dec fp32 0-dim): NVFP4 quantization of x's blocks
+// along `axis` (2: 16x16 tiles), written back as e2m1 * s_blk, the GEMM operand without its global. The global
+// scale comes from amax, or when amax is None from the operand's own amax (taken here, one call for both passes).
+std::tuple<torch::Tensor, torch::Tensor> nvfp4_qdq(const torch::Tensor& x, const c10::optional<torch::Tensor>& amax,
                                                    const c10::optional<torch::Tensor>& signs, int64_t axis,
                                                    bool four_over_six, int64_t rule, bool stochastic, int64_t seed) {
   check_nvfp4_operand(x, signs, axis, "nvfp4_qdq");
-  TORCH_CHECK(amax.is_cuda() && amax.scalar_type() == at::kFloat && amax.numel() == 1,
-              "nvfp4_qdq: amax must be one fp32 value on the GPU");
+  TORCH_CHECK(axis != 2 || !stochastic, "nvfp4_qdq: 16x16 tiles take round-to-nearest only");
   TORCH_CHECK(rule >= 0 && rule <= 2, "nvfp4_qdq: rule must be 0 (mse), 1 (mae) or 2 (abs_max)");
+  const torch::Tensor a = amax.has_value() ? amax->contiguous() : nvfp4_amax(x, signs, axis);
+  TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kFloat && a.numel() == 1,
+              "nvfp4_qdq: amax must be one fp32 value on the GPU");
   const int dtype = dtype_code(x, "nvfp4_qdq");
   const at::cuda::CUDAGuard guard(x.device());
-  const int64_t r = x.size(0), c = x.size(1), rp = axis == 1 ? r : (r + 15) / 16 * 16;
+  const int64_t r = x.size(0), c = x.size(1), rp = axis == 0 ? (r + 15) / 16 * 16 : r;
   auto out = torch::empty({rp, c}, x.options().dtype(at::kBFloat16));
   auto g_dec = torch::empty({}, x.options().dtype(at::kFloat));
-  const torch::Tensor a = amax.contiguous();
-  surogate::launch_nvfp4_qdq(x.data_ptr(), dtype, signs.has_value() ? signs->data_ptr<float>() : nullptr,
-                             reinterpret_cast<const unsigned*>(a.data_ptr<float>()), out.data_ptr(),
-                             g_dec.data_ptr<float>(), r, c, (int)axis, four_over_six, (int)rule, stochastic, seed,
-                             at::cuda::getCurrentCUDAStream());
+  surogate::launch_nvfp4_qdq(x.data_ptr(), dtype, signs_ptr(signs), reinterpret_cast<const unsigned*>(a.data_ptr<float>()),
+                             out.data_ptr(), g_dec.data_ptr<float>(), r, c, (int)axis, four_over_six, (int)rule,
+                             stochastic, seed, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, g_dec};
+}
+
+// cast((a @ b) * (ga * gb) + bias, out_dtype) for bf16 operands a [M, K], b [K, N] (any strides): cuBLAS with fp32
+// output, then one epilogue pass (in place for fp32).
+torch::Tensor nvfp4_gemm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& ga, const torch::Tensor& gb,
+                         const c10::optional<torch::Tensor>& bias, at::ScalarType out_dtype) {
+  TORCH_CHECK(a.is_cuda() && a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "nvfp4_gemm: a [M, K] and b [K, N] expected");
+  TORCH_CHECK(ga.scalar_type() == at::kFloat && ga.numel() == 1 && gb.scalar_type() == at::kFloat && gb.numel() == 1,
+              "nvfp4_gemm: the globals must be one fp32 value each");
+  const at::cuda::CUDAGuard guard(a.device());
+  torch::Tensor acc = at::mm(a, b, at::kFloat);
+  if (!acc.is_contiguous()) acc = acc.contiguous();
+  const int64_t m = acc.size(0), n = acc.size(1);
+  torch::Tensor out = out_dtype == at::kFloat ? acc : torch::empty({m, n}, acc.options().dtype(out_dtype));
+  torch::Tensor bias_c;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "nvfp4_gemm: bias must have N = ", n, " entries");
+    bias_c = bias->contiguous();
+  }
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  surogate::launch_nvfp4_scale_bias_cast(acc.data_ptr<float>(), ga.contiguous().data_ptr<float>(),
+                                         gb.contiguous().data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr() : nullptr,
+                                         bias_c.defined() ? dtype_code(bias_c, "nvfp4_gemm") : 0, out.data_ptr(),
+                                         dtype_code(out, "nvfp4_gemm"), m, n, sms, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
 }
 
 // CUDA kernels of the surogate::ext_* ops. Their schemas, fake kernels and reference (CPU) kernels are declared in
@@ -195,4 +229,5 @@ TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_fp8_block_gemm", &fp8_block_gemm);
   m.impl("ext_nvfp4_amax", &nvfp4_amax);
   m.impl("ext_nvfp4_qdq", &nvfp4_qdq);
+  m.impl("ext_nvfp4_gemm", &nvfp4_gemm);
 }

@@ -173,25 +173,17 @@ SG_HD Scale candidate(float blk_amax, Globals g, bool four) {
   return {s, min_keep_nan(div(1.f, mul(s, g.dec)), kFltMax)};
 }
 
-// Candidate c over the block: v[i] = e2m1(x[i] * enc) * s (the value the operand holds without the global) and, when
-// `with_error`, formats.nvfp4._block_error of its decode (v * global) against x.
-SG_HD float candidate_values(const float* x, Scale c, Globals g, int rule, bool with_error, float* v) {
-  float e[kBlock];
-#pragma unroll
-  for (int i = 0; i < kBlock; ++i) {
-    const float y = mul(x[i], c.enc);
-    v[i] = mul(copysign_(e2m1_round_mag(abs_of(y)), y), c.s);
-    const float d = sub(mul(v[i], g.dec), x[i]);
-    e[i] = rule == kMse ? mul(d, d) : abs_of(d);
-  }
-  if (!with_error) return 0.f;
-  if (rule == kAbsMax) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) m = m > bits_of(e[i]) ? m : bits_of(e[i]);  // NaN (above inf) propagates
-    return float_of(m);
-  }
-  // formats.nvfp4._tree_sum: halves added pairwise
+// One element under candidate c: *v = e2m1(x * enc) * s (the value the operand holds without the global); returns
+// the element's term of formats.nvfp4._block_error, of its decode (v * global) against x (d * d for mse, else |d|).
+SG_HD float candidate_element(float x, Scale c, Globals g, int rule, float* v) {
+  const float y = mul(x, c.enc);
+  *v = mul(copysign_(e2m1_round_mag(abs_of(y)), y), c.s);
+  const float d = sub(mul(*v, g.dec), x);
+  return rule == kMse ? mul(d, d) : abs_of(d);
+}
+
+// formats.nvfp4._tree_sum of 16 terms: halves added pairwise (e is overwritten)
+SG_HD float tree_sum16(float* e) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = add(e[i], e[i + 8]);
 #pragma unroll
@@ -199,6 +191,22 @@ SG_HD float candidate_values(const float* x, Scale c, Globals g, int rule, bool 
   e[0] = add(e[0], e[2]);
   e[1] = add(e[1], e[3]);
   return add(e[0], e[1]);
+}
+
+SG_HD uint32_t max_bits16(const float* e) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) m = m > bits_of(e[i]) ? m : bits_of(e[i]);  // NaN (above inf) propagates
+  return m;
+}
+
+// Candidate c over a 1D block: v[i] per candidate_element and, when `with_error`, formats.nvfp4._block_error.
+SG_HD float candidate_values(const float* x, Scale c, Globals g, int rule, bool with_error, float* v) {
+  float e[kBlock];
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) e[i] = candidate_element(x[i], c, g, rule, &v[i]);
+  if (!with_error) return 0.f;
+  return rule == kAbsMax ? float_of(max_bits16(e)) : tree_sum16(e);
 }
 
 // Quantize one 1D block of 16 fp32 values and write the values the NVFP4 GEMM operand holds without its global

@@ -11,7 +11,10 @@
 //   axis 0: 16 consecutive rows of a column (the wgrad's dy and x, whose GEMM reduces over tokens); the rows are
 //           zero-padded to Rp = ceil(R / 16) * 16 inside the kernel; out [Rp, C] in x's layout, so the GEMM reads
 //           it transposed with no copy; element (r, c) is offset c * Rp + r of the quantized tensor (x^T, padded).
-// The tensor amax that sets the global scale comes first, from amax_*_kernel (the same transform applied).
+//   axis 2: 16 x 16 tiles (the training weight: W and W^T quantize alike); out [R, C]; 16 lanes per tile, one row
+//           each, the tile's amax and its 4/6 error summed across them by shuffles in the reference's order.
+// The tensor amax that sets the global scale comes first, from amax_kernel (the same transform applied).
+// The GEMM's epilogue is here as well: cast(acc * (ga * gb) + bias) of its fp32 result, in one pass.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -47,6 +50,20 @@ __device__ __forceinline__ void load_col_block(const T* __restrict__ x, int64_t 
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) v[i] = r0 + i < R ? to_f32<T>(x[(r0 + i) * C + c]) : 0.f;
 }
+
+__device__ __forceinline__ void store_row_block(__nv_bfloat16* __restrict__ dst, const float* q) {
+  uint4 packed[2];
+  __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(packed);
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) o[i] = __float2bfloat16_rn(q[i]);
+  reinterpret_cast<uint4*>(dst)[0] = packed[0];
+  reinterpret_cast<uint4*>(dst)[1] = packed[1];
+}
+
+template <typename T> __device__ __forceinline__ void store_f32(T* p, float v);
+template <> __device__ __forceinline__ void store_f32<float>(float* p, float v) { *p = v; }
+template <> __device__ __forceinline__ void store_f32<__nv_bfloat16>(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ void store_f32<__half>(__half* p, float v) { *p = __float2half_rn(v); }
 
 __device__ __forceinline__ void load_signs(const float* __restrict__ signs, float* sg) {
 #pragma unroll
@@ -102,13 +119,7 @@ __global__ void __launch_bounds__(256) qdq_kernel(const T* __restrict__ x, const
     load_row_block<T>(x, t * kBlock, v);
     if (signs) nvfp4::rht16(v, sg);
     nvfp4::quantize_block<FOUR_SIX>(v, g, rule, stochastic, seed_mix, t * kBlock, q);
-    uint4 packed[2];
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(packed);
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) o[i] = __float2bfloat16_rn(q[i]);
-    uint4* dst = reinterpret_cast<uint4*>(out + t * kBlock);
-    dst[0] = packed[0];
-    dst[1] = packed[1];
+    store_row_block(out + t * kBlock, q);
   } else {
     const int64_t rb = t / C, c = t - rb * C, r0 = rb * kBlock;
     load_col_block<T>(x, r0, c, R, C, v);
@@ -119,7 +130,96 @@ __global__ void __launch_bounds__(256) qdq_kernel(const T* __restrict__ x, const
   }
 }
 
+// formats.nvfp4._block_error of a 16 x 16 tile held as one row per lane of a 16-lane group (e: this lane's row of
+// error terms, overwritten): the reference sums the row-major tile's halves, i.e. rows r + 8, r + 4, r + 2, r + 1
+// into row r, then row 0's halves. Every lane of the group gets the result.
+__device__ __forceinline__ float tile_error(float* e, int rule, int row) {
+  if (rule == nvfp4::kAbsMax) {
+    unsigned m = nvfp4::max_bits16(e);
+#pragma unroll
+    for (int d = 8; d >= 1; d >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, d, 16));
+    return nvfp4::float_of(m);
+  }
+#pragma unroll
+  for (int d = 8; d >= 1; d >>= 1) {
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+      const float o = __shfl_down_sync(0xffffffffu, e[j], d, 16);
+      if (row < d) e[j] = nvfp4::add(e[j], o);
+    }
+  }
+  return __shfl_sync(0xffffffffu, nvfp4::tree_sum16(e), 0, 16);
+}
+
+template <typename T, bool FOUR_SIX>
+__global__ void __launch_bounds__(256) qdq_2d_kernel(const T* __restrict__ x, const unsigned* __restrict__ amax_bits,
+                                                     __nv_bfloat16* __restrict__ out, float* __restrict__ g_dec_out,
+                                                     int64_t C, int64_t tiles, int rule) {
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t tile = t >> 4;
+  const int row = threadIdx.x & 15;
+  const nvfp4::Globals g = nvfp4::globals_of(nvfp4::float_of(*amax_bits));
+  if (t == 0) *g_dec_out = g.dec;
+  const bool live = tile < tiles;  // no early return: the 16-lane groups shuffle (a group is all live or all not)
+  const int64_t ct = C / kBlock, tr = live ? tile / ct : 0, tc = live ? tile - tr * ct : 0;
+  const int64_t offset = (tr * kBlock + row) * C + tc * kBlock;
+  float v[kBlock], q[kBlock], e[kBlock];
+  if (live) {
+    load_row_block<T>(x, offset, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) v[j] = 0.f;
+  }
+  unsigned m = block_max_bits(v);
+#pragma unroll
+  for (int d = 8; d >= 1; d >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, d, 16));
+  const float blk_amax = nvfp4::float_of(m);
+  const nvfp4::Scale c6 = nvfp4::candidate(blk_amax, g, false);
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) e[j] = nvfp4::candidate_element(v[j], c6, g, rule, &q[j]);
+  if (FOUR_SIX) {
+    const float err6 = tile_error(e, rule, row);
+    const nvfp4::Scale c4 = nvfp4::candidate(blk_amax, g, true);
+    float q4[kBlock];
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) e[j] = nvfp4::candidate_element(v[j], c4, g, rule, &q4[j]);
+    if (tile_error(e, rule, row) < err6) {
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) q[j] = q4[j];
+    }
+  }
+  if (live) store_row_block(out + offset, q);
+}
+
+// out = cast(acc * (ga * gb) + bias, OUT): the reference's roundings (the product of the globals, the scaling, the bias
+// add in fp32, one cast; no FMA). In place when OUT is fp32.
+template <typename OUT, typename B>
+__global__ void __launch_bounds__(256) scale_bias_cast_kernel(const float* __restrict__ acc, const float* __restrict__ ga,
+                                                              const float* __restrict__ gb, const B* __restrict__ bias,
+                                                              OUT* __restrict__ out, int64_t n, int64_t N) {
+  const float g = nvfp4::mul(*ga, *gb);
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x * 4;
+  for (int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4; i < n; i += stride) {
+    float v[4];
+    if (i + 4 <= n) {
+      const float4 a = *reinterpret_cast<const float4*>(acc + i);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = i + j < n ? acc[i + j] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (i + j >= n) break;
+      float r = nvfp4::mul(v[j], g);
+      if (bias) r = nvfp4::add(r, to_f32<B>(bias[(i + j) % N]));
+      store_f32<OUT>(out + i + j, r);
+    }
+  }
+}
+
 int64_t work_items(int axis, int64_t R, int64_t C) {
+  if (axis == 2) return R / kBlock * (C / kBlock) * kBlock;  // 16 lanes per tile
   return axis == 1 ? R * C / kBlock : (R + kBlock - 1) / kBlock * C;
 }
 
@@ -129,19 +229,20 @@ int64_t work_items(int axis, int64_t R, int64_t C) {
 // receives the bits of the fp32 amax.
 void launch_nvfp4_amax(const void* x, int dtype, const float* signs, unsigned* amax, int64_t R, int64_t C, int axis,
                        cudaStream_t stream) {
-  const int64_t work = work_items(axis, R, C);
+  const int64_t work = work_items(axis == 2 ? 1 : axis, R, C);  // (the tiles' amax is the tensor's)
   if (work == 0) return;
   const unsigned blocks = (unsigned)((work + 255) / 256);
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (axis == 1)
+    if (axis != 0)
       amax_kernel<T, 1><<<blocks, 256, 0, stream>>>((const T*)x, signs, amax, R, C, work);
     else
       amax_kernel<T, 0><<<blocks, 256, 0, stream>>>((const T*)x, signs, amax, R, C, work);
   });
 }
 
-// out: bf16 [R, C] (axis 1) or [Rp, C] (axis 0), 16-byte aligned; g_dec_out: one fp32 (always written).
+// out: bf16 [R, C] (axes 1, 2) or [Rp, C] (axis 0), 16-byte aligned; g_dec_out: one fp32 (always written). Axis 2
+// (16 x 16 tiles) takes R and C multiples of 16 and neither signs nor stochastic rounding.
 void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsigned* amax, void* out, float* g_dec_out,
                       int64_t R, int64_t C, int axis, bool four_over_six, int rule, bool stochastic, int64_t seed,
                       cudaStream_t stream) {
@@ -157,11 +258,35 @@ void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsign
     };
     using A0 = std::integral_constant<int, 0>;
     using A1 = std::integral_constant<int, 1>;
-    if (axis == 1) {
+    if (axis == 2) {
+      if (four_over_six)
+        qdq_2d_kernel<T, true><<<blocks, 256, 0, stream>>>((const T*)x, amax, (__nv_bfloat16*)out, g_dec_out, C,
+                                                          work / kBlock, rule);
+      else
+        qdq_2d_kernel<T, false><<<blocks, 256, 0, stream>>>((const T*)x, amax, (__nv_bfloat16*)out, g_dec_out, C,
+                                                           work / kBlock, rule);
+    } else if (axis == 1) {
       if (four_over_six) go(A1{}, std::true_type{}); else go(A1{}, std::false_type{});
     } else {
       if (four_over_six) go(A0{}, std::true_type{}); else go(A0{}, std::false_type{});
     }
+  });
+}
+
+// acc [M, N] fp32 contiguous (16-byte aligned); out [M, N] of out_dtype (0 fp32: acc itself, 1 bf16, 2 fp16); bias [N]
+// of bias_dtype (same codes) or null.
+void launch_nvfp4_scale_bias_cast(const float* acc, const float* ga, const float* gb, const void* bias, int bias_dtype,
+                                  void* out, int out_dtype, int64_t M, int64_t N, int sms, cudaStream_t stream) {
+  const int64_t n = M * N;
+  if (n == 0) return;
+  int64_t want = (n / 4 + 255) / 256;
+  const unsigned blocks = (unsigned)(want < (int64_t)sms * 16 ? (want > 0 ? want : 1) : (int64_t)sms * 16);
+  dispatch_float(out_dtype, [&](auto otag) {
+    using O = decltype(otag);
+    dispatch_float(bias_dtype, [&](auto btag) {
+      using B = decltype(btag);
+      scale_bias_cast_kernel<O, B><<<blocks, 256, 0, stream>>>(acc, ga, gb, (const B*)bias, (O*)out, n, N);
+    });
   });
 }
 

@@ -30,6 +30,7 @@ from .nvfp4 import (
     NVFP4Quantized,
     dequantize_nvfp4,
     fake_quantize_nvfp4,
+    mm_qdq,
     nvfp4_global_scales,
     nvfp4_operand,
     qdq_nvfp4,

@@ -192,16 +192,18 @@ def fake_quantize_nvfp4(x: torch.Tensor, out_dtype=None, **kwargs) -> torch.Tens
     return dequantize_nvfp4(*qt, out_dtype=out_dtype or x.dtype)
 
 
-QDQ_AXES = (0, 1)
+QDQ_AXES = (0, 1, 2)  # blocks down columns, along rows, 16 x 16 tiles
 
 
 def nvfp4_operand(x: torch.Tensor, axis: int, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor an NVFP4 GEMM operand quantizes, from a 2-D x [R, C] with 1D blocks along `axis`:
-    axis 1: x itself (blocks along rows); axis 0: x^T with its R columns zero-padded to a multiple of 16, [C, Rp]
-    (blocks along x's columns: the wgrad operands, reduced over tokens). With `signs`, the random Hadamard
-    transform of those blocks (fp32)."""
+    """The tensor an NVFP4 GEMM operand quantizes, from a 2-D x [R, C]:
+    axis 1: x itself (1D blocks along rows); axis 0: x^T with its R columns zero-padded to a multiple of 16, [C, Rp]
+    (blocks down x's columns: the wgrad operands, reduced over tokens); axis 2: x itself in 16 x 16 tiles (the
+    training weight). With `signs` (axes 0 and 1), the random Hadamard transform of the 1D blocks (fp32)."""
     if x.dim() != 2 or axis not in QDQ_AXES:
-        raise ValueError(f"nvfp4 operand: x must be 2-D and axis 0 or 1; got shape {tuple(x.shape)}, axis {axis}")
+        raise ValueError(f"nvfp4 operand: x must be 2-D and axis 0, 1 or 2; got shape {tuple(x.shape)}, axis {axis}")
+    if axis == 2 and signs is not None:
+        raise ValueError("nvfp4 operand: 16x16 tiles (axis 2) take no Hadamard transform")
     t = x
     if axis == 0:
         pad = (-x.shape[0]) % NVFP4_BLOCK
@@ -211,16 +213,29 @@ def nvfp4_operand(x: torch.Tensor, axis: int, signs: torch.Tensor | None = None)
     return t
 
 
-def qdq_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, axis: int, signs: torch.Tensor | None = None,
+def qdq_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, *, axis: int, signs: torch.Tensor | None = None,
               four_over_six: bool = True, rule: str = "mse", stochastic: bool = False, seed: int = 0):
-    """(values, global_scale): x's NVFP4 operand (nvfp4_operand) quantized with the global scale of `amax`, returned as
+    """(values, global_scale): x's NVFP4 operand (nvfp4_operand) quantized with the global scale of `amax` (None: the
+    operand's own), returned as
     e2m1 * s_blk in bf16 (exact: at most 5 significant bits, within bf16's range) laid out like x ([R, C], or
     [Rp, C] for axis 0), and the decode global. values * global is the dequantized operand; a GEMM over two such
     operands with fp32 accumulation, scaled by the product of their globals, is the NVFP4 GEMM (the nvfp4 recipe's
     operands on GPUs without FP4 tensor cores). Stochastic draws are indexed in the quantized tensor (x^T for
     axis 0)."""
     t = nvfp4_operand(x, axis, signs)
-    q = quantize_nvfp4(t, four_over_six=four_over_six, rule=rule, stochastic=stochastic, seed=seed, amax=amax)
+    q = quantize_nvfp4(t, block_2d=axis == 2, four_over_six=four_over_six, rule=rule, stochastic=stochastic, seed=seed,
+                       amax=amax)
     one = torch.ones((), dtype=torch.float32, device=x.device)
     v = dequantize_nvfp4(q.packed, q.block_scale, one, torch.bfloat16)
     return (v.t().contiguous() if axis == 0 else v), q.global_scale
+
+
+def mm_qdq(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """cast((a @ b) * (ga * gb) + bias, out_dtype) for two qdq_nvfp4 operands a [M, K], b [K, N] (e2m1 * s_blk) and
+    their decode globals: the NVFP4 GEMM (fp32 products and sums, the globals' product applied once, the bias added
+    in fp32, one rounding). A GPU kernel differs by fp32 summation order only."""
+    out = (a.float() @ b.float()) * (ga.float() * gb.float()).reshape(())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

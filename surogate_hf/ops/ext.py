@@ -34,8 +34,9 @@ _lib.define("ext_transpose_bytes(Tensor x) -> Tensor")
 _lib.define("ext_fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool transpose_w, int recipe_a, int recipe_b) "
             "-> Tensor")
 _lib.define("ext_nvfp4_amax(Tensor x, Tensor? signs, int axis) -> Tensor")
-_lib.define("ext_nvfp4_qdq(Tensor x, Tensor amax, Tensor? signs, int axis, bool four_over_six, int rule, bool stochastic, "
-            "int seed) -> (Tensor, Tensor)")
+_lib.define("ext_nvfp4_qdq(Tensor x, Tensor? amax, Tensor? signs, int axis, bool four_over_six, int rule, "
+            "bool stochastic, int seed) -> (Tensor, Tensor)")
+_lib.define("ext_nvfp4_gemm(Tensor a, Tensor b, Tensor ga, Tensor gb, Tensor? bias, ScalarType out_dtype) -> Tensor")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
 
@@ -146,9 +147,10 @@ def _(x, signs, axis):
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_qdq", "CompositeExplicitAutograd", lib=_lib)
-def _ext_nvfp4_qdq(x: Tensor, amax: Tensor, signs: Tensor | None, axis: int, four_over_six: bool, rule: int,
+def _ext_nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, four_over_six: bool, rule: int,
                    stochastic: bool, seed: int) -> tuple[Tensor, Tensor]:
-    """surogate::nvfp4_qdq with the 4/6 rule as its index in NVFP4_RULES."""
+    """surogate::nvfp4_qdq with the 4/6 rule as its index in NVFP4_RULES (amax None: the operand's own, taken in the
+    same call)."""
     return torch.ops.surogate.nvfp4_qdq(x, amax, signs, axis, four_over_six, NVFP4_RULES[rule], stochastic, seed)
 
 
@@ -159,6 +161,19 @@ def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
     return x.new_empty((rows, c), dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
+@torch.library.impl(f"{NS}::ext_nvfp4_gemm", "CompositeExplicitAutograd", lib=_lib)
+def _ext_nvfp4_gemm(a: Tensor, b: Tensor, ga: Tensor, gb: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """cast((a @ b) * (ga * gb) + bias.f32, out_dtype): the NVFP4 GEMM over two nvfp4_qdq operands (bf16 values that
+    hold e2m1 * s_blk exactly, ga / gb their decode globals); fp32 accumulation, the globals' product applied once,
+    one rounding. The CUDA kernel differs by fp32 summation order only."""
+    return F.mm_qdq(a, b, ga, gb, bias, out_dtype)
+
+
+@torch.library.register_fake(f"{NS}::ext_nvfp4_gemm", lib=_lib)
+def _(a, b, ga, gb, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
 ext_fp8_cast_transpose_amax = torch.ops.surogate.ext_fp8_cast_transpose_amax.default
 ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
@@ -166,3 +181,4 @@ ext_transpose_bytes = torch.ops.surogate.ext_transpose_bytes.default
 ext_fp8_block_gemm = torch.ops.surogate.ext_fp8_block_gemm.default
 ext_nvfp4_amax = torch.ops.surogate.ext_nvfp4_amax.default
 ext_nvfp4_qdq = torch.ops.surogate.ext_nvfp4_qdq.default
+ext_nvfp4_gemm = torch.ops.surogate.ext_nvfp4_gemm.default

@@ -120,7 +120,8 @@ def _(packed, block_scale, global_scale, out_dtype):
 @torch.library.custom_op(f"{NS}::nvfp4_amax", mutates_args=())
 def nvfp4_amax(x: Tensor, signs: Tensor | None, axis: int) -> Tensor:
     """fp32 amax (0-dim) of the NVFP4 operand of the 2-D x with blocks along `axis` (formats.nvfp4.nvfp4_operand:
-    axis 0 zero-pads and transposes, `signs` applies the random Hadamard transform); NaN propagates."""
+    axis 0 zero-pads and transposes, axis 2 takes 16x16 tiles, `signs` applies the random Hadamard transform); NaN
+    propagates."""
     t = F.nvfp4_operand(x, axis, signs)
     return t.float().abs().amax() if t.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
@@ -131,10 +132,10 @@ def _(x, signs, axis):
 
 
 @torch.library.custom_op(f"{NS}::nvfp4_qdq", mutates_args=())
-def nvfp4_qdq(x: Tensor, amax: Tensor, signs: Tensor | None, axis: int, four_over_six: bool, rule: str,
+def nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, four_over_six: bool, rule: str,
               stochastic: bool, seed: int) -> tuple[Tensor, Tensor]:
     """formats.nvfp4.qdq_nvfp4: (e2m1 * s_blk in bf16, laid out like x ([R, C], or [ceil16(R), C] for axis 0), the
-    decode global) of x's NVFP4 operand under the global scale of `amax`."""
+    decode global) of x's NVFP4 operand under the global scale of `amax` (None: the operand's own amax)."""
     return F.qdq_nvfp4(x, amax, axis=axis, signs=signs, four_over_six=four_over_six, rule=rule,
                        stochastic=stochastic, seed=seed)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import formats as F
-from ..kernels import probe
+from ..ops import ext as _ext_ops  # noqa: F401  (registers ext_nvfp4_gemm)
 from ..ops import quant as _quant_ops  # noqa: F401  (registers quantize_nvfp4, nvfp4_qdq, rht)
 from .fp8_hybrid import warn_emulation_once
 
@@ -43,34 +43,32 @@ def sr_seed(base_seed: int, index: int, step: int, role: int) -> int:
     return F.rng.hash32_int(F.rng.hash32_int(base_seed, index), step * 2 + role)
 
 
+def _cuda_eager(t: torch.Tensor) -> bool:
+    return t.is_cuda and not torch.compiler.is_compiling()
+
+
 def qdq(t: torch.Tensor, axis: int, fos: bool, rule: str, stochastic: bool = False, seed: int = 0, signs=None):
-    """(e2m1 * s_blk in bf16, decode global) of t's NVFP4 operand with 1x16 blocks along `axis` (formats.nvfp4.
-    qdq_nvfp4): one amax pass and one quantize pass over t on the GPU (kernels.nvfp4_qdq)."""
-    amax = torch.ops.surogate.nvfp4_amax(t, signs, axis)
-    return torch.ops.surogate.nvfp4_qdq(t, amax, signs, axis, fos, rule, stochastic, seed)
-
-
-def weight_qdq(w: torch.Tensor, fos: bool, rule: str):
-    """(e2m1 * s_blk in bf16 [N, K], decode global) of the weight in 16x16 blocks: W and W^T quantize alike, so the
-    dgrad multiplies the transposed view of the same tensor."""
-    packed, scale, g = torch.ops.surogate.quantize_nvfp4(w, True, fos, rule, False, 0, None)
-    one = torch.ones((), dtype=torch.float32, device=w.device)
-    return torch.ops.surogate.dequantize_nvfp4(packed, scale, one, torch.bfloat16), g
+    """(e2m1 * s_blk in bf16, decode global) of t's NVFP4 operand (formats.nvfp4.qdq_nvfp4): axis 1, 1x16 blocks along
+    rows; axis 0, 16-blocks down the token axis (zero-padded); axis 2, 16x16 tiles. Eager on CUDA one call that
+    takes the amax and quantizes (kernels.nvfp4_qdq, no Python op wrapper on the path); elsewhere the op."""
+    if _cuda_eager(t):
+        return _kernels().qdq(t, None, signs, axis, fos, rule, stochastic, seed)
+    return torch.ops.surogate.nvfp4_qdq(t, None, signs, axis, fos, rule, stochastic, seed)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor, bias, out_dtype: torch.dtype):
     """cast((a @ b) * (ga * gb) + bias, out_dtype) for qdq operands a [M, K] and b [K, N] (any strides): the NVFP4
-    GEMM, exactly up to fp32 summation order (surogate::nvfp4_mm's contract). On the GPU a bf16 tensor-core GEMM
-    with fp32 output and one epilogue pass (Hopper has no FP4 tensor cores; the bf16 operands hold the FP4 values
-    exactly)."""
-    if a.is_cuda:
-        acc = torch.mm(a, b, out_dtype=torch.float32)
-        return probe.triton_kernels("triton_recipe", "the nvfp4 recipe's GEMM epilogue").scale_bias_cast(
-            acc, ga, gb, bias, out_dtype)
-    out = (a.float() @ b.float()) * (ga.float() * gb.float())
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
+    GEMM up to fp32 summation order (formats.nvfp4.mm_qdq). On the GPU one bf16 tensor-core GEMM with fp32 output
+    and one epilogue pass (Hopper has no FP4 tensor cores; the bf16 operands hold the FP4 values exactly)."""
+    if _cuda_eager(a):
+        return _kernels().gemm(a, b, ga, gb, bias, out_dtype)
+    return torch.ops.surogate.ext_nvfp4_gemm(a, b, ga.float(), gb.float(), bias, out_dtype)
+
+
+def _kernels():
+    from ..kernels import nvfp4_qdq
+
+    return nvfp4_qdq
 
 
 class NVFP4Engine:
@@ -83,14 +81,14 @@ class NVFP4Engine:
         self.seed = cfg.seed
 
     def _weight(self, owner, w):
-        """The 16x16-block quantized weight as (bf16 e2m1 * s_blk, global): built once per optimizer step (the
-        layer's weight key) and reused by micro-batches, recomputes and the dgrad."""
+        """The 16x16-tile quantized weight as (bf16 e2m1 * s_blk, global): built once per optimizer step (the
+        layer's weight key) and reused by micro-batches, recomputes and the dgrad (its transposed view)."""
         if torch.compiler.is_compiling():
-            return weight_qdq(w, self.fos, self.rule)
+            return qdq(w, 2, self.fos, self.rule)
         key = owner._weight_key()
         cached = getattr(owner, "_nvfp4_w", None)
         if cached is None or cached[0] != key:
-            cached = owner._nvfp4_w = (key, weight_qdq(w, self.fos, self.rule))
+            cached = owner._nvfp4_w = (key, qdq(w, 2, self.fos, self.rule))
         return cached[1]
 
     def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):

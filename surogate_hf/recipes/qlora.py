@@ -39,7 +39,6 @@ from .norm import input_handoff
 from .nvfp4 import ROLE_DGRAD, sr_seed
 from .nvfp4 import gemm as nvfp4_gemm
 from .nvfp4 import qdq as nvfp4_qdq
-from .nvfp4 import weight_qdq as nvfp4_weight_qdq
 
 
 
@@ -137,14 +136,14 @@ class _Nvfp4:
     @staticmethod
     def forward(x2d, decode, args):
         xv, xg = nvfp4_qdq(x2d, 1, args[0], args[1])
-        wv, wg = nvfp4_weight_qdq(decode(torch.float32), args[0], args[1])
+        wv, wg = nvfp4_qdq(decode(torch.float32), 2, args[0], args[1])
         return nvfp4_gemm(xv, wv.t(), xg, wg, None, x2d.dtype)
 
     @staticmethod
     def dgrad(dy2d, decode, args):
         fos, rule, sr, seed = args
         dyv, dyg = nvfp4_qdq(dy2d, 1, fos, rule, sr, seed)
-        wv, wg = nvfp4_weight_qdq(decode(torch.float32), fos, rule)
+        wv, wg = nvfp4_qdq(decode(torch.float32), 2, fos, rule)
         return nvfp4_gemm(dyv, wv, dyg, wg, None, dy2d.dtype)
 
 

@@ -718,6 +718,10 @@ QDQ_CASES = [
     (2048, 2048, 0, True, "abs_max", False, False),
     (3, 64, 0, False, "mse", True, True),
     (37, 45, 0, True, "mse", True, True),  # an odd width: blocks run down columns, any count of them
+    (2048, 576, 2, True, "mse", False, False),  # the training weight, 16x16 tiles
+    (160, 48, 2, True, "abs_max", False, False),
+    (32, 1152, 2, True, "mae", False, False),
+    (48, 64, 2, False, "mse", False, False),
 ]
 
 
@@ -733,7 +737,7 @@ def test_nvfp4_qdq_matches_the_reference(case, dtype, impl, monkeypatch):
     if impl == "extension":
         _built_extension()
     else:
-        monkeypatch.setattr(Q, "_impl", [(Q._triton_amax, Q._triton_qdq)])
+        monkeypatch.setattr(Q, "_impl", [(Q._triton_amax, Q._triton_qdq, Q._torch_gemm)])
     x = _rand((r, c), dtype, seed=r + c, spread=dtype != torch.float16)  # (spread values overflow fp16 to inf)
     signs = F.random_signs(11) if rht else None
     seed = 987654 if sr else 0
@@ -756,3 +760,28 @@ def test_nvfp4_qdq_extension_nan_and_misaligned_input():
     v = ops.nvfp4_qdq(xo, am, None, 0, True, "mse", True, 4)[0]
     v_ref = ops.nvfp4_qdq(xo.cpu(), am.cpu(), None, 0, True, "mse", True, 4)[0]
     assert_bits(v, v_ref, "misaligned input")
+
+
+@pytest.mark.parametrize("impl", ["extension", "triton"])
+@pytest.mark.parametrize("m, k, n, bias, out_dtype", [(333, 960, 576, True, torch.bfloat16), (16, 64, 48, False, torch.float32),
+                                                      (2048, 2048, 6144, False, torch.bfloat16)])
+def test_nvfp4_gemm_matches_the_reference(impl, m, k, n, bias, out_dtype, monkeypatch):
+    """The nvfp4 recipe's GEMM over two qdq operands (one of them a transposed view, as the forward and the wgrad pass
+    them) against formats.nvfp4.mm_qdq: fp32 summation order is the only difference, and the operands being exact,
+    so is the error bound."""
+    from surogate_hf.kernels import nvfp4_qdq as Q
+
+    if impl == "extension":
+        _built_extension()
+    else:
+        monkeypatch.setattr(Q, "_impl", [(Q._triton_amax, Q._triton_qdq, Q._torch_gemm)])
+    a, ga = ops.nvfp4_qdq(_rand((m, k), torch.bfloat16, seed=1), None, None, 1, True, "mse", False, 0)
+    w, gw = ops.nvfp4_qdq(_rand((n, k), torch.bfloat16, seed=2), None, None, 2 if n % 16 == 0 else 1, True, "mse",
+                          False, 0)
+    b = torch.randn(n) if bias else None
+    ref = F.mm_qdq(a, w.t(), ga, gw, b, out_dtype).float()
+    cuda = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    out = Q.gemm(a.to(DEV), w.to(DEV).t(), ga.to(DEV), gw.to(DEV), cuda(b), out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    bound = k * 2.0**-23 * (a.float().abs() @ w.float().abs().t()) * (ga * gw) + ref.abs() * 2.0**-7
+    assert bool(((out.float().cpu() - ref).abs() <= bound).all())
