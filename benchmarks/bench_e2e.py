@@ -184,6 +184,8 @@ SETUPS = {
                             lambda L: ours_qlora(L, "fp8", "fp8-hybrid"), "lora"),
     "ours_nf4_fp8_hybrid": ("ours nf4 QLoRA + fp8-hybrid recipe, bf16 adapters",
                             lambda L: ours_qlora(L, "nf4", "fp8-hybrid"), "lora"),
+    "ours_nvfp4_nvfp4": ("ours nvfp4 QLoRA + nvfp4 recipe, bf16 adapters (Hopper: exact FP4 operands on bf16 tensor "
+                         "cores)", lambda L: ours_qlora(L, "nvfp4", "nvfp4"), "lora"),
     "ours_nf4": ("ours nf4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nf4"), "lora"),
     "ours_nf4_fp32_adapters": ("ours nf4 QLoRA, fp32 adapters", lambda L: ours_qlora(L, "nf4", lora_dtype=torch.float32),
                                "lora"),
@@ -225,6 +227,7 @@ TARGETS = {
     "ours_nf4_stock_norms": [("peft_bf16", 1.0)],
     "ours_fp8_fp8_hybrid": [("peft_bf16", 1.25)],
     "ours_nf4_fp8_hybrid": [("peft_bf16", 1.0)],
+    "ours_nvfp4_nvfp4": [("peft_bf16", 0.8), ("ours_nvfp4", 0.8)],
     "ours_nf4_compiled": [("peft_bf16_compiled", 1.0), ("bnb_nf4", 1.5)],
     "ours_nvfp4": [("peft_bf16", 1.0)],
     "ours_mxfp4": [("peft_bf16", 1.0), ("ours_nvfp4", 1.0)],
