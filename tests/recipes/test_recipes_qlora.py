@@ -211,9 +211,10 @@ def test_qlora_recipe_compiles_fullgraph_and_trains_like_eager(fmt, recipe, kw):
                 layer.compile(fullgraph=True)
         losses = _train_lora(model, 3)
         runs.append(losses)
-    # blockwise scales every 1x128 tile by its own amax (current scaling): fp32 reassociation in the compiled adapters
-    # moves a tile's scale and flips codes, which three steps at lr 1e-2 carry to ~1.5e-3 of the loss
-    assert runs[1] == pytest.approx(runs[0], rel=3e-3 if kw.get("fp8_scaling") == "blockwise" else 1e-3)
+    # fp32 reassociation in the compiled adapters moves amaxes by an ulp; blockwise scales every 1x128 tile by its own
+    # amax (current scaling), which flips codes, and three steps at lr 1e-2 carry that to ~1.5e-3 of the loss. Delayed
+    # per-tensor scaling moves less, but a full CI run once read 1.07e-3 at step 3 (mxfp4 base; 5e-4 in isolation)
+    assert runs[1] == pytest.approx(runs[0], rel=3e-3 if kw.get("fp8_scaling") == "blockwise" else 2e-3)
 
 
 def test_nvfp4_base_recompute_reuses_the_forward_draw():
