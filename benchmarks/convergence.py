@@ -26,6 +26,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
                               the 18 stay in bf16: recipes.config.NVFP4_BF16_ENDS)
     full-nvfp4-{no46,nosr,norht,allfp4}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
                               Hadamard transform, or with every block in FP4 (ablation)
+    full-nvfp4-{w2d,w1d,w1d-allfp4}   weights in 16x16 tiles or in 1x16 blocks along each GEMM's reduction dim
+                              (fp4_weight_blocks), the latter also with every block in FP4
 
 Output: a table of final validation loss and the gap in % to the reference, and
 benchmarks/results/convergence.json (curves) and convergence.png (plot); --out changes the stem.
@@ -75,6 +77,10 @@ FULL_SETUPS = {
     "full-nvfp4-nosr": ("nvfp4", {"no_fp4_stochastic_rounding": True}),
     "full-nvfp4-norht": ("nvfp4", {"fp4_rht": False}),
     "full-nvfp4-allfp4": ("nvfp4", {"skip_quant_first_layers": 0, "skip_quant_last_layers": 0}),
+    "full-nvfp4-w2d": ("nvfp4", {"fp4_weight_blocks": "2d"}),
+    "full-nvfp4-w1d": ("nvfp4", {"fp4_weight_blocks": "1d"}),
+    "full-nvfp4-w1d-allfp4": ("nvfp4", {"fp4_weight_blocks": "1d", "skip_quant_first_layers": 0,
+                                        "skip_quant_last_layers": 0}),
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 

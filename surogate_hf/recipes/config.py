@@ -42,7 +42,10 @@ _FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", 
 FP8_SMALL_LINEAR = (1024, 4096)
 _DELAYED_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
 FP8_SCALINGS = ("delayed", "blockwise")
-_FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht")
+_FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht", "fp4_weight_blocks")
+# "2d": 16x16 weight tiles, W and W^T quantize alike (NVIDIA's NVFP4 pretraining recipe); "1d": 1x16 blocks along the
+# reduction dim of each GEMM, the forward's W along K and the dgrad's along N (two quantizations of the weight)
+FP4_WEIGHT_BLOCKS = ("2d", "1d")
 _KNOB_ALIASES = {"fp8_amax_history": "amax_history_len"}
 
 # The nvfp4 recipe's default share of decoder layers kept in model_dtype, (first, last), rounded to whole layers.
@@ -93,6 +96,7 @@ class RecipeConfig:
     four_over_six_rule: str = "mse"
     no_fp4_stochastic_rounding: bool = False
     fp4_rht: bool = True
+    fp4_weight_blocks: str = "2d"
     seed: int = 0
     # swap transformers' RMSNorms for recipes.norm.FusedRMSNorm (one kernel each way; hands its FP8-cast output
     # to the FP8 linears it feeds); same weights, same state_dict keys, same formula
@@ -168,6 +172,8 @@ class RecipeConfig:
                 raise ValueError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
+        if self.fp4_weight_blocks not in FP4_WEIGHT_BLOCKS:
+            raise ValueError(f"fp4_weight_blocks={self.fp4_weight_blocks!r} is unknown; choose one of {FP4_WEIGHT_BLOCKS}")
         if self.four_over_six_rule not in FOUR_OVER_SIX_RULES:
             raise ValueError(f"four_over_six_rule={self.four_over_six_rule!r} is unknown; choose one of {FOUR_OVER_SIX_RULES}")
         for knob in ("skip_quant_first_layers", "skip_quant_last_layers"):

@@ -15,7 +15,9 @@ wgrad operands are quantized along the token axis in place of a transposed copy,
 in the same pass. The GEMM is then a bf16 tensor-core GEMM with fp32 output, scaled by the product of the two
 globals and rounded once (`gemm`): the NVFP4 GEMM up to fp32 summation order. The weight is quantized once per
 optimizer step in 16x16 blocks and cached as bf16 (2 bytes per parameter, like the fp8 recipe's E4M3 weight and
-its transpose); the dgrad multiplies its transposed view.
+its transpose); the dgrad multiplies its transposed view. With fp4_weight_blocks="1d" the forward's weight is
+quantized in 1x16 blocks along K and the dgrad's along N (two caches): finer scales than 16x16 tiles at the price
+of W and W^T no longer holding the same values.
 
 Stochastic rounding is replayable: the seed of each draw is a hash of (config seed, the layer's
 index, the layer's step counter, the role); the step counter is a persistent buffer, so a resumed
@@ -78,24 +80,38 @@ class NVFP4Engine:
         self.fos, self.rule = cfg.four_over_six, cfg.four_over_six_rule
         self.sr = not cfg.no_fp4_stochastic_rounding
         self.rht = cfg.fp4_rht
+        self.weight_1d = cfg.fp4_weight_blocks == "1d"
         self.seed = cfg.seed
 
-    def _weight(self, owner, w):
-        """The 16x16-tile quantized weight as (bf16 e2m1 * s_blk, global): built once per optimizer step (the
-        layer's weight key) and reused by micro-batches, recomputes and the dgrad (its transposed view)."""
-        if torch.compiler.is_compiling():
+    def _quantize_weight(self, w, dgrad: bool):
+        """(bf16 e2m1 * s_blk, global) of the weight operand of the forward (dgrad=False) or of the dgrad: 16x16 tiles
+        serve both (the dgrad multiplies the transposed view); 1D blocks run along each GEMM's reduction dim, K for
+        the forward and N (down W's columns, laid out as W) for the dgrad."""
+        if not self.weight_1d:
             return qdq(w, 2, self.fos, self.rule)
+        return qdq(w, 0 if dgrad else 1, self.fos, self.rule)
+
+    def _weight(self, owner, w, dgrad: bool):
+        """The quantized weight operand, built once per optimizer step (the layer's weight key) and reused by
+        micro-batches, recomputes and (16x16 tiles) the dgrad."""
+        if torch.compiler.is_compiling():
+            return self._quantize_weight(w, dgrad)
         key = owner._weight_key()
         cached = getattr(owner, "_nvfp4_w", None)
         if cached is None or cached[0] != key:
-            cached = owner._nvfp4_w = (key, qdq(w, 2, self.fos, self.rule))
-        return cached[1]
+            cached = owner._nvfp4_w = [key, None, None]
+        slot = 2 if dgrad and self.weight_1d else 1
+        if cached[slot] is None:
+            cached[slot] = self._quantize_weight(w, dgrad)
+        return cached[slot]
 
     def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):
         warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
         xv, xg = qdq(x, 1, self.fos, self.rule)
-        wv, wg = self._weight(owner, w)
+        wv, wg = self._weight(owner, w, False)
         y = gemm(xv, wv.t(), xg, wg, bias, x.dtype)
+        if need_dx and self.weight_1d:
+            wv, wg = self._weight(owner, w, True)
         return y, (x, wv, wg, owner.fwd_sr_step)
 
     def backward(self, owner, dy, saved, need_dx, need_dw):

@@ -129,21 +129,23 @@ class _Fp8Blockwise:
 
 
 class _Nvfp4:
-    """nvfp4 recipe: FP4 x (1x16, RNE) x W (16x16 blocks of the decoded weight); dgrad FP4 dy (1x16, stochastic
-    rounding with the seed in args, or RNE) x the same W transposed. args = (four_over_six, rule, sr, dgrad seed).
+    """nvfp4 recipe: FP4 x (1x16, RNE) x W (16x16 tiles of the decoded weight, or 1x16 along K with
+    fp4_weight_blocks="1d"); dgrad FP4 dy (1x16, stochastic rounding with the seed in args, or RNE) x the same tiles
+    transposed (or W in 1x16 blocks along N). args = (four_over_six, rule, sr, dgrad seed, 1d weight blocks).
     Operands as recipes.nvfp4 makes them (bf16 e2m1 * s_blk, one GEMM with the globals in its epilogue)."""
 
     @staticmethod
     def forward(x2d, decode, args):
-        xv, xg = nvfp4_qdq(x2d, 1, args[0], args[1])
-        wv, wg = nvfp4_qdq(decode(torch.float32), 2, args[0], args[1])
+        fos, rule, _, _, w1d = args
+        xv, xg = nvfp4_qdq(x2d, 1, fos, rule)
+        wv, wg = nvfp4_qdq(decode(torch.float32), 1 if w1d else 2, fos, rule)
         return nvfp4_gemm(xv, wv.t(), xg, wg, None, x2d.dtype)
 
     @staticmethod
     def dgrad(dy2d, decode, args):
-        fos, rule, sr, seed = args
+        fos, rule, sr, seed, w1d = args
         dyv, dyg = nvfp4_qdq(dy2d, 1, fos, rule, sr, seed)
-        wv, wg = nvfp4_qdq(decode(torch.float32), 2, fos, rule)
+        wv, wg = nvfp4_qdq(decode(torch.float32), 0 if w1d else 2, fos, rule)
         return nvfp4_gemm(dyv, wv, dyg, wg, None, dy2d.dtype)
 
 
@@ -252,7 +254,7 @@ class BaseRecipeGemm:
                 else:
                     seed = self.last_seed = sr_seed(self.cfg.seed, self.index, self.sr_step, ROLE_DGRAD)
                     self.sr_step += 1
-            args = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr, seed)
+            args = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr, seed, self.cfg.fp4_weight_blocks == "1d")
         else:
             st = self.state
             compiling = torch.compiler.is_compiling()
