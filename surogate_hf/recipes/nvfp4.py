@@ -1,8 +1,9 @@
 """NVFP4 GEMMs of the nvfp4 recipe (emulated exactly where no native FP4 GEMM exists).
 
-forward  y  = x W^T   : x in 1x16 blocks (RNE), W in 2D 16x16 blocks (RNE)
-dgrad    dx = dy W    : dy in 1x16 blocks (stochastic rounding), W^T = the forward's 2D-quantized W
-                        transposed (16x16 tiles make W and W^T quantize to the same values)
+forward  y  = x W^T   : x in 1x16 blocks (RNE), W in 1x16 blocks along K (RNE)
+dgrad    dx = dy W    : dy in 1x16 blocks (stochastic rounding), W in 1x16 blocks along N (RNE)
+                        With fp4_weight_blocks="2d" (NVIDIA's pretraining recipe) W is quantized once in 16x16
+                        tiles and the dgrad multiplies the same values transposed.
 wgrad    dW = dy^T x  : reduction over tokens; both operands get the random Hadamard transform along
                         tokens (cancels exactly in the product), then 1x16 blocks, dy^T with
                         stochastic rounding, x^T with RNE. The token count is zero-padded to a multiple
@@ -13,11 +14,10 @@ Each operand takes one amax pass and one quantize pass (surogate::nvfp4_amax / n
 that writes the values the FP4 GEMM operand holds, e2m1 * s_blk, as bf16: exact (at most 5 significant bits). The
 wgrad operands are quantized along the token axis in place of a transposed copy, the transform and the padding done
 in the same pass. The GEMM is then a bf16 tensor-core GEMM with fp32 output, scaled by the product of the two
-globals and rounded once (`gemm`): the NVFP4 GEMM up to fp32 summation order. The weight is quantized once per
-optimizer step in 16x16 blocks and cached as bf16 (2 bytes per parameter, like the fp8 recipe's E4M3 weight and
-its transpose); the dgrad multiplies its transposed view. With fp4_weight_blocks="1d" the forward's weight is
-quantized in 1x16 blocks along K and the dgrad's along N (two caches): finer scales than 16x16 tiles at the price
-of W and W^T no longer holding the same values.
+globals and rounded once (`gemm`): the NVFP4 GEMM up to fp32 summation order. The weight operands are
+quantized once per optimizer step and cached as bf16: along K for the forward and along N for the dgrad (4 bytes per
+parameter; finer scales than 16x16 tiles at the price of W and W^T no longer holding the same values), or with
+fp4_weight_blocks="2d" one 16x16-tile copy whose transposed view serves the dgrad (2 bytes per parameter).
 
 Stochastic rounding is replayable: the seed of each draw is a hash of (config seed, the layer's
 index, the layer's step counter, the role); the step counter is a persistent buffer, so a resumed

@@ -12,7 +12,7 @@ forward asks it first. Per recipe:
 | fp8-hybrid, fp8_scaling delayed | E4M3 x (its state row) x E4M3 W (the decoded weight, its own row) | E5M2 dy x E4M3 W^T |
 | fp8-hybrid, fp8_scaling blockwise | x 1x128 tiles x W 128x128 blocks of the decoded weight | dy 1x128 tiles x W |
 | either FP8 scaling, on a 128x128 fp8 base | the format's own W8A8 GEMM: x 1x128 E4M3 tiles x the stored blocks | dy 1x128 E4M3 tiles x W |
-| nvfp4 | x NVFP4 1x16 (RNE) x W NVFP4 16x16 blocks (of the decoded weight) | dy NVFP4 1x16 (stochastic rounding) x W^T |
+| nvfp4 | x NVFP4 1x16 (RNE) x W NVFP4 (the decoded weight, 1x16 along K; fp4_weight_blocks="2d": 16x16 tiles) | dy NVFP4 1x16 (stochastic rounding) x W (1x16 along N; 2d: the tiles transposed) |
 
 The bf16 recipe keeps the format's own weight-only GEMM where it already is that (nvfp4 / mxfp4 / nf4 bases with
 bf16 activations and bf16 gradients); an fp8 base under the bf16 recipe leaves W8A8 for the weight-only GEMM.

@@ -98,18 +98,21 @@ def test_fp8_matmul_with_float_backward():
     assert mod.fp8_history()[2].abs().sum() == 0 and mod.fp8_history()[0, 0] > 0  # no gradient cast happened
 
 
-@pytest.mark.parametrize("rht, sr", [(True, True), (False, False)])
-def test_nvfp4_matches_reference(rht, sr):
-    mod = make("nvfp4", fp4_rht=rht, no_fp4_stochastic_rounding=not sr, seed=3)
+@pytest.mark.parametrize("rht, sr, blocks", [(True, True, "1d"), (False, False, "1d"), (True, True, "2d")])
+def test_nvfp4_matches_reference(rht, sr, blocks):
+    mod = make("nvfp4", fp4_rht=rht, no_fp4_stochastic_rounding=not sr, seed=3, fp4_weight_blocks=blocks)
     x, dy = data()
     y, dx, dw, db = run(mod, x, dy)
     step = 0  # the first training forward
     fq = lambda t, **kw: F.fake_quantize_nvfp4(t.float(), out_dtype=torch.float32, **kw)  # noqa: E731
     w = mod.weight.detach()
-    xd, wd = fq(x.reshape(M, K)), fq(w, block_2d=True)
+    # the weight operand of each GEMM: 16x16 tiles for both, or 1x16 blocks along its reduction dim (K, then N)
+    wd = fq(w, block_2d=True) if blocks == "2d" else fq(w)
+    wd_dgrad = wd if blocks == "2d" else fq(w.t()).t()
+    xd = fq(x.reshape(M, K))
     close(y.reshape(M, N), xd @ wd.t() + mod.bias.detach(), 10.0)
     dyd = fq(dy.reshape(M, N), stochastic=sr, seed=sr_seed(3, 0, step, 0) if sr else 0)
-    close(dx.reshape(M, K), dyd @ wd, 1e-3)
+    close(dx.reshape(M, K), dyd @ wd_dgrad, 1e-3)
     a, b = dy.reshape(M, N).t(), x.reshape(M, K).t()
     if rht:
         signs = F.random_signs(3)

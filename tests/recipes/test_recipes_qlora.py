@@ -120,23 +120,26 @@ def test_fp8_recipes_keep_a_128x128_fp8_base_on_its_own_gemm(scaling):
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
+@pytest.mark.parametrize("blocks", ["1d", "2d"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_nvfp4_recipe_on_any_base(fmt):
+def test_nvfp4_recipe_on_any_base(fmt, blocks):
     model, base = _base(fmt)
     x, dy = _inputs()
-    R.apply_recipe(model, "nvfp4", model_dtype="bf16", no_fp4_stochastic_rounding=True)
+    R.apply_recipe(model, "nvfp4", model_dtype="bf16", no_fp4_stochastic_rounding=True, fp4_weight_blocks=blocks)
     assert base.recipe_gemm.kind == "nvfp4"
     y, dx = _run(base, x, dy)
     w = base.dequantize(torch.float32)
-    wq = F.quantize_nvfp4(w, block_2d=True)
-    xq = F.quantize_nvfp4(x.reshape(-1, 256))
-    ref = torch.ops.surogate.nvfp4_mm(*xq, *wq, None, torch.bfloat16)
-    assert torch.equal(y.reshape(-1, 160), ref)
     dq = F.quantize_nvfp4(dy.reshape(-1, 160))
-    # W^T of the 2D-block weight: 16x16 tiles, so the transposed codes keep their tile scales
-    codes_t = F.unpack_e2m1(wq.packed).t().contiguous()
-    scale_t = wq.block_scale[::16].t().repeat_interleave(16, dim=0).contiguous()
-    wt = (F.pack_e2m1(codes_t), scale_t, wq.global_scale)
+    xq = F.quantize_nvfp4(x.reshape(-1, 256))
+    if blocks == "2d":
+        wq = F.quantize_nvfp4(w, block_2d=True)
+        # W^T of the 2D-block weight: 16x16 tiles, so the transposed codes keep their tile scales
+        codes_t = F.unpack_e2m1(wq.packed).t().contiguous()
+        scale_t = wq.block_scale[::16].t().repeat_interleave(16, dim=0).contiguous()
+        wt = (F.pack_e2m1(codes_t), scale_t, wq.global_scale)
+    else:  # 1x16 blocks along each GEMM's reduction dim: K for the forward, N for the dgrad
+        wq, wt = F.quantize_nvfp4(w), F.quantize_nvfp4(w.t())
+    assert torch.equal(y.reshape(-1, 160), torch.ops.surogate.nvfp4_mm(*xq, *wq, None, torch.bfloat16))
     assert torch.equal(dx.reshape(-1, 256), torch.ops.surogate.nvfp4_mm(*dq, *wt, None, torch.bfloat16))
 
 
