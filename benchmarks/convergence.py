@@ -28,6 +28,7 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
                               Hadamard transform, or with every block in FP4 (ablation)
     full-nvfp4-{w2d,w1d,w1d-allfp4}   weights in 16x16 tiles or in 1x16 blocks along each GEMM's reduction dim
                               (fp4_weight_blocks), the latter also with every block in FP4
+    full-nvfp4-absmax         the nvfp4 recipe choosing 4/6 by the block's largest error instead of its squared sum
 
 Output: a table of final validation loss and the gap in % to the reference, and
 benchmarks/results/convergence.json (curves) and convergence.png (plot); --out changes the stem.
@@ -81,6 +82,7 @@ FULL_SETUPS = {
     "full-nvfp4-w1d": ("nvfp4", {"fp4_weight_blocks": "1d"}),
     "full-nvfp4-w1d-allfp4": ("nvfp4", {"fp4_weight_blocks": "1d", "skip_quant_first_layers": 0,
                                         "skip_quant_last_layers": 0}),
+    "full-nvfp4-absmax": ("nvfp4", {"four_over_six_rule": "abs_max"}),
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 
