@@ -274,6 +274,10 @@ def nvfp4_mm(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out
                                                               b_global, bias, out_dtype)
 
 
+def nvfp4_qdq_mm(a, b, ga, gb, bias, out_dtype):
+    return _nvfp4_qdq.gemm(a, b, ga, gb, bias, out_dtype)
+
+
 def fp8_tiles_wgrad(dy, x, tile, out_dtype):
     wg = _load(".triton_fp8_wgrad")
     if tile not in wg.TILES:  # (the recipe uses 128)
@@ -295,7 +299,7 @@ _LINEAR = (
     "fp8_block_linear", "fp8_block_linear_dgrad", "nvfp4_linear", "nvfp4_linear_dgrad", "mxfp4_linear",
     "mxfp4_linear_dgrad", "nf4_linear", "nf4_linear_dgrad",
 )
-_RECIPE = ("fp8_scaled_mm", "nvfp4_mm", "fp8_tiles_wgrad")
+_RECIPE = ("fp8_scaled_mm", "nvfp4_mm", "nvfp4_qdq_mm", "fp8_tiles_wgrad")
 
 
 def registered_ops() -> tuple[str, ...]:

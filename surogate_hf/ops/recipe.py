@@ -109,6 +109,20 @@ def _(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype)
     return a_packed.new_empty((a_packed.shape[0], b_packed.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op(f"{NS}::nvfp4_qdq_mm", mutates_args=())
+def nvfp4_qdq_mm(a: Tensor, b: Tensor, ga: Tensor, gb: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """formats.nvfp4.mm_qdq: cast((a @ b) * (ga * gb) + bias.f32, out_dtype) for two surogate::nvfp4_qdq operands (bf16
+    values that hold e2m1 * s_blk exactly; ga / gb their decode globals), a [M, K], b [K, N] of any strides. The NVFP4
+    GEMM up to fp32 summation order."""
+    with _no_autocast(a.device):
+        return F.mm_qdq(a, b, ga, gb, bias, out_dtype)
+
+
+@nvfp4_qdq_mm.register_fake
+def _(a, b, ga, gb, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 @torch.library.custom_op(f"{NS}::delayed_scaling_update", mutates_args=("history", "scale"))
 def delayed_scaling_update(history: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, margin: int,
                            use_max: bool) -> None:

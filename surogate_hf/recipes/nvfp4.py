@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 
 from .. import formats as F
-from ..ops import ext as _ext_ops  # noqa: F401  (registers ext_nvfp4_gemm)
 from ..ops import quant as _quant_ops  # noqa: F401  (registers quantize_nvfp4, nvfp4_qdq, rht)
+from ..ops import recipe as _recipe_ops  # noqa: F401  (registers nvfp4_qdq_mm)
 from .fp8_hybrid import warn_emulation_once
 
 ROLE_DGRAD, ROLE_WGRAD = 0, 1
@@ -64,7 +64,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor, b
     and one epilogue pass (Hopper has no FP4 tensor cores; the bf16 operands hold the FP4 values exactly)."""
     if _cuda_eager(a):
         return _kernels().gemm(a, b, ga, gb, bias, out_dtype)
-    return torch.ops.surogate.ext_nvfp4_gemm(a, b, ga.float(), gb.float(), bias, out_dtype)
+    return torch.ops.surogate.nvfp4_qdq_mm(a, b, ga, gb, bias, out_dtype)
 
 
 def _kernels():

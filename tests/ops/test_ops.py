@@ -52,6 +52,8 @@ def _cases():
         ("quantize_fp8_tensorwise_t", O.quantize_fp8_tensorwise_t, (x, torch.tensor(3.0), F.E4M3), ALL),
         ("fp8_scaled_mm", O.fp8_scaled_mm, (F.cast_to_fp8(x), wq, torch.tensor(0.5), torch.tensor(2.0), None,
                                             torch.bfloat16), NO_SCHEMA),
+        ("nvfp4_qdq_mm", O.nvfp4_qdq_mm, (x, w.t(), torch.tensor(0.5), torch.tensor(3.0), torch.randn(160),
+                                          torch.bfloat16), NO_SCHEMA),
         ("fp8_tiles_wgrad", O.fp8_tiles_wgrad, (dy, x, 128, torch.float32), ALL),
         ("nvfp4_mm", O.nvfp4_mm, (*F.quantize_nvfp4(x.float()), *nv, None, torch.float32), NO_SCHEMA),
         # the native extension's ops (their CUDA kernels come from csrc/; here their references)

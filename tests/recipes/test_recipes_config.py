@@ -53,6 +53,7 @@ def test_fallback_chain():
         (dict(recipe="fp8-hybrid", amax_compute_algo="mean"), "amax_compute_algo"),
         (dict(recipe="fp8-hybrid", margin=-1), "margin"),
         (dict(recipe="nvfp4", four_over_six_rule="l3"), "four_over_six_rule"),
+        (dict(recipe="nvfp4", fp4_weight_blocks="3d"), "fp4_weight_blocks"),
         (dict(recipe="nvfp4", skip_quant_first_layers=-1), "skip_quant_first_layers"),
         (dict(recipe="fp4"), "recipe"),
         (dict(recipe="fp8-hybrid", quantize_lora_adapters="yes"), "quantize_lora_adapters"),
@@ -68,6 +69,7 @@ def test_bad_knobs_name_the_knob(kwargs, knob):
     [
         ("fp8-hybrid", dict(no_fp4_stochastic_rounding=True), "no_fp4_stochastic_rounding"),
         ("bf16", dict(four_over_six=False), "four_over_six"),
+        ("fp8-hybrid", dict(fp4_weight_blocks="2d"), "fp4_weight_blocks"),
         ("nvfp4", dict(margin=1), "margin"),
         ("nvfp4", dict(fp8_amax_history=4), "fp8_amax_history"),
         ("bf16", dict(amax_histroy_len=4), "amax_histroy_len"),

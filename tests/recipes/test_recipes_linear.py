@@ -126,6 +126,28 @@ def test_nvfp4_matches_reference(rht, sr, blocks):
     assert mod.fp4_sr_step.item() == 1
 
 
+@pytest.mark.parametrize("blocks, per_step", [("1d", 2), ("2d", 1)])
+def test_nvfp4_weight_is_quantized_once_per_optimizer_step(blocks, per_step, monkeypatch):
+    """Micro-batches reuse the quantized weight operands (1d: the forward's along K and the dgrad's along N; 2d: one
+    tile copy); an optimizer step that changes the weight makes them anew."""
+    from surogate_hf.recipes.nvfp4 import NVFP4Engine
+
+    mod = make("nvfp4", bias=False, fp4_weight_blocks=blocks)
+    calls = []
+    orig = NVFP4Engine._quantize_weight
+    monkeypatch.setattr(NVFP4Engine, "_quantize_weight", lambda self, w, dgrad: calls.append(dgrad) or orig(self, w, dgrad))
+    x, dy = data()
+    for _ in range(2):  # two micro-batches of one step
+        run(mod, x, dy)
+    assert len(calls) == per_step
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    opt.step()
+    recipe_step(mod)
+    run(mod, x, dy)
+    assert len(calls) == 2 * per_step
+    assert sorted(calls) == sorted([False, True] * 2 if blocks == "1d" else [False] * 2)
+
+
 def test_nvfp4_token_padding_and_sr_replay():
     mod = make("nvfp4", bias=False)
     x = torch.randn(5, K)  # 5 tokens: the wgrad reduction is padded to 16 with zeros
