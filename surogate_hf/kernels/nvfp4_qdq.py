@@ -22,6 +22,7 @@ from ._warn import warn_once
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _impl = []  # [(amax, qdq, gemm)], resolved at the first call
+_emulation_said: set = set()
 
 
 def check(x: torch.Tensor, signs, axis: int, stochastic: bool = False, who: str = "nvfp4_qdq") -> None:
@@ -63,10 +64,12 @@ def gemm(a, b, ga, gb, bias, out_dtype):
     """formats.nvfp4.mm_qdq on CUDA: a [M, K], b [K, N] bf16 (any strides)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"nvfp4 gemm: a [M, K] and b [K, N] expected, got {tuple(a.shape)} and {tuple(b.shape)}")
-    major = torch.cuda.get_device_capability(a.device)[0]
-    warn_once("nvfp4_gemm", f"surogate_hf: the nvfp4 recipe's GEMMs on SM{major}x run on bf16 tensor cores with "
-              "exactly decoded FP4 operands (no native FP4 GEMM: FP4 tensor cores need SM100+ and a kernel this "
-              "package lacks)")
+    if a.device not in _emulation_said:  # (once per device: this sits on every GEMM's host path)
+        _emulation_said.add(a.device)
+        major = torch.cuda.get_device_capability(a.device)[0]
+        warn_once("nvfp4_gemm", f"surogate_hf: the nvfp4 recipe's GEMMs on SM{major}x run on bf16 tensor cores with "
+                  "exactly decoded FP4 operands (no native FP4 GEMM: FP4 tensor cores need SM100+ and a kernel this "
+                  "package lacks)")
     return _get()[2](a, b, ga, gb, bias, out_dtype)
 
 
