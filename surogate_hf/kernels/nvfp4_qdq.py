@@ -64,6 +64,10 @@ def gemm(a, b, ga, gb, bias, out_dtype):
     """formats.nvfp4.mm_qdq on CUDA: a [M, K], b [K, N] bf16 (any strides)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"nvfp4 gemm: a [M, K] and b [K, N] expected, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise TypeError(f"nvfp4 gemm: the operands are nvfp4_qdq values (bfloat16), got {a.dtype} and {b.dtype}")
+    if bias is not None and bias.numel() != b.shape[1]:
+        raise ValueError(f"nvfp4 gemm: bias must have N = {b.shape[1]} entries, got shape {tuple(bias.shape)}")
     if a.device not in _emulation_said:  # (once per device: this sits on every GEMM's host path)
         _emulation_said.add(a.device)
         major = torch.cuda.get_device_capability(a.device)[0]
@@ -118,7 +122,7 @@ def _resolve():
         x = x.contiguous()
         if x.data_ptr() % 16:  # the kernels load 16 bytes at a time
             x = x.clone()
-        return x, (signs.float().contiguous() if signs is not None else None)
+        return x, (signs.to(x.device, torch.float32).contiguous() if signs is not None else None)
 
     def native_amax(x, signs, axis):
         x, signs = native_input(x, signs)
@@ -126,13 +130,15 @@ def _resolve():
 
     def native_qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed):
         x, signs = native_input(x, signs)
-        a = None if amax_t is None else amax_t.float().reshape(())
+        a = None if amax_t is None else amax_t.to(x.device, torch.float32).reshape(())
         return ext_qdq(x, a, signs, axis, four_over_six, FOUR_OVER_SIX_RULES.index(rule), stochastic, int(seed))
 
     def native_gemm(a, b, ga, gb, bias, out_dtype):
         if out_dtype not in _FLOATS or (bias is not None and bias.dtype not in _FLOATS):
             raise TypeError(f"nvfp4 gemm: out_dtype and bias must be float32/bfloat16/float16, got {out_dtype}, "
                             f"{None if bias is None else bias.dtype}")
-        return ext_gemm(a, b, ga.float(), gb.float(), bias, out_dtype)
+        dev = a.device
+        return ext_gemm(a, b, ga.to(dev, torch.float32), gb.to(dev, torch.float32),
+                        None if bias is None else bias.to(dev), out_dtype)
 
     return native_amax, native_qdq, native_gemm

@@ -49,3 +49,14 @@ def test_axis0_reference_pads_tokens_and_keeps_the_layout():
     # e2m1 * s_blk times the global is the reference's dequantized operand (x^T padded), laid out like x
     q = F.quantize_nvfp4(torch.nn.functional.pad(x.t(), (0, 11)))
     assert torch.equal((v.float() * g).t(), F.dequantize_nvfp4(*q, torch.float32))
+
+
+def test_gemm_names_bad_operands_and_bias():
+    bf = torch.bfloat16
+    one = torch.ones(())
+    with pytest.raises(TypeError, match="bfloat16"):
+        Q.gemm(torch.zeros(4, 16), torch.zeros(16, 8, dtype=bf), one, one, None, bf)
+    with pytest.raises(ValueError, match="bias must have N = 8"):
+        Q.gemm(torch.zeros(4, 16, dtype=bf), torch.zeros(16, 8, dtype=bf), one, one, torch.zeros(3), bf)
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[K, N\]"):
+        Q.gemm(torch.zeros(4, 16, dtype=bf), torch.zeros(8, 8, dtype=bf), one, one, None, bf)
