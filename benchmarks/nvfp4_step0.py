@@ -34,12 +34,12 @@ def _leave_bf16(operand: str):
     def bf16(t):
         return t.to(torch.bfloat16), torch.ones((), dtype=torch.float32, device=t.device)
 
-    def quantize_weight(self, w, dgrad):
+    def quantize_weight(self, w, dgrad, native=False):
         if operand == "w":
             return bf16(w)
         in_weight[0] = True
         try:
-            return orig_weight(self, w, dgrad)
+            return orig_weight(self, w, dgrad, native)
         finally:
             in_weight[0] = False
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -52,6 +53,25 @@ def fp8_ok() -> tuple[bool, str]:
     cap = torch.cuda.get_device_capability()
     if cap < (8, 9):
         return False, f"FP8 GEMMs need compute capability >= 8.9, this GPU has {cap[0]}.{cap[1]}"
+    return True, ""
+
+
+@functools.cache
+def fp4_ok(device_index: int = 0) -> tuple[bool, str]:
+    """Native NVFP4 GEMMs (FP4 tensor cores, cuBLASLt block-scaled torch._scaled_mm): SM 10.0+ and a torch with the
+    float4_e2m1fn_x2 dtype; SUROGATE_HF_NATIVE_FP4=0 turns them off. No GPU of ours has them (Hopper is SM 9.0):
+    the code path is written against cuBLAS's documented layout and its CPU-checkable parts are tested, but it has
+    never run."""
+    if os.environ.get("SUROGATE_HF_NATIVE_FP4", "1") == "0":
+        return False, "disabled by SUROGATE_HF_NATIVE_FP4=0"
+    ok, why = cuda_ok()
+    if not ok:
+        return ok, why
+    cap = torch.cuda.get_device_capability(device_index)
+    if cap < (10, 0):
+        return False, f"FP4 tensor cores need compute capability >= 10.0, this GPU has {cap[0]}.{cap[1]}"
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        return False, f"torch {torch.__version__} has no float4_e2m1fn_x2 dtype"
     return True, ""
 
 

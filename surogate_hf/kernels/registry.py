@@ -265,11 +265,16 @@ def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
 
 
 def nvfp4_mm(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype):
-    # No FP4 tensor cores before SM100: exact bf16 operands on the bf16 tensor cores (triton_recipe says why).
-    # A native SM100 FP4 GEMM is not written yet; say so once.
+    # FP4 tensor cores where the GPU has them (SM100+, kernels.fp4_native: written, never run here); otherwise exact
+    # bf16 operands on the bf16 tensor cores (triton_recipe says why), said once
+    native = _load(".fp4_native")
+    ok, why = native.supported(a_packed, b_packed)
+    if ok:
+        return native.nvfp4_mm(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype,
+                               _load(".triton_recipe").scale_bias_cast)
     major = torch.cuda.get_device_capability(a_packed.device)[0]
     warn_once("nvfp4_mm", f"surogate::nvfp4_mm on SM{major}x runs on bf16 tensor cores with exactly decoded FP4 "
-              "operands (no native FP4 GEMM is used; FP4 tensor cores need SM100+ and a kernel this package lacks)")
+              f"operands (no native FP4 GEMM: {why})")
     return _load(".triton_recipe").nvfp4_mm_bf16_tensor_cores(a_packed, a_scale, a_global, b_packed, b_scale,
                                                               b_global, bias, out_dtype)
 

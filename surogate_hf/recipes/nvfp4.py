@@ -23,9 +23,11 @@ Stochastic rounding is replayable: the seed of each draw is a hash of (config se
 index, the layer's step counter, the role); the step counter is a persistent buffer, so a resumed
 run draws the same numbers as the uninterrupted one.
 
-Native path: SM100+ has FP4 tensor cores that would take the packed operands (surogate::quantize_nvfp4 and
-surogate::nvfp4_mm, whose contract this path meets); no such kernel is written in this package and none could run
-here (Hopper). Everywhere a one-time warning says the recipe is emulated.
+Native path: on SM100+ (kernels.probe.fp4_ok) the operands stay packed (`packed`: surogate::quantize_nvfp4 of the
+same operand tensors, so the same values) and surogate::nvfp4_mm runs cuBLASLt's block-scaled FP4 GEMM
+(kernels.fp4_native). No GPU we can reach has FP4 tensor cores: that path is written and its plumbing checked on
+CPU against the bf16 one, but it has never run on a GPU. Everywhere else a one-time warning says the recipe is
+emulated.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from .. import formats as F
 from ..ops import quant as _quant_ops  # noqa: F401  (registers quantize_nvfp4, nvfp4_qdq, rht)
-from ..ops import recipe as _recipe_ops  # noqa: F401  (registers nvfp4_qdq_mm)
+from ..ops import recipe as _recipe_ops  # noqa: F401  (registers nvfp4_mm, nvfp4_qdq_mm)
 from .fp8_hybrid import warn_emulation_once
 
 ROLE_DGRAD, ROLE_WGRAD = 0, 1
@@ -73,6 +75,36 @@ def _kernels():
     return nvfp4_qdq
 
 
+def native_fp4(device: torch.device) -> bool:
+    """FP4 tensor cores on `device` (kernels.probe.fp4_ok: SM100+): the operands then stay packed for
+    surogate::nvfp4_mm's native GEMM. Never true on our machines (Hopper), so that path has not run on a GPU."""
+    if device.type != "cuda":
+        return False
+    from ..kernels import probe
+
+    return probe.fp4_ok(device.index or 0)[0]
+
+
+def packed(t: torch.Tensor, axis: int, fos: bool, rule: str, stochastic: bool = False, seed: int = 0, signs=None):
+    """(packed E2M1 [rows, K/2], E4M3 block scales [rows, K/16], global) of t's NVFP4 operand as surogate::nvfp4_mm
+    takes it, K being its GEMM's reduction dim: axis 1, t; axis 0, t^T with the tokens zero-padded to 16 (and
+    transformed); axis 2, t in 16x16 tiles. The same values as qdq's (formats.nvfp4.nvfp4_operand)."""
+    op = t
+    if axis == 0:
+        pad = (-t.shape[0]) % F.NVFP4_BLOCK
+        op = torch.nn.functional.pad(t.t(), (0, pad)) if pad else t.t()
+    if signs is not None:
+        op = torch.ops.surogate.rht(op, signs)
+    return torch.ops.surogate.quantize_nvfp4(op.contiguous(), axis == 2, fos, rule, stochastic, seed, None)
+
+
+def transpose_nvfp4_2d(packed_codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
+    """W^T of a 16x16-tile NVFP4 tensor (layout only: codes and tile scales move, values do not change)."""
+    codes = F.unpack_e2m1(packed_codes).t().contiguous()
+    tiles = scale[:: F.NVFP4_BLOCK].t()  # [K/16, N/16]: one scale per 16x16 tile
+    return F.pack_e2m1(codes), tiles.repeat_interleave(F.NVFP4_BLOCK, dim=0).contiguous(), global_scale
+
+
 class NVFP4Engine:
     name = "nvfp4"
 
@@ -83,48 +115,64 @@ class NVFP4Engine:
         self.weight_1d = cfg.fp4_weight_blocks == "1d"
         self.seed = cfg.seed
 
-    def _quantize_weight(self, w, dgrad: bool):
-        """(bf16 e2m1 * s_blk, global) of the weight operand of the forward (dgrad=False) or of the dgrad: 16x16 tiles
-        serve both (the dgrad multiplies the transposed view); 1D blocks run along each GEMM's reduction dim, K for
-        the forward and N (down W's columns, laid out as W) for the dgrad."""
-        if not self.weight_1d:
-            return qdq(w, 2, self.fos, self.rule)
-        return qdq(w, 0 if dgrad else 1, self.fos, self.rule)
+    def _operand(self, native: bool, t, axis, stochastic=False, seed=0, signs=None):
+        """An operand as the GEMM of this device takes it: packed for FP4 tensor cores, else bf16 e2m1 * s_blk."""
+        quantize = packed if native else qdq
+        return quantize(t, axis, self.fos, self.rule, stochastic, seed, signs)
 
-    def _weight(self, owner, w, dgrad: bool):
+    def _quantize_weight(self, w, dgrad: bool, native: bool = False):
+        """The weight operand of the forward (dgrad=False) or of the dgrad. 1D blocks run along each GEMM's reduction
+        dim: K for the forward, N for the dgrad (qdq: laid out as W; packed: as W^T, rows K). 16x16 tiles serve both:
+        the dgrad multiplies the transposed view (qdq) or the transposed codes (packed)."""
+        if self.weight_1d:
+            return self._operand(native, w, 0 if dgrad else 1)
+        tiles = self._operand(native, w, 2)
+        return transpose_nvfp4_2d(*tiles) if native and dgrad else tiles
+
+    def _weight(self, owner, w, dgrad: bool, native: bool = False):
         """The quantized weight operand, built once per optimizer step (the layer's weight key) and reused by
-        micro-batches, recomputes and (16x16 tiles) the dgrad."""
+        micro-batches, recomputes and (16x16 tiles, qdq) the dgrad."""
         if torch.compiler.is_compiling():
-            return self._quantize_weight(w, dgrad)
-        key = owner._weight_key()
+            return self._quantize_weight(w, dgrad, native)
+        key = (owner._weight_key(), native)
         cached = getattr(owner, "_nvfp4_w", None)
         if cached is None or cached[0] != key:
             cached = owner._nvfp4_w = [key, None, None]
-        slot = 2 if dgrad and self.weight_1d else 1
+        slot = 2 if dgrad and (self.weight_1d or native) else 1
         if cached[slot] is None:
-            cached[slot] = self._quantize_weight(w, dgrad)
+            cached[slot] = self._quantize_weight(w, dgrad, native)
         return cached[slot]
 
     def forward(self, owner, x, w, bias, need_dx=True, need_dw=True):
         warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
-        xv, xg = qdq(x, 1, self.fos, self.rule)
-        wv, wg = self._weight(owner, w, False)
-        y = gemm(xv, wv.t(), xg, wg, bias, x.dtype)
-        if need_dx and self.weight_1d:
-            wv, wg = self._weight(owner, w, True)
-        return y, (x, wv, wg, owner.fwd_sr_step)
+        native = native_fp4(x.device)
+        xq = self._operand(native, x, 1)
+        wq = self._weight(owner, w, False, native)
+        if native:
+            y = torch.ops.surogate.nvfp4_mm(*xq, *wq, bias, x.dtype)
+        else:
+            y = gemm(xq[0], wq[0].t(), xq[1], wq[1], bias, x.dtype)
+        if need_dx and (self.weight_1d or native):
+            wq = self._weight(owner, w, True, native)
+        return y, (x, *wq, native, owner.fwd_sr_step)
 
     def backward(self, owner, dy, saved, need_dx, need_dw):
-        x, wv, wg, step = saved
+        x, *wq, native, step = saved
         seed = lambda role: sr_seed(self.seed, owner.recipe_index, step, role) if self.sr else 0  # noqa: E731
         dx = dw = None
         if need_dx:
-            dyv, dyg = qdq(dy, 1, self.fos, self.rule, self.sr, seed(ROLE_DGRAD))
-            dx = gemm(dyv, wv, dyg, wg, None, dy.dtype)
+            dyq = self._operand(native, dy, 1, self.sr, seed(ROLE_DGRAD))
+            if native:
+                dx = torch.ops.surogate.nvfp4_mm(*dyq, *wq, None, dy.dtype)
+            else:
+                dx = gemm(dyq[0], wq[0], dyq[1], wq[1], None, dy.dtype)
         if need_dw:
             # the reduction runs over tokens: blocks along axis 0 (zero-padded to 16), the transform on both operands
             signs = owner.rht_signs if self.rht else None
-            av, ag = qdq(dy, 0, self.fos, self.rule, self.sr, seed(ROLE_WGRAD), signs)
-            bv, bg = qdq(x, 0, self.fos, self.rule, signs=signs)
-            dw = gemm(av.t(), bv, ag, bg, None, torch.float32)
+            aq = self._operand(native, dy, 0, self.sr, seed(ROLE_WGRAD), signs)
+            bq = self._operand(native, x, 0, signs=signs)
+            if native:
+                dw = torch.ops.surogate.nvfp4_mm(*aq, *bq, None, torch.float32)
+            else:
+                dw = gemm(aq[0].t(), bq[0], aq[1], bq[1], None, torch.float32)
         return dx, dw

@@ -135,7 +135,8 @@ def test_nvfp4_weight_is_quantized_once_per_optimizer_step(blocks, per_step, mon
     mod = make("nvfp4", bias=False, fp4_weight_blocks=blocks)
     calls = []
     orig = NVFP4Engine._quantize_weight
-    monkeypatch.setattr(NVFP4Engine, "_quantize_weight", lambda self, w, dgrad: calls.append(dgrad) or orig(self, w, dgrad))
+    monkeypatch.setattr(NVFP4Engine, "_quantize_weight",
+                        lambda self, w, dgrad, native=False: calls.append(dgrad) or orig(self, w, dgrad, native))
     x, dy = data()
     for _ in range(2):  # two micro-batches of one step
         run(mod, x, dy)
@@ -146,6 +147,26 @@ def test_nvfp4_weight_is_quantized_once_per_optimizer_step(blocks, per_step, mon
     run(mod, x, dy)
     assert len(calls) == 2 * per_step
     assert sorted(calls) == sorted([False, True] * 2 if blocks == "1d" else [False] * 2)
+
+
+@pytest.mark.parametrize("blocks", ["1d", "2d"])
+def test_nvfp4_packed_operands_for_fp4_tensor_cores_match_the_bf16_path(blocks, monkeypatch):
+    """On an SM100 GPU the engine keeps its operands packed for surogate::nvfp4_mm (FP4 tensor cores, a path no GPU of
+    ours can run). Forced here on CPU, where nvfp4_mm is the reference: the same quantized values, so the same
+    results as the bf16 qdq path up to fp32 summation order."""
+    import surogate_hf.recipes.nvfp4 as NV
+
+    runs = []
+    for native in (False, True):
+        monkeypatch.setattr(NV, "native_fp4", lambda device, native=native: native)
+        mod = make("nvfp4", fp4_weight_blocks=blocks, seed=5)
+        x, dy = data()
+        runs.append(run(mod, x, dy))
+        assert mod._nvfp4_w[0][1] is native  # (the cached weight operand says which path built it)
+        if native:
+            assert mod._nvfp4_w[1][0].dtype == torch.uint8  # packed E2M1 codes
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
 
 
 def test_nvfp4_token_padding_and_sr_replay():
