@@ -195,11 +195,12 @@ def fake_quantize_nvfp4(x: torch.Tensor, out_dtype=None, **kwargs) -> torch.Tens
 QDQ_AXES = (0, 1, 2)  # blocks down columns, along rows, 16 x 16 tiles
 
 
-def nvfp4_operand(x: torch.Tensor, axis: int, signs: torch.Tensor | None = None) -> torch.Tensor:
+def nvfp4_operand(x: torch.Tensor, axis: int, signs: torch.Tensor | None = None, transform=rht) -> torch.Tensor:
     """The tensor an NVFP4 GEMM operand quantizes, from a 2-D x [R, C]:
     axis 1: x itself (1D blocks along rows); axis 0: x^T with its R columns zero-padded to a multiple of 16, [C, Rp]
     (blocks down x's columns: the wgrad operands, reduced over tokens); axis 2: x itself in 16 x 16 tiles (the
-    training weight). With `signs` (axes 0 and 1), the random Hadamard transform of the 1D blocks (fp32)."""
+    training weight). With `signs` (axes 0 and 1), the random Hadamard transform of the 1D blocks (fp32), by
+    `transform(t, signs)` (a kernel's own transform can stand in for the reference's)."""
     if x.dim() != 2 or axis not in QDQ_AXES:
         raise ValueError(f"nvfp4 operand: x must be 2-D and axis 0, 1 or 2; got shape {tuple(x.shape)}, axis {axis}")
     if axis == 2 and signs is not None:
@@ -209,7 +210,7 @@ def nvfp4_operand(x: torch.Tensor, axis: int, signs: torch.Tensor | None = None)
         pad = (-x.shape[0]) % NVFP4_BLOCK
         t = torch.nn.functional.pad(x.t(), (0, pad)) if pad else x.t()
     if signs is not None:
-        t = rht(t, signs)
+        t = transform(t, signs)
     return t
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.nvfp4 import FOUR_OVER_SIX_RULES, NVFP4_BLOCK
+from ..formats.nvfp4 import FOUR_OVER_SIX_RULES, NVFP4_BLOCK, nvfp4_operand
 from . import probe
 from ._warn import warn_once
 
@@ -79,11 +79,7 @@ def gemm(a, b, ga, gb, bias, out_dtype):
 
 def _operand(x, signs, axis):
     tq = probe.triton_kernels("triton_quant", "the nvfp4 recipe's operand quantization")
-    t = x
-    if axis == 0:
-        pad = (-x.shape[0]) % NVFP4_BLOCK
-        t = torch.nn.functional.pad(x.t(), (0, pad)) if pad else x.t()
-    return (tq.rht(t, signs) if signs is not None else t.contiguous()), tq
+    return nvfp4_operand(x, axis, signs, transform=tq.rht).contiguous(), tq
 
 
 def _triton_amax(x, signs, axis):

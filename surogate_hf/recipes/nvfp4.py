@@ -89,12 +89,7 @@ def packed(t: torch.Tensor, axis: int, fos: bool, rule: str, stochastic: bool = 
     """(packed E2M1 [rows, K/2], E4M3 block scales [rows, K/16], global) of t's NVFP4 operand as surogate::nvfp4_mm
     takes it, K being its GEMM's reduction dim: axis 1, t; axis 0, t^T with the tokens zero-padded to 16 (and
     transformed); axis 2, t in 16x16 tiles. The same values as qdq's (formats.nvfp4.nvfp4_operand)."""
-    op = t
-    if axis == 0:
-        pad = (-t.shape[0]) % F.NVFP4_BLOCK
-        op = torch.nn.functional.pad(t.t(), (0, pad)) if pad else t.t()
-    if signs is not None:
-        op = torch.ops.surogate.rht(op, signs)
+    op = F.nvfp4_operand(t, axis, signs, transform=torch.ops.surogate.rht)
     return torch.ops.surogate.quantize_nvfp4(op.contiguous(), axis == 2, fos, rule, stochastic, seed, None)
 
 
