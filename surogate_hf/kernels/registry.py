@@ -265,8 +265,8 @@ def fp8_scaled_mm(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
 
 
 def nvfp4_mm(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype):
-    # FP4 tensor cores where the GPU has them (SM100+, kernels.fp4_native: written, never run here); otherwise exact
-    # bf16 operands on the bf16 tensor cores (triton_recipe says why), said once
+    # FP4 tensor cores where the GPU has them (SM100+, kernels.fp4_native: written, never run here); otherwise each
+    # operand decoded without its global (e2m1 * s_blk, exact in bf16) and the nvfp4 recipe's bf16 GEMM, said once
     native = _load(".fp4_native")
     ok, why = native.supported(a_packed, b_packed)
     if ok:
@@ -275,8 +275,10 @@ def nvfp4_mm(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out
     major = torch.cuda.get_device_capability(a_packed.device)[0]
     warn_once("nvfp4_mm", f"surogate::nvfp4_mm on SM{major}x runs on bf16 tensor cores with exactly decoded FP4 "
               f"operands (no native FP4 GEMM: {why})")
-    return _load(".triton_recipe").nvfp4_mm_bf16_tensor_cores(a_packed, a_scale, a_global, b_packed, b_scale,
-                                                              b_global, bias, out_dtype)
+    one = torch.ones((), dtype=torch.float32, device=a_packed.device)
+    a = _tq().dequantize_nvfp4(a_packed, a_scale, one, torch.bfloat16)
+    b = _tq().dequantize_nvfp4(b_packed, b_scale, one, torch.bfloat16)
+    return _nvfp4_qdq.gemm(a, b.t(), a_global, b_global, bias, out_dtype)
 
 
 def nvfp4_qdq_mm(a, b, ga, gb, bias, out_dtype):

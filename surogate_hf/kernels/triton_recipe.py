@@ -54,23 +54,6 @@ def cast_fp8_into(x2d: torch.Tensor, scale_row: torch.Tensor, amax_row_bits: tor
     return q, qt
 
 
-def nvfp4_mm_bf16_tensor_cores(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype):
-    """surogate::nvfp4_mm on GPUs without FP4 tensor cores (Hopper), exactly.
-
-    An E2M1 value times its E4M3 block scale has at most 5 significant bits and lies within bf16's range, so
-    each operand decoded without its global scale is exact in bf16. One bf16 tensor-core GEMM with fp32
-    accumulation and fp32 output, then the product of the globals, the bias and one rounding: the reference's
-    arithmetic up to fp32 summation order (what the op's docstring allows a native kernel).
-    """
-    from .triton_quant import dequantize_nvfp4
-
-    one = torch.ones((), dtype=torch.float32, device=a_packed.device)
-    a = dequantize_nvfp4(a_packed, a_scale, one, torch.bfloat16)
-    b = dequantize_nvfp4(b_packed, b_scale, one, torch.bfloat16)
-    acc = torch.mm(a, b.t(), out_dtype=torch.float32)
-    return scale_bias_cast(acc, a_global, b_global, bias, out_dtype)
-
-
 @triton.jit
 def _scale_bias_cast_kernel(acc_ptr, ga_ptr, gb_ptr, bias_ptr, out_ptr, n, N, HAS_BIAS: tl.constexpr,
                             BLOCK: tl.constexpr):

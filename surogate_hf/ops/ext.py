@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import formats as F
+from .quant import nvfp4_qdq_fake
 
 NS = "surogate"
 TILE = 128
@@ -156,9 +157,7 @@ def _ext_nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: i
 
 @torch.library.register_fake(f"{NS}::ext_nvfp4_qdq", lib=_lib)
 def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
-    r, c = x.shape
-    rows = r if axis == 1 else -(-r // F.NVFP4_BLOCK) * F.NVFP4_BLOCK
-    return x.new_empty((rows, c), dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
+    return nvfp4_qdq_fake(x, axis)
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_gemm", "CompositeExplicitAutograd", lib=_lib)

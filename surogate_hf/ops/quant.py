@@ -140,11 +140,16 @@ def nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, f
                        stochastic=stochastic, seed=seed)
 
 
+def nvfp4_qdq_fake(x, axis):
+    """The outputs nvfp4_qdq (and its csrc kernel) give for x: [R, C] bf16 ([ceil16(R), C] for axis 0), fp32 0-dim."""
+    r, c = x.shape
+    rows = -(-r // F.NVFP4_BLOCK) * F.NVFP4_BLOCK if axis == 0 else r
+    return x.new_empty((rows, c), dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
+
+
 @nvfp4_qdq.register_fake
 def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
-    r, c = x.shape
-    rows = r if axis == 1 else -(-r // F.NVFP4_BLOCK) * F.NVFP4_BLOCK
-    return x.new_empty((rows, c), dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
+    return nvfp4_qdq_fake(x, axis)
 
 
 # ---------------------------------------------------------------- MXFP4

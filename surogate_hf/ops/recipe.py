@@ -98,10 +98,7 @@ def nvfp4_mm(
     with _no_autocast(a_packed.device):
         a = F.dequantize_nvfp4(a_packed, a_scale, one, torch.float32)
         b = F.dequantize_nvfp4(b_packed, b_scale, one, torch.float32)
-        out = (a @ b.t()) * (a_global.float() * b_global.float())
-        if bias is not None:
-            out = out + bias.float()
-    return out.to(out_dtype)
+        return F.mm_qdq(a, b.t(), a_global, b_global, bias, out_dtype)
 
 
 @nvfp4_mm.register_fake
