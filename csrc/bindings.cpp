@@ -19,7 +19,7 @@ void launch_nvfp4_amax(const void* x, int dtype, const float* signs, unsigned* a
                        cudaStream_t stream);
 void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsigned* amax, void* out, float* g_dec_out,
                       int64_t R, int64_t C, int axis, bool four_over_six, int rule, bool stochastic, int64_t seed,
-                      cudaStream_t stream);
+                      const int64_t* seed_ptr, cudaStream_t stream);
 void launch_nvfp4_scale_bias_cast(const float* acc, const float* ga, const float* gb, const void* bias, int bias_dtype,
                                   void* out, int out_dtype, int64_t M, int64_t N, int sms, cudaStream_t stream);
 }
@@ -135,15 +135,22 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
   return y.size(0) == m ? y : y.narrow(0, 0, m);
 }
 
+// x contiguous and 16-byte aligned (the kernels load 16 bytes at a time): x itself, or a copy. Done here rather than
+// checked because compiled graphs call these ops directly, with buffers whose layout is known only at run time.
+static torch::Tensor aligned_operand(const torch::Tensor& x) {
+  torch::Tensor c = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16) c = c.clone();
+  return c;
+}
+
 static void check_nvfp4_operand(const torch::Tensor& x, const c10::optional<torch::Tensor>& signs, int64_t axis,
                                 const char* who) {
-  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, who, ": x must be a contiguous 2-D CUDA tensor");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2, who, ": x must be a 2-D CUDA tensor");
   TORCH_CHECK(axis >= 0 && axis <= 2, who, ": axis must be 0, 1 or 2, got ", axis);
   TORCH_CHECK(axis == 0 || x.size(1) % 16 == 0, who, ": blocks along rows need the last dim (", x.size(1),
               ") to be a multiple of 16");
   TORCH_CHECK(axis != 2 || (x.size(0) % 16 == 0 && !signs.has_value()), who,
               ": 16x16 tiles need rows that are a multiple of 16 and no transform");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, who, ": x must be 16-byte aligned");
   if (signs.has_value())
     TORCH_CHECK(signs->is_cuda() && signs->scalar_type() == at::kFloat && signs->numel() == 16 && signs->is_contiguous(),
                 who, ": signs must be 16 contiguous fp32 values on the GPU");
@@ -155,8 +162,9 @@ static const float* signs_ptr(const c10::optional<torch::Tensor>& signs) {
 
 // fp32 amax (0-dim) of the NVFP4 operand quantize_nvfp4 would see: x's blocks along `axis`, transformed by the RHT
 // with `signs` when given (axis 0: columns zero-padded to whole blocks; axis 2, 16x16 tiles: x itself).
-torch::Tensor nvfp4_amax(const torch::Tensor& x, const c10::optional<torch::Tensor>& signs, int64_t axis) {
-  check_nvfp4_operand(x, signs, axis, "nvfp4_amax");
+torch::Tensor nvfp4_amax(const torch::Tensor& x_in, const c10::optional<torch::Tensor>& signs, int64_t axis) {
+  check_nvfp4_operand(x_in, signs, axis, "nvfp4_amax");
+  const torch::Tensor x = aligned_operand(x_in);
   const int dtype = dtype_code(x, "nvfp4_amax");
   const at::cuda::CUDAGuard guard(x.device());
   auto bits = torch::zeros({}, x.options().dtype(at::kInt));
@@ -169,10 +177,20 @@ torch::Tensor nvfp4_amax(const torch::Tensor& x, const c10::optional<torch::Tens
 // (values bf16 [R, C] (axes 1, 2) or [ceil16(R), C] (axis 0), g_dec fp32 0-dim): NVFP4 quantization of x's blocks
 // along `axis` (2: 16x16 tiles), written back as e2m1 * s_blk, the GEMM operand without its global. The global
 // scale comes from amax, or when amax is None from the operand's own amax (taken here, one call for both passes).
-std::tuple<torch::Tensor, torch::Tensor> nvfp4_qdq(const torch::Tensor& x, const c10::optional<torch::Tensor>& amax,
+std::tuple<torch::Tensor, torch::Tensor> nvfp4_qdq(const torch::Tensor& x_in, const c10::optional<torch::Tensor>& amax,
                                                    const c10::optional<torch::Tensor>& signs, int64_t axis,
-                                                   bool four_over_six, int64_t rule, bool stochastic, int64_t seed) {
-  check_nvfp4_operand(x, signs, axis, "nvfp4_qdq");
+                                                   bool four_over_six, int64_t rule, bool stochastic, int64_t seed,
+                                                   const c10::optional<torch::Tensor>& seed_tensor) {
+  check_nvfp4_operand(x_in, signs, axis, "nvfp4_qdq");
+  const torch::Tensor x = aligned_operand(x_in);
+  // a seed on the device (one int64) replaces `seed`: the kernel reads it, no host read
+  const int64_t* seed_ptr = nullptr;
+  if (seed_tensor.has_value()) {
+    TORCH_CHECK(seed_tensor->device() == x.device() && seed_tensor->scalar_type() == at::kLong &&
+                    seed_tensor->numel() == 1,
+                "nvfp4_qdq: seed_tensor must be one int64 value on x's device");
+    seed_ptr = seed_tensor->data_ptr<int64_t>();
+  }
   TORCH_CHECK(axis != 2 || !stochastic, "nvfp4_qdq: 16x16 tiles take round-to-nearest only");
   TORCH_CHECK(rule >= 0 && rule <= 2, "nvfp4_qdq: rule must be 0 (mse), 1 (mae) or 2 (abs_max)");
   const torch::Tensor a = amax.has_value() ? amax->contiguous() : nvfp4_amax(x, signs, axis);
@@ -185,7 +203,7 @@ std::tuple<torch::Tensor, torch::Tensor> nvfp4_qdq(const torch::Tensor& x, const
   auto g_dec = torch::empty({}, x.options().dtype(at::kFloat));
   surogate::launch_nvfp4_qdq(x.data_ptr(), dtype, signs_ptr(signs), reinterpret_cast<const unsigned*>(a.data_ptr<float>()),
                              out.data_ptr(), g_dec.data_ptr<float>(), r, c, (int)axis, four_over_six, (int)rule,
-                             stochastic, seed, at::cuda::getCurrentCUDAStream());
+                             stochastic, seed, seed_ptr, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, g_dec};
 }

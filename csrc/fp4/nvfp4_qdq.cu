@@ -107,8 +107,11 @@ __global__ void __launch_bounds__(256) qdq_kernel(const T* __restrict__ x, const
                                                   const unsigned* __restrict__ amax_bits,
                                                   __nv_bfloat16* __restrict__ out, float* __restrict__ g_dec_out,
                                                   int64_t R, int64_t C, int64_t Rp, int64_t work, int rule,
-                                                  bool stochastic, uint32_t seed_mix) {
+                                                  bool stochastic, uint32_t seed_mix,
+                                                  const int64_t* __restrict__ seed_ptr) {
   const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  // a seed on the device (a compiled graph's step counter hashed there) replaces the host one; read once per thread
+  if (stochastic && seed_ptr) seed_mix = nvfp4::seed_mix_of(*seed_ptr);
   const nvfp4::Globals g = nvfp4::globals_of(nvfp4::float_of(*amax_bits));
   if (t == 0) *g_dec_out = g.dec;
   if (t >= work) return;
@@ -245,7 +248,7 @@ void launch_nvfp4_amax(const void* x, int dtype, const float* signs, unsigned* a
 // (16 x 16 tiles) takes R and C multiples of 16 and neither signs nor stochastic rounding.
 void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsigned* amax, void* out, float* g_dec_out,
                       int64_t R, int64_t C, int axis, bool four_over_six, int rule, bool stochastic, int64_t seed,
-                      cudaStream_t stream) {
+                      const int64_t* seed_ptr, cudaStream_t stream) {
   const int64_t Rp = axis == 1 ? R : (R + kBlock - 1) / kBlock * kBlock;
   const int64_t work = work_items(axis, R, C);
   const unsigned blocks = work > 0 ? (unsigned)((work + 255) / 256) : 1u;  // one block at least: g_dec is written
@@ -254,7 +257,7 @@ void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsign
     using T = decltype(tag);
     auto go = [&](auto axis_c, auto fos_c) {
       qdq_kernel<T, decltype(axis_c)::value, decltype(fos_c)::value><<<blocks, 256, 0, stream>>>(
-          (const T*)x, signs, amax, (__nv_bfloat16*)out, g_dec_out, R, C, Rp, work, rule, stochastic, mix);
+          (const T*)x, signs, amax, (__nv_bfloat16*)out, g_dec_out, R, C, Rp, work, rule, stochastic, mix, seed_ptr);
     };
     using A0 = std::integral_constant<int, 0>;
     using A1 = std::integral_constant<int, 1>;

@@ -115,13 +115,14 @@ def quantize_nvfp4(
     four_over_six: bool = True,
     rule: str = "mse",
     stochastic: bool = False,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
     amax: torch.Tensor | None = None,
 ) -> NVFP4Quantized:
     """Quantize the last dim (and, with block_2d, the second-to-last) of `x` to NVFP4.
 
     `amax` overrides the tensor amax used for the global scale (e.g. one amax shared by the shards
-    of a fused weight). `seed` picks the stochastic-rounding stream; the draw for an element is
+    of a fused weight). `seed` (an int, or a 0-dim int64 tensor of the same value: the same draws) picks the
+    stochastic-rounding stream; the draw for an element is
     indexed by its row-major position in `x`.
     """
     if rule not in FOUR_OVER_SIX_RULES:
@@ -161,7 +162,9 @@ def quantize_nvfp4(
     packed = pack_e2m1(codes)
     if squeeze:
         packed, s = packed[0], s[0]
-    return NVFP4Quantized(packed, s, g_dec.reshape(()))
+    # a tensor of its own, not a view of amax's: custom ops return this, and inductor may reuse an op's output
+    # buffer for a later output (a compiled loss came back as a view of it, and in-place scaling of the loss failed)
+    return NVFP4Quantized(packed, s, g_dec.reshape(()).clone())
 
 
 def check_nvfp4_scales(packed: torch.Tensor, block_scale: torch.Tensor) -> None:
@@ -215,7 +218,7 @@ def nvfp4_operand(x: torch.Tensor, axis: int, signs: torch.Tensor | None = None,
 
 
 def qdq_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, *, axis: int, signs: torch.Tensor | None = None,
-              four_over_six: bool = True, rule: str = "mse", stochastic: bool = False, seed: int = 0):
+              four_over_six: bool = True, rule: str = "mse", stochastic: bool = False, seed: int | torch.Tensor = 0):
     """(values, global_scale): x's NVFP4 operand (nvfp4_operand) quantized with the global scale of `amax` (None: the
     operand's own), returned as
     e2m1 * s_blk in bf16 (exact: at most 5 significant bits, within bf16's range) laid out like x ([R, C], or

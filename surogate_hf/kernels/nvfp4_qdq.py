@@ -52,12 +52,17 @@ def amax(x: torch.Tensor, signs: torch.Tensor | None, axis: int) -> torch.Tensor
     return _get()[0](x, signs, axis)
 
 
-def qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed):
-    """(bf16 e2m1 * s_blk, decode global) of x's operand; amax_t None takes the operand's own amax."""
+def qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor=None):
+    """(bf16 e2m1 * s_blk, decode global) of x's operand; amax_t None takes the operand's own amax. seed_tensor (one
+    int64 on x's device) replaces `seed`: the kernels read it on the device."""
     check(x, signs, axis, stochastic)
     if rule not in FOUR_OVER_SIX_RULES:
         raise ValueError(f"four_over_six rule must be one of {FOUR_OVER_SIX_RULES}, got {rule!r}")
-    return _get()[1](x, amax_t, signs, axis, four_over_six, rule, stochastic, seed)
+    if seed_tensor is not None:
+        from ..ops.quant import check_seed_tensor
+
+        check_seed_tensor(seed_tensor, x)
+    return _get()[1](x, amax_t, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor)
 
 
 def gemm(a, b, ga, gb, bias, out_dtype):
@@ -87,10 +92,11 @@ def _triton_amax(x, signs, axis):
     return tq.amax(t)
 
 
-def _triton_qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed):
+def _triton_qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor):
     t, tq = _operand(x, signs, axis)
     if amax_t is None:
         amax_t = tq.amax(t)
+    seed = seed if seed_tensor is None else seed_tensor
     packed, scale, g_dec = tq.quantize_nvfp4(t, axis == 2, four_over_six, rule, stochastic, seed, amax_t)
     v = tq.dequantize_nvfp4(packed, scale, torch.ones((), dtype=torch.float32, device=x.device), torch.bfloat16)
     return (v.t().contiguous() if axis == 0 else v), g_dec
@@ -124,10 +130,11 @@ def _resolve():
         x, signs = native_input(x, signs)
         return ext_amax(x, signs, axis)
 
-    def native_qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed):
+    def native_qdq(x, amax_t, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor):
         x, signs = native_input(x, signs)
         a = None if amax_t is None else amax_t.to(x.device, torch.float32).reshape(())
-        return ext_qdq(x, a, signs, axis, four_over_six, FOUR_OVER_SIX_RULES.index(rule), stochastic, int(seed))
+        st = None if seed_tensor is None else seed_tensor.reshape(1)
+        return ext_qdq(x, a, signs, axis, four_over_six, FOUR_OVER_SIX_RULES.index(rule), stochastic, int(seed), st)
 
     def native_gemm(a, b, ga, gb, bias, out_dtype):
         if out_dtype not in _FLOATS or (bias is not None and bias.dtype not in _FLOATS):

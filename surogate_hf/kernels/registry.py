@@ -89,8 +89,9 @@ def quantize_fp8_tiles(x, tile):
     return _tq().quantize_fp8_tiles(x, tile)
 
 
-def quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed, amax):
-    return _tq().quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed, amax)
+def quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed, amax, seed_tensor=None):
+    return _tq().quantize_nvfp4(x, block_2d, four_over_six, rule, stochastic, seed if seed_tensor is None else seed_tensor,
+                                amax)
 
 
 def dequantize_nvfp4(packed, block_scale, global_scale, out_dtype):
@@ -109,8 +110,8 @@ def nvfp4_amax(x, signs, axis):
     return _nvfp4_qdq.amax(x, signs, axis)
 
 
-def nvfp4_qdq(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
-    return _nvfp4_qdq.qdq(x, amax, signs, axis, four_over_six, rule, stochastic, seed)
+def nvfp4_qdq(x, amax, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor=None):
+    return _nvfp4_qdq.qdq(x, amax, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor)
 
 
 def rht(x, signs):

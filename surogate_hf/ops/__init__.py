@@ -17,7 +17,7 @@ from .quant import (
     quantize_nvfp4,
     rht,
 )
-from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm, nvfp4_qdq_mm
+from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm, nvfp4_qdq_mm, take_step
 from .ext import (
     ext_fp8_block_gemm,
     ext_fp8_cast_amax,

@@ -36,7 +36,7 @@ _lib.define("ext_fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool tra
             "-> Tensor")
 _lib.define("ext_nvfp4_amax(Tensor x, Tensor? signs, int axis) -> Tensor")
 _lib.define("ext_nvfp4_qdq(Tensor x, Tensor? amax, Tensor? signs, int axis, bool four_over_six, int rule, "
-            "bool stochastic, int seed) -> (Tensor, Tensor)")
+            "bool stochastic, int seed, Tensor? seed_tensor=None) -> (Tensor, Tensor)")
 _lib.define("ext_nvfp4_gemm(Tensor a, Tensor b, Tensor ga, Tensor gb, Tensor? bias, ScalarType out_dtype) -> Tensor")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
@@ -149,14 +149,15 @@ def _(x, signs, axis):
 
 @torch.library.impl(f"{NS}::ext_nvfp4_qdq", "CompositeExplicitAutograd", lib=_lib)
 def _ext_nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, four_over_six: bool, rule: int,
-                   stochastic: bool, seed: int) -> tuple[Tensor, Tensor]:
+                   stochastic: bool, seed: int, seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """surogate::nvfp4_qdq with the 4/6 rule as its index in NVFP4_RULES (amax None: the operand's own, taken in the
-    same call)."""
-    return torch.ops.surogate.nvfp4_qdq(x, amax, signs, axis, four_over_six, NVFP4_RULES[rule], stochastic, seed)
+    same call; seed_tensor, one int64 on x's device, read by the kernel in place of seed)."""
+    return torch.ops.surogate.nvfp4_qdq(x, amax, signs, axis, four_over_six, NVFP4_RULES[rule], stochastic, seed,
+                                        seed_tensor)
 
 
 @torch.library.register_fake(f"{NS}::ext_nvfp4_qdq", lib=_lib)
-def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
+def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor=None):
     return nvfp4_qdq_fake(x, axis)
 
 

@@ -89,8 +89,13 @@ def _(x, tile):
 # ---------------------------------------------------------------- NVFP4
 @torch.library.custom_op(f"{NS}::quantize_nvfp4", mutates_args=())
 def quantize_nvfp4(
-    x: Tensor, block_2d: bool, four_over_six: bool, rule: str, stochastic: bool, seed: int, amax: Tensor | None
+    x: Tensor, block_2d: bool, four_over_six: bool, rule: str, stochastic: bool, seed: int, amax: Tensor | None,
+    seed_tensor: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """formats.nvfp4.quantize_nvfp4 as (packed codes, block scales, global). seed_tensor: as nvfp4_qdq's."""
+    if seed_tensor is not None:
+        check_seed_tensor(seed_tensor, x)
+        seed = seed_tensor.reshape(())
     qt = F.quantize_nvfp4(
         x, block_2d=block_2d, four_over_six=four_over_six, rule=rule, stochastic=stochastic, seed=seed, amax=amax
     )
@@ -98,7 +103,7 @@ def quantize_nvfp4(
 
 
 @quantize_nvfp4.register_fake
-def _(x, block_2d, four_over_six, rule, stochastic, seed, amax):
+def _(x, block_2d, four_over_six, rule, stochastic, seed, amax, seed_tensor=None):
     *lead, k = x.shape
     return (
         x.new_empty((*lead, k // 2), dtype=torch.uint8),
@@ -133,11 +138,23 @@ def _(x, signs, axis):
 
 @torch.library.custom_op(f"{NS}::nvfp4_qdq", mutates_args=())
 def nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, four_over_six: bool, rule: str,
-              stochastic: bool, seed: int) -> tuple[Tensor, Tensor]:
+              stochastic: bool, seed: int, seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """formats.nvfp4.qdq_nvfp4: (e2m1 * s_blk in bf16, laid out like x ([R, C], or [ceil16(R), C] for axis 0), the
-    decode global) of x's NVFP4 operand under the global scale of `amax` (None: the operand's own amax)."""
+    decode global) of x's NVFP4 operand under the global scale of `amax` (None: the operand's own amax).
+    seed_tensor (one int64, on x's device), when given, replaces `seed` with the same draws: a seed computed on the
+    device (a compiled graph's step counter) that no kernel launch has to read on the host."""
+    if seed_tensor is not None:
+        check_seed_tensor(seed_tensor, x)
+        seed = seed_tensor.reshape(())
     return F.qdq_nvfp4(x, amax, axis=axis, signs=signs, four_over_six=four_over_six, rule=rule,
                        stochastic=stochastic, seed=seed)
+
+
+def check_seed_tensor(seed: Tensor, x: Tensor) -> None:
+    """A stochastic-rounding seed given as a tensor: one int64 value (0-dim or [1]) on x's device."""
+    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != x.device:
+        raise ValueError(f"seed_tensor must be one int64 value on {x.device} (the tensor it seeds), got {seed.dtype} of shape "
+                         f"{tuple(seed.shape)} on {seed.device}")
 
 
 def nvfp4_qdq_fake(x, axis):
@@ -148,7 +165,7 @@ def nvfp4_qdq_fake(x, axis):
 
 
 @nvfp4_qdq.register_fake
-def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed):
+def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor=None):
     return nvfp4_qdq_fake(x, axis)
 
 

@@ -142,6 +142,28 @@ def _(history, scale, amax, fp8_dtype, margin, use_max):
     return None
 
 
+@torch.library.custom_op(f"{NS}::take_step", mutates_args=("counter",))
+def take_step(counter: Tensor) -> Tensor:
+    """A forward's step from a step counter (the nvfp4 recipe's stochastic-rounding step, read inside compiled graphs).
+
+    A training forward gets the counter's value (a new tensor) and advances the counter by one. A forward that the
+    autograd engine runs during a backward is an activation-checkpoint recompute (the rule recipes.linear._pass_mode
+    applies in eager mode): it gets the value the forward it recomputes got, counter - 1, and leaves the counter.
+    One opaque op because as torch ops (clone, add_) AOTAutograd's partitioner may recompute the clone in the
+    backward from the graph input, which by then holds the advanced value (measured: the backward drew with step + 1).
+    """
+    if torch._C._current_graph_task_id() != -1:
+        return counter - 1
+    old = counter.clone()
+    counter.add_(1)
+    return old
+
+
+@take_step.register_fake
+def _(counter):
+    return torch.empty_like(counter)
+
+
 @torch.library.custom_op(f"{NS}::fp8_tiles_wgrad", mutates_args=())
 def fp8_tiles_wgrad(dy: Tensor, x: Tensor, tile: int, out_dtype: torch.dtype) -> Tensor:
     """Weight gradient of the fine-grained FP8 recipe (DeepSeek-V3): dW [N, K] = dy^T [N, T] @ x [T, K].

@@ -41,41 +41,11 @@ from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
 from ..nn.linear import QuantizedLinear
 from .norm import FusedRMSNorm, fuse_norms, input_handoff
 from .qlora import BaseRecipeGemm, base_gemm_kind
-from ..ops.recipe import below_autograd as _below_autograd
-from .nvfp4 import NVFP4Engine
+from .nvfp4 import ROLE_DGRAD, ROLE_WGRAD, NVFP4Engine, Nvfp4LinearFn, sr_seed, sr_seeds_traced, take_sr_step
 from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
 
 FP8_STATE_NAME = "surogate_fp8_state"
-
-
-class _RecipeLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, work, owner):
-        w = weight if work is None else work
-        x2d = x.reshape(-1, x.shape[-1])
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        with _below_autograd():
-            y2d, saved = owner.engine.forward(owner, x2d, w, bias, need_dx, need_dw)
-        ctx.is_tensor = [isinstance(s, Tensor) for s in saved]
-        ctx.extras = [s for s in saved if not isinstance(s, Tensor)]
-        ctx.save_for_backward(*[s for s in saved if isinstance(s, Tensor)])
-        ctx.owner, ctx.x_shape, ctx.w_dtype = owner, x.shape, weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
-        return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        tensors, extras = iter(ctx.saved_tensors), iter(ctx.extras)
-        saved = tuple(next(tensors) if t else next(extras) for t in ctx.is_tensor)
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        with _below_autograd():
-            dx, dw = ctx.owner.engine.backward(ctx.owner, dy2d, saved, need_dx, need_dw)
-        dx = dx.reshape(ctx.x_shape) if need_dx else None
-        dw = dw.to(ctx.w_dtype) if need_dw else None
-        db = dy2d.float().sum(0).to(ctx.b_dtype) if need_db else None
-        return dx, dw, db, None, None
 
 
 class _FloatLinearFn(torch.autograd.Function):
@@ -130,7 +100,7 @@ class RecipeLinear(nn.Linear):
         state_device = device if state_device is None else state_device
         self._work, self._work_key, self._checked_devices = None, None, set()
         install_step_hook()  # weight caches are keyed on the optimizer-step generation
-        self.pass_mode, self.fwd_sr_step = "train", -1
+        self.fwd_sr_step = -1  # nvfp4, eager: the step of the last training forward (a recompute reuses it)
         self._has_sr_step = quantize and config.recipe == "nvfp4"
         self._blockwise = False
         if not quantize:
@@ -142,8 +112,8 @@ class RecipeLinear(nn.Linear):
             self.engine = NVFP4Engine(config)
             self.register_buffer("fp4_sr_step", torch.zeros((), dtype=torch.int64, device=state_device))
             self.register_buffer("rht_signs", F.random_signs(config.seed, device=state_device), persistent=False)
-            self._sr_step = 0
-            self.register_load_state_dict_post_hook(lambda m, _keys: m._sync_sr_step())
+            # the layer's index as a tensor: compiled graphs hash it into the seeds, so one graph serves every layer
+            self.register_buffer("recipe_index_t", torch.tensor(recipe_index, device=state_device), persistent=False)
         elif config.uses_fp8() and config.fp8_scaling == "blockwise":
             self.engine, self._blockwise = None, True
             self._grad_fmt = fp8_blockwise.gradient_format(config)
@@ -211,16 +181,6 @@ class RecipeLinear(nn.Linear):
         mode = f"recipe={self.config.recipe}" if self.quantize else "model dtype (not quantized)"
         engine = ("fp8 blockwise" if self._blockwise else "fp8") if self.engine is None else self.engine.name
         return f"{super().extra_repr()}, {mode}, engine={engine}"
-
-    # ---- nvfp4 stochastic-rounding step counter (buffer for checkpoints, int mirror for seeds)
-    def next_sr_step(self) -> int:
-        s = self._sr_step
-        self._sr_step += 1
-        self.fp4_sr_step.fill_(self._sr_step)
-        return s
-
-    def _sync_sr_step(self):
-        self._sr_step = int(self.fp4_sr_step.item())
 
     def _weight_key(self, *extra):
         w = self.weight
@@ -325,15 +285,35 @@ class RecipeLinear(nn.Linear):
                 # every GEMM in the layer's own dtype: that is nn.Linear (its C++ autograd, no Python Function per call)
                 return torch.nn.functional.linear(x, w, self.bias)
             return _FloatLinearFn.apply(x, w, self.bias, self._work_weight(), spec)
-        self.pass_mode = _pass_mode()
-        if self._has_sr_step:
-            # Function.forward runs with grad mode off, so the step is taken here: one per
-            # training forward; a checkpoint recompute reuses the original forward's step.
-            if self.pass_mode == "train" or (self.pass_mode == "replay" and self.fwd_sr_step < 0):
-                self.fwd_sr_step = self.next_sr_step()
-            elif self.pass_mode == "eval":
-                self.fwd_sr_step = -1
-        return _RecipeLinearFn.apply(x, self.weight, self.bias, self._work_weight(), self)
+        return self._nvfp4_forward(x)
+
+    def _nvfp4_forward(self, x: Tensor) -> Tensor:
+        """Nvfp4LinearFn with this layer's weight operands (eager: cached per optimizer step) and stochastic-rounding
+        seeds: one step per training forward (fp4_sr_step); an eager activation-checkpoint recompute reuses the
+        original forward's step. Traced, the step is read and advanced in the graph and the seeds hashed there."""
+        eng = self.engine
+        spec = eng.spec(x.device)
+        grad = torch.is_grad_enabled()
+        signs = self.rht_signs if eng.rht else None
+        work = self._work_weight()
+        if torch.compiler.is_compiling():
+            seeds = (0, 0)
+            if grad:
+                step = take_sr_step(self)
+                if eng.sr:
+                    seeds = sr_seeds_traced(eng.seed, self.recipe_index_t, step)
+            return Nvfp4LinearFn.apply(x, self.weight, self.bias, work, None, signs, seeds, spec)
+        warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
+        mode = _pass_mode()
+        if mode == "train" or (mode == "replay" and self.fwd_sr_step < 0):
+            self.fwd_sr_step = take_sr_step(self)
+        elif mode == "eval":
+            self.fwd_sr_step = -1
+        step = self.fwd_sr_step
+        seeds = (sr_seed(eng.seed, self.recipe_index, step, ROLE_DGRAD),
+                 sr_seed(eng.seed, self.recipe_index, step, ROLE_WGRAD)) if eng.sr and step >= 0 else (0, 0)
+        w_ops = eng.weight_ops(self, self.weight if work is None else work, grad and x.requires_grad, spec[4])
+        return Nvfp4LinearFn.apply(x, self.weight, self.bias, work, w_ops, signs, seeds, spec)
 
 
 def _pass_mode() -> str:
@@ -552,7 +532,7 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     return model
 
 
-_RECIPE_BUFFERS = ("fp8_dy_amax", "fp8_rows_t", "fp4_sr_step", "rht_signs")
+_RECIPE_BUFFERS = ("fp8_dy_amax", "fp8_rows_t", "fp4_sr_step", "rht_signs", "recipe_index_t")
 
 
 def _keep_recipe_state_out_of_ddp(model: nn.Module) -> None:

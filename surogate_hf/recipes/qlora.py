@@ -36,7 +36,7 @@ from .bf16 import FloatBackward, float_mm
 from .config import TORCH_DTYPES, RecipeConfig
 from .fp8_hybrid import cast, scaled_mm, warn_emulation_once
 from .norm import input_handoff
-from .nvfp4 import ROLE_DGRAD, sr_seed
+from .nvfp4 import ROLE_DGRAD, sr_seed, sr_seeds_traced, take_sr_step
 from .nvfp4 import gemm as nvfp4_gemm
 from .nvfp4 import qdq as nvfp4_qdq
 
@@ -131,7 +131,8 @@ class _Fp8Blockwise:
 class _Nvfp4:
     """nvfp4 recipe: FP4 x (1x16, RNE) x W (16x16 tiles of the decoded weight, or 1x16 along K with
     fp4_weight_blocks="1d"); dgrad FP4 dy (1x16, stochastic rounding with the seed in args, or RNE) x the same tiles
-    transposed (or W in 1x16 blocks along N). args = (four_over_six, rule, sr, dgrad seed, 1d weight blocks).
+    transposed (or W in 1x16 blocks along N). args = (four_over_six, rule, sr, dgrad seed (an int, or one int64 tensor
+    when traced), 1d weight blocks).
     Operands as recipes.nvfp4 makes them (bf16 e2m1 * s_blk, one GEMM with the globals in its epilogue)."""
 
     @staticmethod
@@ -182,9 +183,7 @@ class BaseRecipeGemm:
     def __init__(self, base, cfg: RecipeConfig, index: int, state=None, layer: int | None = None, name: str = ""):
         self.base, self.cfg, self.index = base, cfg, index
         self.state = state
-        # nvfp4: the stochastic-rounding step of this base (a Python counter: not in checkpoints, unlike
-        # RecipeLinear's fp4_sr_step buffer) and the seed of its last training forward (reused by a recompute)
-        self.sr_step, self.last_seed = 0, 0
+        self.last_seed = 0  # nvfp4, eager: the dgrad seed of the last training forward (reused by a recompute)
         self.kind = base_gemm_kind(base, cfg)
         if self.kind == "nvfp4":
             for dim, v in (("in_features", base.in_features), ("out_features", base.out_features)):
@@ -193,6 +192,11 @@ class BaseRecipeGemm:
                         f"recipe='nvfp4' on the quantized base {name or type(base).__name__} needs {dim} to be a "
                         f"multiple of 16 (16x16 weight blocks), got {v}; add it to modules_to_not_convert"
                     )
+            # the stochastic-rounding step (recipes.nvfp4.take_sr_step; not in checkpoints: the adapters are what a
+            # QLoRA run saves) and the index as tensors, which a compiled graph reads: one graph for every layer
+            dev = next(iter(base._tensors().values())).device
+            base.register_buffer("fp4_sr_step", torch.zeros((), dtype=torch.int64, device=dev), persistent=False)
+            base.register_buffer("recipe_index_t", torch.tensor(index, device=dev), persistent=False)
         elif self.kind == "fp8":
             if state is None or layer is None:
                 raise ValueError("BaseRecipeGemm: fp8-hybrid with delayed scaling needs the model's scaling state")
@@ -244,16 +248,18 @@ class BaseRecipeGemm:
         elif self.kind == "blockwise":
             args = ()
         elif self.kind == "nvfp4":
-            if not torch.compiler.is_compiling():
-                warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
             sr = not self.cfg.no_fp4_stochastic_rounding
             seed = 0
-            if sr and torch.is_grad_enabled():
-                if torch._C._current_graph_task_id() != -1:  # an activation-checkpoint recompute takes no new step
-                    seed = self.last_seed
-                else:
-                    seed = self.last_seed = sr_seed(self.cfg.seed, self.index, self.sr_step, ROLE_DGRAD)
-                    self.sr_step += 1
+            if torch.compiler.is_compiling():  # the step read and advanced in the graph, the seed hashed there
+                if sr and torch.is_grad_enabled():
+                    seed = sr_seeds_traced(self.cfg.seed, base.recipe_index_t, take_sr_step(base))[ROLE_DGRAD]
+            else:
+                warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
+                if sr and torch.is_grad_enabled():
+                    if torch._C._current_graph_task_id() != -1:  # an activation-checkpoint recompute: no new step
+                        seed = self.last_seed
+                    else:
+                        seed = self.last_seed = sr_seed(self.cfg.seed, self.index, take_sr_step(base), ROLE_DGRAD)
             args = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr, seed, self.cfg.fp4_weight_blocks == "1d")
         else:
             st = self.state

@@ -763,6 +763,30 @@ def test_nvfp4_qdq_extension_nan_and_misaligned_input():
 
 
 @pytest.mark.parametrize("impl", ["extension", "triton"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_nvfp4_qdq_seed_on_the_device_draws_like_the_int_seed(impl, axis, monkeypatch):
+    """seed_tensor (a compiled graph's step hashed on the device): the kernels read it there and draw what the int
+    seed draws, in surogate::nvfp4_qdq and surogate::quantize_nvfp4 (the packed operands of SM100)."""
+    from surogate_hf.kernels import nvfp4_qdq as Q
+
+    if impl == "extension":
+        _built_extension()
+    else:
+        monkeypatch.setattr(Q, "_impl", [(Q._triton_amax, Q._triton_qdq, Q._torch_gemm)])
+    x = _rand((1000, 576), torch.bfloat16, seed=21)
+    seed = 3_000_000_017
+    st = torch.tensor([seed], device=DEV)
+    v, g = ops.nvfp4_qdq(x, None, F.random_signs(3).to(DEV), axis, True, "mse", True, 0, st)
+    v_ref, g_ref = ops.nvfp4_qdq(x.cpu(), None, F.random_signs(3), axis, True, "mse", True, seed)
+    assert_bits(g, g_ref, f"{impl} global")
+    assert_bits(v, v_ref, f"{impl} values, device seed")
+    if impl == "triton" and axis == 1:
+        q = ops.quantize_nvfp4(x, False, True, "mse", True, 0, None, st)
+        q_ref = ops.quantize_nvfp4(x.cpu(), False, True, "mse", True, seed, None)
+        assert_bits(q[0], q_ref[0], "packed codes, device seed")
+
+
+@pytest.mark.parametrize("impl", ["extension", "triton"])
 @pytest.mark.parametrize("m, k, n, bias, out_dtype", [(333, 960, 576, True, torch.bfloat16), (16, 64, 48, False, torch.float32),
                                                       (2048, 2048, 6144, False, torch.bfloat16)])
 def test_nvfp4_gemm_matches_the_reference(impl, m, k, n, bias, out_dtype, monkeypatch):

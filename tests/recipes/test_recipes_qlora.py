@@ -199,7 +199,7 @@ def test_qlora_trains_with_every_recipe(fmt, recipe, kw):
         assert (st.amax_history[dy_rows, :4] > 0).all()
 
 
-@pytest.mark.parametrize("fmt, recipe, kw", [("mxfp4", "fp8-hybrid", {}), ("fp8", "bf16", {}),
+@pytest.mark.parametrize("fmt, recipe, kw", [("mxfp4", "fp8-hybrid", {}), ("fp8", "bf16", {}), ("nf4", "nvfp4", {}),
                                              ("nvfp4", "fp8-hybrid", {"fp8_scaling": "blockwise"}),
                                              ("nf4", "fp8-hybrid", {})])
 def test_qlora_recipe_compiles_fullgraph_and_trains_like_eager(fmt, recipe, kw):

@@ -237,13 +237,18 @@ def _train(m, steps=3, compiled=False):
     return losses
 
 
-@pytest.mark.parametrize("recipe", ["fp8-hybrid", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8-hybrid", "bf16", "nvfp4"])
 def test_compiled_fullgraph_trains_like_eager(recipe):
-    """fullgraph=True: no graph break anywhere in the model; same losses and state as eager."""
+    """fullgraph=True: no graph break anywhere in the model; same losses and state as eager. nvfp4: the same
+    stochastic-rounding draws (the step read and advanced in the graph, the seeds hashed there): identical losses."""
     torch._dynamo.reset()
     eager = R.apply_recipe(tiny_mlp(), recipe)
     comp = R.apply_recipe(tiny_mlp(), recipe)
     le, lc = _train(eager), _train(comp, compiled=True)
+    if recipe == "nvfp4":
+        assert lc == le
+        steps = {n: int(b) for n, b in comp.named_buffers() if n.endswith("fp4_sr_step")}
+        assert steps and set(steps.values()) == {3}, steps
     assert lc == pytest.approx(le, rel=1e-5, abs=1e-7)
     if recipe == "fp8-hybrid":
         torch.testing.assert_close(comp.surogate_fp8_state.amax_history, eager.surogate_fp8_state.amax_history,
@@ -267,16 +272,19 @@ def test_compiled_with_the_cast_as_one_op_trains_like_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_regional_compile_shares_one_graph_across_layers():
-    """Per-block compile (what users do for big models): the layers' rows are tensors, so every block reuses the
-    same graph; the first step (current scaling) and the later ones (delayed) are the only two variants."""
+@pytest.mark.parametrize("recipe", ["fp8-hybrid", "nvfp4"])
+def test_regional_compile_shares_one_graph_across_layers(recipe):
+    """Per-block compile (what users do for big models): the layers' rows (fp8) and indices (nvfp4, hashed into the
+    stochastic-rounding seeds) are tensors, so every block reuses the same graph; fp8: the first step (current
+    scaling) and the later ones (delayed) are the only two variants."""
     from torch._dynamo.utils import counters
 
     graphs = []
     for layers in (2, 5):
         torch._dynamo.reset()
         counters.clear()
-        eager, comp = R.apply_recipe(tiny_mlp(layers), "fp8-hybrid"), R.apply_recipe(tiny_mlp(layers), "fp8-hybrid")
+        kw = {"skip_quant_first_layers": 0, "skip_quant_last_layers": 0} if recipe == "nvfp4" else {}
+        eager, comp = R.apply_recipe(tiny_mlp(layers), recipe, **kw), R.apply_recipe(tiny_mlp(layers), recipe, **kw)
         for blk in comp.layers:
             blk.compile(fullgraph=True, backend="aot_eager")
         le, lc = _train(eager), _train(comp)

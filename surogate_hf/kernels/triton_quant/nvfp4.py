@@ -64,8 +64,9 @@ def _nvfp4_candidate(xb, blk_amax, g_enc, g_dec, M: tl.constexpr, SW_FP8: tl.con
 def _nvfp4_quant_kernel(x_ptr, amax_ptr, packed_ptr, scale_ptr, gdec_ptr, R, C, seed_mix,
                         BLOCK_2D: tl.constexpr, FOUR_SIX: tl.constexpr, RULE: tl.constexpr,
                         STOCHASTIC: tl.constexpr, S_GLOBAL: tl.constexpr, SW_FP8: tl.constexpr,
-                        ROWS: tl.constexpr, NB: tl.constexpr):
-    """ROWS rows x NB blocks of 16 columns per program (ROWS = 16 for 2D blocks)."""
+                        ROWS: tl.constexpr, NB: tl.constexpr, SEED_PTR: tl.constexpr = False):
+    """ROWS rows x NB blocks of 16 columns per program (ROWS = 16 for 2D blocks). SEED_PTR: seed_mix points at the
+    seed (one int64 on the device) and is mixed here."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * (NB * 16) + tl.arange(0, NB * 16)
     rmask = rows < R
@@ -98,7 +99,11 @@ def _nvfp4_quant_kernel(x_ptr, amax_ptr, packed_ptr, scale_ptr, gdec_ptr, R, C, 
         enc = tl.where(use4, enc4, enc)
         codes = tl.where(use4[:, :, None], codes4, codes)
     if STOCHASTIC:
-        u = _hash_uniform(offs, seed_mix)
+        if SEED_PTR:
+            mix = (tl.load(seed_mix).to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF
+        else:
+            mix = seed_mix
+        u = _hash_uniform(offs, mix)
         codes = _e2m1_encode_sr(xb * enc[:, :, None], tl.reshape(u, (ROWS, NB, 16)))
 
     packed = _pack_pairs(tl.reshape(codes, (ROWS, NB * 16)), ROWS, NB * 16)
@@ -120,8 +125,9 @@ _nvfp4_1d = triton.autotune(_tile_configs((8, 16, 32), (4, 8)), key=_NVFP4_KEYS)
 _nvfp4_2d = triton.autotune(_tile_configs((16,), (4, 8, 16)), key=_NVFP4_KEYS)(_nvfp4_quant_kernel)
 
 
-def quantize_nvfp4(x: torch.Tensor, block_2d: bool, four_over_six: bool, rule: str, stochastic: bool, seed: int,
+def quantize_nvfp4(x: torch.Tensor, block_2d: bool, four_over_six: bool, rule: str, stochastic: bool, seed,
                    amax_t: torch.Tensor | None):
+    """seed: an int, or one int64 on x's device (read by the kernel: no host read)."""
     from ...formats.nvfp4 import check_nvfp4_shape
 
     if rule not in _RULES:
@@ -134,12 +140,13 @@ def quantize_nvfp4(x: torch.Tensor, block_2d: bool, four_over_six: bool, rule: s
         amax_t = amax(x2)
     packed = torch.empty((r, k // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((r, k // 16), dtype=torch.float8_e4m3fn, device=x.device)
-    seed_mix = (int(seed) * _GOLDEN) & 0xFFFFFFFF
+    seed_ptr = isinstance(seed, torch.Tensor)
+    seed_mix = seed.reshape(1) if seed_ptr else (int(seed) * _GOLDEN) & 0xFFFFFFFF
     g_dec = torch.ones((), dtype=torch.float32, device=x.device)
     if r and k:
         args = (x2, amax_t.float().reshape(()).contiguous(), packed, scales, g_dec, r, k, seed_mix)
         opts = dict(BLOCK_2D=block_2d, FOUR_SIX=four_over_six, RULE=_RULES[rule], STOCHASTIC=stochastic,
-                    S_GLOBAL=GLOBAL_RANGE, SW_FP8=_INTERPRET)
+                    S_GLOBAL=GLOBAL_RANGE, SW_FP8=_INTERPRET, SEED_PTR=seed_ptr)
         if _INTERPRET:
             _nvfp4_quant_kernel[(triton.cdiv(r, 16), triton.cdiv(k // 16, 8))](*args, **opts, ROWS=16, NB=8)
         else:
