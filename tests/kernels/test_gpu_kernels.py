@@ -776,12 +776,12 @@ def test_nvfp4_qdq_seed_on_the_device_draws_like_the_int_seed(impl, axis, monkey
     x = _rand((1000, 576), torch.bfloat16, seed=21)
     seed = 3_000_000_017
     st = torch.tensor([seed], device=DEV)
-    v, g = ops.nvfp4_qdq(x, None, F.random_signs(3).to(DEV), axis, True, "mse", True, 0, st)
+    v, g = ops.nvfp4_qdq(x.to(DEV), None, F.random_signs(3).to(DEV), axis, True, "mse", True, 0, st)
     v_ref, g_ref = ops.nvfp4_qdq(x.cpu(), None, F.random_signs(3), axis, True, "mse", True, seed)
     assert_bits(g, g_ref, f"{impl} global")
     assert_bits(v, v_ref, f"{impl} values, device seed")
     if impl == "triton" and axis == 1:
-        q = ops.quantize_nvfp4(x, False, True, "mse", True, 0, None, st)
+        q = ops.quantize_nvfp4(x.to(DEV), False, True, "mse", True, 0, None, st)
         q_ref = ops.quantize_nvfp4(x.cpu(), False, True, "mse", True, seed, None)
         assert_bits(q[0], q_ref[0], "packed codes, device seed")
 
