@@ -83,6 +83,9 @@ FULL_SETUPS = {
     "full-nvfp4-w1d-allfp4": ("nvfp4", {"fp4_weight_blocks": "1d", "skip_quant_first_layers": 0,
                                         "skip_quant_last_layers": 0}),
     "full-nvfp4-absmax": ("nvfp4", {"four_over_six_rule": "abs_max"}),
+    # more decoder layers kept in model_dtype than the default ~16% (1 first and 2 last of Gemma-3-270M's 18)
+    "full-nvfp4-ends-1-4": ("nvfp4", {"skip_quant_first_layers": 1, "skip_quant_last_layers": 4}),
+    "full-nvfp4-ends-2-6": ("nvfp4", {"skip_quant_first_layers": 2, "skip_quant_last_layers": 6}),
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 
