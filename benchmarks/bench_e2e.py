@@ -278,7 +278,7 @@ def main():
     ap.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
     ap.add_argument("--traced-gemm", default=None, choices=["aten", "op"],
                     help="how the fp8 recipe's GEMM enters a compiled graph (recipes.fp8_hybrid.TRACED_GEMM)")
-    ap.add_argument("--traced-cast", default=None, choices=["auto", "inductor", "op"],
+    ap.add_argument("--traced-cast", default=None, choices=["inductor", "op"],
                     help="how the fp8 recipe's casts enter a compiled graph (recipes.fp8_hybrid.TRACED_CAST)")
     ap.add_argument("--recipe-knobs", default="{}", help='JSON knobs for apply_recipe, e.g. \'{"fp8_fast_accum": false}\'')
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],

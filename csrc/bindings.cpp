@@ -54,14 +54,6 @@ void fp8_cast_amax(const torch::Tensor& x, const torch::Tensor& scale, torch::Te
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// x contiguous and 16-byte aligned (the kernels load 16 bytes at a time): x itself, or a copy. Done here rather than
-// checked because compiled graphs call these ops directly, with buffers whose layout is known only at run time.
-static torch::Tensor aligned_operand(const torch::Tensor& x) {
-  torch::Tensor c = x.contiguous();
-  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16) c = c.clone();
-  return c;
-}
-
 // q = sat_rne(x * scale) and its contiguous transpose qt from one pass over the 2-D x; amax_bits as above.
 void fp8_cast_transpose_amax(const torch::Tensor& x, const torch::Tensor& scale, torch::Tensor& q, torch::Tensor& qt,
                              torch::Tensor& amax_bits) {
@@ -87,22 +79,6 @@ void fp8_cast_transpose_amax(const torch::Tensor& x, const torch::Tensor& scale,
                                        reinterpret_cast<unsigned*>(amax_bits.data_ptr<int>()), rows, cols,
                                        at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// (q, q^T contiguous, max|x| as fp32 0-dim) of the 2-D x scaled by the one fp32 value `scale` on the GPU: the cast
-// above as a function with fresh outputs, for compiled graphs (called with no Python in between, on buffers whose
-// layout is known only at run time: x is made contiguous and aligned here).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fp8_cast_transpose(const torch::Tensor& x_in,
-                                                                         const torch::Tensor& scale,
-                                                                         at::ScalarType dtype) {
-  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "fp8_cast_transpose: x must be a 2-D CUDA tensor");
-  const torch::Tensor x = aligned_operand(x_in);
-  auto q = torch::empty(x.sizes(), x.options().dtype(dtype));
-  auto qt = torch::empty({x.size(1), x.size(0)}, x.options().dtype(dtype));
-  auto bits = torch::zeros({1}, x.options().dtype(at::kInt));
-  torch::Tensor s = scale.reshape({1}).contiguous();
-  if (x.numel()) fp8_cast_transpose_amax(x, s, q, qt, bits);
-  return {q, qt, bits.view(at::kFloat).reshape({})};
 }
 
 // (q [Mp, K] e4m3, scale_inv [Mp, K/128] as an M-contiguous view): 1x128 tiles of x [M, K], M padded to a
@@ -157,6 +133,14 @@ torch::Tensor fp8_block_gemm(const torch::Tensor& x, const torch::Tensor& w, con
   std::vector<torch::Tensor> sa{xs}, sb{w_scales_mm.t()};
   auto y = at::_scaled_mm_v2(xq, wk.t(), sa, ra, {}, sb, rb, {}, std::nullopt, x.scalar_type(), {}, false);
   return y.size(0) == m ? y : y.narrow(0, 0, m);
+}
+
+// x contiguous and 16-byte aligned (the kernels load 16 bytes at a time): x itself, or a copy. Done here rather than
+// checked because compiled graphs call these ops directly, with buffers whose layout is known only at run time.
+static torch::Tensor aligned_operand(const torch::Tensor& x) {
+  torch::Tensor c = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16) c = c.clone();
+  return c;
 }
 
 static void check_nvfp4_operand(const torch::Tensor& x, const c10::optional<torch::Tensor>& signs, int64_t axis,
@@ -258,7 +242,6 @@ torch::Tensor nvfp4_gemm(const torch::Tensor& a, const torch::Tensor& b, const t
 TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_fp8_cast_amax", &fp8_cast_amax);
   m.impl("ext_fp8_cast_transpose_amax", &fp8_cast_transpose_amax);
-  m.impl("ext_fp8_cast_transpose", &fp8_cast_transpose);
   m.impl("ext_fp8_quantize_tiles", &fp8_quantize_tiles);
   m.impl("ext_transpose_bytes", &transpose_bytes);
   m.impl("ext_fp8_block_gemm", &fp8_block_gemm);

@@ -57,12 +57,6 @@ class ExtOps:
             setattr(self, name, getattr(torch.ops.surogate, f"ext_{name}"))
 
 
-@torch.compiler.assume_constant_result  # traced graphs take it as a constant (and route to the C++ ops)
-def loaded() -> bool:
-    """Whether the built extension is loaded (load(build=False): nothing is built)."""
-    return load(build=False) is not None
-
-
 def load(build: bool = False):
     """The extension's ops (an ExtOps), or None. With build=False only an already built library is loaded."""
     global _module, _error

@@ -21,7 +21,6 @@ from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp
 from .ext import (
     ext_fp8_block_gemm,
     ext_fp8_cast_amax,
-    ext_fp8_cast_transpose,
     ext_fp8_cast_transpose_amax,
     ext_fp8_quantize_tiles,
     ext_nvfp4_amax,

@@ -30,7 +30,6 @@ RECIPE_128X128 = int(_SCALING.BlockWise128x128.value) if _SCALING is not None el
 _lib.define("ext_fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()")
 _lib.define("ext_fp8_cast_transpose_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) qt, Tensor(c!) amax_bits) "
             "-> ()")
-_lib.define("ext_fp8_cast_transpose(Tensor x, Tensor scale, ScalarType dtype) -> (Tensor, Tensor, Tensor)")
 _lib.define("ext_fp8_quantize_tiles(Tensor x, int row_multiple) -> (Tensor, Tensor)")
 _lib.define("ext_transpose_bytes(Tensor x) -> Tensor")
 _lib.define("ext_fp8_block_gemm(Tensor x, Tensor w, Tensor w_scales_mm, bool transpose_w, int recipe_a, int recipe_b) "
@@ -73,23 +72,6 @@ def _ext_fp8_cast_transpose_amax(x: Tensor, scale: Tensor, q: Tensor, qt: Tensor
 @torch.library.register_fake(f"{NS}::ext_fp8_cast_transpose_amax", lib=_lib)
 def _(x, scale, q, qt, amax_bits):
     return None
-
-
-@torch.library.impl(f"{NS}::ext_fp8_cast_transpose", "CompositeExplicitAutograd", lib=_lib)
-def _ext_fp8_cast_transpose(x: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """(q = sat_rne(x * scale), q^T contiguous, max|x| fp32 0-dim) of the 2-D x: ext_fp8_cast_transpose_amax with
-    fresh outputs (what compiled graphs call)."""
-    if x.dim() != 2:
-        raise ValueError(f"ext_fp8_cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
-    q = F.cast_to_fp8(x.float() * scale.float().reshape(()), dtype)
-    a = x.float().abs().amax() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
-    return q, q.t().contiguous(), a
-
-
-@torch.library.register_fake(f"{NS}::ext_fp8_cast_transpose", lib=_lib)
-def _(x, scale, dtype):
-    r, c = x.shape
-    return x.new_empty((r, c), dtype=dtype), x.new_empty((c, r), dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
 @torch.library.impl(f"{NS}::ext_fp8_quantize_tiles", "CompositeExplicitAutograd", lib=_lib)
@@ -194,7 +176,6 @@ def _(a, b, ga, gb, bias, out_dtype):
 
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
 ext_fp8_cast_transpose_amax = torch.ops.surogate.ext_fp8_cast_transpose_amax.default
-ext_fp8_cast_transpose = torch.ops.surogate.ext_fp8_cast_transpose.default
 ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
 ext_transpose_bytes = torch.ops.surogate.ext_transpose_bytes.default
 ext_fp8_block_gemm = torch.ops.surogate.ext_fp8_block_gemm.default

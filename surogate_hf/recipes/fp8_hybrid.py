@@ -103,16 +103,7 @@ def cast(x2d, scale, scale_inv, amax, row, fmt, transpose: bool, record: bool, c
             return q, qt, s.reciprocal().reshape(())
         q, qt = fp8_cast.cast_fp8_into(x2d, scale[row : row + 1], bits, fmt, transpose)
         return q, qt, scale_inv[row, 0]
-    if transpose and TRACED_CAST == "auto" and x2d.is_cuda and torch.compiler.is_compiling() and _traced_ext():
-        # a cast with its transpose in a compiled graph: the extension's cast-transpose kernel (64x128 tiles, one
-        # pass) as a C++ op; inductor's fused kernels write the transpose at a fraction of bandwidth (measured: the
-        # top kernel of a compiled step, ~260 us for a 8192 x 2048 dy on the H200). Same numbers (the op's reference
-        # is this formula); casts without a transpose stay fused into their producers
-        s = F.fp8_scale_from_amax(x2d.detach().abs().amax().float(), fmt) if current else _at(scale, row)
-        if s.device != x2d.device:
-            raise ValueError(f"fp8 cast: the scale is on {s.device}, the tensor on {x2d.device}")
-        q, qt, a = torch.ops.surogate.ext_fp8_cast_transpose(x2d, s, fmt)
-    elif TRACED_CAST == "op" and torch.compiler.is_compiling():
+    if TRACED_CAST == "op" and torch.compiler.is_compiling():
         # the cast as one opaque op (our Triton kernel on CUDA: cast, transpose and amax in one pass) instead of
         # torch ops that inductor fuses into the producer; same numbers (the op's reference is this formula)
         s = F.fp8_scale_from_amax(x2d.detach().abs().amax().float(), fmt) if current else _at(scale, row)
@@ -170,16 +161,9 @@ def scaled_mm(a, b, sa_inv, sb_inv, bias, out_dtype, fast_accum: bool = False):
 
 TRACED_GEMM = "aten"  # how a traced CUDA GEMM enters the graph: "aten" (torch._scaled_mm) or "op" (surogate::)
 # how a traced cast enters the graph: "inductor" (torch ops, fused by inductor into the kernel that produces the
-# operand), "op" (surogate::quantize_fp8_tensorwise[_t], one opaque call: on the H100 inductor's fused
-# cast-transpose kernels ran at 1/2-1/3 of bandwidth, benchmarks/results/recipes_profile.md) or "auto": casts with a
-# transpose as the extension's C++ cast-transpose op when it is built, the others fused by inductor
-TRACED_CAST = "auto"
-
-
-def _traced_ext() -> bool:
-    from ..kernels import ext
-
-    return ext.loaded()
+# operand) or "op" (surogate::quantize_fp8_tensorwise[_t], one opaque call: on the H100 inductor's fused
+# cast-transpose kernels ran at 1/2-1/3 of bandwidth, benchmarks/results/recipes_profile.md)
+TRACED_CAST = "inductor"
 
 
 def _aten_ok(a, b, out_dtype) -> bool:

@@ -90,11 +90,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor, b
     return torch.ops.surogate.nvfp4_qdq_mm(a, b, ga, gb, bias, out_dtype)
 
 
-
+@torch.compiler.assume_constant_result  # (whether the built library is loaded: a constant of the traced graph)
 def _traced_ext() -> bool:
     from ..kernels import ext
 
-    return ext.loaded()
+    return ext.load(build=False) is not None
 
 
 def _kernels():

@@ -633,13 +633,6 @@ def test_extension_cast_transpose_matches_the_reference(shape, dtype, fmt):
     assert_bits(qc, tq, "ext vs triton q")
     assert_bits(qtc, tqt, "ext vs triton qt")
     assert_bits(amc, am_t, "ext vs triton amax")
-    # the functional form compiled graphs call (fresh outputs, a 0-dim scale, any offset of x)
-    xo = torch.empty(x.numel() + 1, dtype=dtype, device=DEV)[1:].view(shape)
-    xo.copy_(x.to(DEV))
-    f = ops.ext_fp8_cast_transpose(xo, scale.reshape(()), fmt)
-    f_ref = ops.ext_fp8_cast_transpose(x, scale.cpu().reshape(()), fmt)
-    for got, ref, what in zip(f, f_ref, ("q", "qt", "amax")):
-        assert_bits(got, ref, f"ext_fp8_cast_transpose {what}")
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():

@@ -64,7 +64,6 @@ def _cases():
         ("ext_fp8_cast_transpose_amax", O.ext_fp8_cast_transpose_amax,
          (x, torch.tensor([3.0]), torch.empty(6, 256, dtype=F.E5M2), torch.empty(256, 6, dtype=F.E5M2),
           torch.zeros(1, dtype=torch.int32)), NO_SCHEMA),
-        ("ext_fp8_cast_transpose", O.ext_fp8_cast_transpose, (x, torch.tensor(3.0), F.E4M3), NO_SCHEMA),
         ("ext_fp8_quantize_tiles", O.ext_fp8_quantize_tiles, (x, 16), NO_SCHEMA),
         ("ext_transpose_bytes", O.ext_transpose_bytes, (wq,), NO_SCHEMA),
         ("ext_nvfp4_amax", O.ext_nvfp4_amax, (x, None, 1), NO_SCHEMA),
