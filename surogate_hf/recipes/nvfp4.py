@@ -74,7 +74,10 @@ def qdq(t: torch.Tensor, axis: int, fos: bool, rule: str, stochastic: bool = Fal
             from ..ops.quant import check_seed_tensor
 
             check_seed_tensor(seed_t, t)
-        return torch.ops.surogate.ext_nvfp4_qdq(t, None, signs, axis, fos, F.nvfp4.FOUR_OVER_SIX_RULES.index(rule),
+        # without a transform the operand's amax is t's (the zero padding of axis 0 adds nothing): a torch reduction
+        # that inductor fuses into the kernel producing t, in place of the extension's own pass over t (same bits)
+        amax = t.detach().abs().amax().float() if signs is None and t.numel() else None
+        return torch.ops.surogate.ext_nvfp4_qdq(t, amax, signs, axis, fos, F.nvfp4.FOUR_OVER_SIX_RULES.index(rule),
                                                 stochastic, seed, seed_t)
     return torch.ops.surogate.nvfp4_qdq(t, None, signs, axis, fos, rule, stochastic, seed, seed_t)
 
