@@ -162,9 +162,7 @@ def quantize_nvfp4(
     packed = pack_e2m1(codes)
     if squeeze:
         packed, s = packed[0], s[0]
-    # a tensor of its own, not a view of amax's: custom ops return this, and inductor may reuse an op's output
-    # buffer for a later output (a compiled loss came back as a view of it, and in-place scaling of the loss failed)
-    return NVFP4Quantized(packed, s, g_dec.reshape(()).clone())
+    return NVFP4Quantized(packed, s, g_dec.reshape(()))
 
 
 def check_nvfp4_scales(packed: torch.Tensor, block_scale: torch.Tensor) -> None:

@@ -321,7 +321,9 @@ def register() -> None:
         return
     from .. import ops  # noqa: F401  (declares every op this registers for)
 
+    from ..ops._outputs import fresh_outputs
+
     g = globals()
     for name in _QUANT + _LINEAR + _RECIPE:
-        torch.library.register_kernel(f"{NS}::{name}", "cuda", g[name])
+        torch.library.register_kernel(f"{NS}::{name}", "cuda", fresh_outputs(g[name]))
     _registered = True

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import formats as F
+from ._outputs import fresh_outputs
 from .quant import nvfp4_qdq_fake
 
 NS = "surogate"
@@ -42,6 +43,7 @@ NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq ind
 
 
 @torch.library.impl(f"{NS}::ext_fp8_cast_amax", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_fp8_cast_amax(x: Tensor, scale: Tensor, q: Tensor, amax_bits: Tensor) -> None:
     """q = sat_rne(x * scale) written into the preallocated FP8 tensor q (x's numel); amax_bits (int32 [1], the bits
     of a non-negative fp32) becomes max(amax_bits, max|x|) as float bits (NaN propagates)."""
@@ -60,6 +62,7 @@ def _(x, scale, q, amax_bits):
 
 
 @torch.library.impl(f"{NS}::ext_fp8_cast_transpose_amax", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_fp8_cast_transpose_amax(x: Tensor, scale: Tensor, q: Tensor, qt: Tensor, amax_bits: Tensor) -> None:
     """ext_fp8_cast_amax of the 2-D x [R, C] that also writes q's contiguous transpose into qt [C, R]."""
     if x.dim() != 2 or tuple(q.shape) != tuple(x.shape) or tuple(qt.shape) != (x.shape[1], x.shape[0]):
@@ -75,6 +78,7 @@ def _(x, scale, q, qt, amax_bits):
 
 
 @torch.library.impl(f"{NS}::ext_fp8_quantize_tiles", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_fp8_quantize_tiles(x: Tensor, row_multiple: int) -> tuple[Tensor, Tensor]:
     """(q [Mp, K] E4M3, scale_inv [Mp, K/128] fp32 as an Mp-contiguous view) of x [M, K] in 1x128 tiles
     (formats.quantize_fp8_tiles), M padded up to a multiple of row_multiple with zero rows (quantized as zeros,
@@ -97,6 +101,7 @@ def _(x, row_multiple):
 
 
 @torch.library.impl(f"{NS}::ext_transpose_bytes", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_transpose_bytes(x: Tensor) -> Tensor:
     """The contiguous transpose of a 2-D tensor of 1-byte elements (FP8 or uint8)."""
     if x.dim() != 2 or x.element_size() != 1:
@@ -110,6 +115,7 @@ def _(x):
 
 
 @torch.library.impl(f"{NS}::ext_fp8_block_gemm", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_fp8_block_gemm(x: Tensor, w: Tensor, w_scales_mm: Tensor, transpose_w: bool, recipe_a: int,
                        recipe_b: int) -> Tensor:
     """y = x @ W^T (forward; x [M, K], w [N, K]) or x @ W (transpose_w, the dgrad; x [M, N]) for an E4M3 weight in
@@ -137,6 +143,7 @@ def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_amax", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_nvfp4_amax(x: Tensor, signs: Tensor | None, axis: int) -> Tensor:
     """surogate::nvfp4_amax (the csrc kernel reads a contiguous 2-D x, 16-byte aligned)."""
     return torch.ops.surogate.nvfp4_amax(x, signs, axis)
@@ -148,6 +155,7 @@ def _(x, signs, axis):
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_qdq", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, four_over_six: bool, rule: int,
                    stochastic: bool, seed: int, seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """surogate::nvfp4_qdq with the 4/6 rule as its index in NVFP4_RULES (amax None: the operand's own, taken in the
@@ -162,6 +170,7 @@ def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor=N
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_gemm", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
 def _ext_nvfp4_gemm(a: Tensor, b: Tensor, ga: Tensor, gb: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """cast((a @ b) * (ga * gb) + bias.f32, out_dtype): the NVFP4 GEMM over two nvfp4_qdq operands (bf16 values that
     hold e2m1 * s_blk exactly, ga / gb their decode globals); fp32 accumulation, the globals' product applied once,

@@ -17,6 +17,7 @@ import torch.nn.functional as Fn
 from torch import Tensor
 
 from .. import formats as F
+from ._outputs import fresh_outputs
 
 NS = "surogate"
 
@@ -27,6 +28,7 @@ def _fake_linear(x: Tensor, out_features: int) -> Tensor:
 
 # ---------------------------------------------------------------- fp8 block-scaled base
 @torch.library.custom_op(f"{NS}::fp8_block_linear", mutates_args=())
+@fresh_outputs
 def fp8_block_linear(x: Tensor, w: Tensor, w_scale_inv: Tensor, block_n: int, block_k: int) -> Tensor:
     xq, xs = F.quantize_fp8_tiles(x, block_k)
     xd = F.dequantize_fp8_tiles(xq, xs, block_k, torch.float32)
@@ -40,6 +42,7 @@ def _(x, w, w_scale_inv, block_n, block_k):
 
 
 @torch.library.custom_op(f"{NS}::fp8_block_linear_dgrad", mutates_args=())
+@fresh_outputs
 def fp8_block_linear_dgrad(dy: Tensor, w: Tensor, w_scale_inv: Tensor, block_n: int, block_k: int) -> Tensor:
     dq, ds = F.quantize_fp8_tiles(dy, block_n)
     dd = F.dequantize_fp8_tiles(dq, ds, block_n, torch.float32)
@@ -54,6 +57,7 @@ def _(dy, w, w_scale_inv, block_n, block_k):
 
 # ---------------------------------------------------------------- nvfp4 weight-only
 @torch.library.custom_op(f"{NS}::nvfp4_linear", mutates_args=())
+@fresh_outputs
 def nvfp4_linear(x: Tensor, packed: Tensor, block_scale: Tensor, global_scale: Tensor) -> Tensor:
     return Fn.linear(x, F.dequantize_nvfp4(packed, block_scale, global_scale, x.dtype))
 
@@ -64,6 +68,7 @@ def _(x, packed, block_scale, global_scale):
 
 
 @torch.library.custom_op(f"{NS}::nvfp4_linear_dgrad", mutates_args=())
+@fresh_outputs
 def nvfp4_linear_dgrad(dy: Tensor, packed: Tensor, block_scale: Tensor, global_scale: Tensor) -> Tensor:
     return dy @ F.dequantize_nvfp4(packed, block_scale, global_scale, dy.dtype)
 
@@ -75,6 +80,7 @@ def _(dy, packed, block_scale, global_scale):
 
 # ---------------------------------------------------------------- mxfp4 weight-only
 @torch.library.custom_op(f"{NS}::mxfp4_linear", mutates_args=())
+@fresh_outputs
 def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     return Fn.linear(x, F.dequantize_mxfp4(packed, scales, x.dtype))
 
@@ -85,6 +91,7 @@ def _(x, packed, scales):
 
 
 @torch.library.custom_op(f"{NS}::mxfp4_linear_dgrad", mutates_args=())
+@fresh_outputs
 def mxfp4_linear_dgrad(dy: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     return dy @ F.dequantize_mxfp4(packed, scales, dy.dtype)
 
@@ -98,6 +105,7 @@ def _(dy, packed, scales):
 # packed: bitsandbytes' uint8 data; absmax: fp32 per block (double quantization already undone,
 # formats.nf4.nf4_absmax); code: the 16 NF4 levels.
 @torch.library.custom_op(f"{NS}::nf4_linear", mutates_args=())
+@fresh_outputs
 def nf4_linear(
     x: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, block_size: int, out_features: int, in_features: int
 ) -> Tensor:
@@ -111,6 +119,7 @@ def _(x, packed, absmax, code, block_size, out_features, in_features):
 
 
 @torch.library.custom_op(f"{NS}::nf4_linear_dgrad", mutates_args=())
+@fresh_outputs
 def nf4_linear_dgrad(
     dy: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, block_size: int, out_features: int, in_features: int
 ) -> Tensor:

@@ -11,12 +11,14 @@ import torch
 from torch import Tensor
 
 from .. import formats as F
+from ._outputs import fresh_outputs
 
 NS = "surogate"
 
 
 # ---------------------------------------------------------------- FP8
 @torch.library.custom_op(f"{NS}::quantize_fp8_tensorwise", mutates_args=())
+@fresh_outputs
 def quantize_fp8_tensorwise(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Cast x * scale to FP8 (saturating) and return (q, amax(|x|)), the amax fused for delayed scaling."""
     q, _ = F.quantize_fp8_tensorwise(x, fp8_dtype, scale=scale)
@@ -29,6 +31,7 @@ def _(x, scale, fp8_dtype):
 
 
 @torch.library.custom_op(f"{NS}::quantize_fp8_tensorwise_t", mutates_args=())
+@fresh_outputs
 def quantize_fp8_tensorwise_t(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """Per-tensor FP8 cast of a 2D view [rows, cols] of x (last dim kept), its transpose, and amax(|x|).
 
@@ -53,6 +56,7 @@ def _(x, scale, fp8_dtype):
 
 
 @torch.library.custom_op(f"{NS}::quantize_fp8_blocks", mutates_args=())
+@fresh_outputs
 def quantize_fp8_blocks(w: Tensor, block_n: int, block_k: int, ue8m0: bool) -> tuple[Tensor, Tensor]:
     return F.quantize_fp8_blocks(w, (block_n, block_k), F.E4M3, ue8m0)
 
@@ -67,6 +71,7 @@ def _(w, block_n, block_k, ue8m0):
 
 
 @torch.library.custom_op(f"{NS}::dequantize_fp8_blocks", mutates_args=())
+@fresh_outputs
 def dequantize_fp8_blocks(q: Tensor, scale_inv: Tensor, block_n: int, block_k: int, out_dtype: torch.dtype) -> Tensor:
     return F.dequantize_fp8_blocks(q, scale_inv, (block_n, block_k), out_dtype)
 
@@ -77,6 +82,7 @@ def _(q, scale_inv, block_n, block_k, out_dtype):
 
 
 @torch.library.custom_op(f"{NS}::quantize_fp8_tiles", mutates_args=())
+@fresh_outputs
 def quantize_fp8_tiles(x: Tensor, tile: int) -> tuple[Tensor, Tensor]:
     return F.quantize_fp8_tiles(x, tile, F.E4M3)
 
@@ -88,6 +94,7 @@ def _(x, tile):
 
 # ---------------------------------------------------------------- NVFP4
 @torch.library.custom_op(f"{NS}::quantize_nvfp4", mutates_args=())
+@fresh_outputs
 def quantize_nvfp4(
     x: Tensor, block_2d: bool, four_over_six: bool, rule: str, stochastic: bool, seed: int, amax: Tensor | None,
     seed_tensor: Tensor | None = None,
@@ -113,6 +120,7 @@ def _(x, block_2d, four_over_six, rule, stochastic, seed, amax, seed_tensor=None
 
 
 @torch.library.custom_op(f"{NS}::dequantize_nvfp4", mutates_args=())
+@fresh_outputs
 def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     return F.dequantize_nvfp4(packed, block_scale, global_scale, out_dtype)
 
@@ -123,6 +131,7 @@ def _(packed, block_scale, global_scale, out_dtype):
 
 
 @torch.library.custom_op(f"{NS}::nvfp4_amax", mutates_args=())
+@fresh_outputs
 def nvfp4_amax(x: Tensor, signs: Tensor | None, axis: int) -> Tensor:
     """fp32 amax (0-dim) of the NVFP4 operand of the 2-D x with blocks along `axis` (formats.nvfp4.nvfp4_operand:
     axis 0 zero-pads and transposes, axis 2 takes 16x16 tiles, `signs` applies the random Hadamard transform); NaN
@@ -137,6 +146,7 @@ def _(x, signs, axis):
 
 
 @torch.library.custom_op(f"{NS}::nvfp4_qdq", mutates_args=())
+@fresh_outputs
 def nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, four_over_six: bool, rule: str,
               stochastic: bool, seed: int, seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """formats.nvfp4.qdq_nvfp4: (e2m1 * s_blk in bf16, laid out like x ([R, C], or [ceil16(R), C] for axis 0), the
@@ -171,6 +181,7 @@ def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor=N
 
 # ---------------------------------------------------------------- MXFP4
 @torch.library.custom_op(f"{NS}::quantize_mxfp4", mutates_args=())
+@fresh_outputs
 def quantize_mxfp4(x: Tensor) -> tuple[Tensor, Tensor]:
     return F.quantize_mxfp4(x)
 
@@ -182,6 +193,7 @@ def _(x):
 
 
 @torch.library.custom_op(f"{NS}::dequantize_mxfp4", mutates_args=())
+@fresh_outputs
 def dequantize_mxfp4(packed: Tensor, scales: Tensor, out_dtype: torch.dtype) -> Tensor:
     return F.dequantize_mxfp4(packed, scales, out_dtype)
 
@@ -193,6 +205,7 @@ def _(packed, scales, out_dtype):
 
 # ---------------------------------------------------------------- Hadamard
 @torch.library.custom_op(f"{NS}::rht", mutates_args=())
+@fresh_outputs
 def rht(x: Tensor, signs: Tensor) -> Tensor:
     """Random Hadamard transform of 16-chunks of the last dim, result in fp32, contiguous (whatever x's layout: the
     CUDA kernel writes it so, and a compiled graph's fake must agree)."""

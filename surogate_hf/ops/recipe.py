@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import formats as F
+from ._outputs import fresh_outputs
 
 NS = "surogate"
 
@@ -41,6 +42,7 @@ def _no_autocast(device: torch.device):
 
 
 @torch.library.custom_op(f"{NS}::fp8_scaled_mm", mutates_args=())
+@fresh_outputs
 def fp8_scaled_mm(
     a: Tensor, b: Tensor, scale_a_inv: Tensor, scale_b_inv: Tensor, bias: Tensor | None, out_dtype: torch.dtype
 ) -> Tensor:
@@ -73,6 +75,7 @@ def _(a, b, scale_a_inv, scale_b_inv, bias, out_dtype):
 
 
 @torch.library.custom_op(f"{NS}::nvfp4_mm", mutates_args=())
+@fresh_outputs
 def nvfp4_mm(
     a_packed: Tensor,
     a_scale: Tensor,
@@ -107,6 +110,7 @@ def _(a_packed, a_scale, a_global, b_packed, b_scale, b_global, bias, out_dtype)
 
 
 @torch.library.custom_op(f"{NS}::nvfp4_qdq_mm", mutates_args=())
+@fresh_outputs
 def nvfp4_qdq_mm(a: Tensor, b: Tensor, ga: Tensor, gb: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """formats.nvfp4.mm_qdq: cast((a @ b) * (ga * gb) + bias.f32, out_dtype) for two surogate::nvfp4_qdq operands (bf16
     values that hold e2m1 * s_blk exactly; ga / gb their decode globals), a [M, K], b [K, N] of any strides. The NVFP4
@@ -121,6 +125,7 @@ def _(a, b, ga, gb, bias, out_dtype):
 
 
 @torch.library.custom_op(f"{NS}::delayed_scaling_update", mutates_args=("history", "scale"))
+@fresh_outputs
 def delayed_scaling_update(history: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, margin: int,
                            use_max: bool) -> None:
     """One delayed-scaling step for n roles, in place (recipes.scaling.Fp8ScalingState semantics).
@@ -143,6 +148,7 @@ def _(history, scale, amax, fp8_dtype, margin, use_max):
 
 
 @torch.library.custom_op(f"{NS}::take_step", mutates_args=("counter",))
+@fresh_outputs
 def take_step(counter: Tensor) -> Tensor:
     """A forward's step from a step counter (the nvfp4 recipe's stochastic-rounding step, read inside compiled graphs).
 
@@ -165,6 +171,7 @@ def _(counter):
 
 
 @torch.library.custom_op(f"{NS}::fp8_tiles_wgrad", mutates_args=())
+@fresh_outputs
 def fp8_tiles_wgrad(dy: Tensor, x: Tensor, tile: int, out_dtype: torch.dtype) -> Tensor:
     """Weight gradient of the fine-grained FP8 recipe (DeepSeek-V3): dW [N, K] = dy^T [N, T] @ x [T, K].
 

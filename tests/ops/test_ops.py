@@ -92,6 +92,16 @@ def test_opcheck(name, op, args, checks):
     torch.library.opcheck(op, args, test_utils=checks)
 
 
+@pytest.mark.parametrize("name,op,args,checks", _cases(), ids=[c[0] for c in _cases()])
+def test_op_outputs_are_tensors_of_their_own(name, op, args, checks):
+    """No op returns a view: compiled graphs take a fallback op's outputs as buffers of their own, and inductor reused
+    one (an nvfp4 decode global that was a view) for a compiled loss, on which the Trainer's in-place `loss *=`
+    failed (ops._outputs.fresh_outputs)."""
+    out = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+        assert not (isinstance(o, torch.Tensor) and o._is_view()), f"{name}: output {i} is a view"
+
+
 def test_linear_ops_match_dense_reference():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 256, generator=g)
