@@ -22,6 +22,9 @@ void launch_nvfp4_qdq(const void* x, int dtype, const float* signs, const unsign
                       const int64_t* seed_ptr, cudaStream_t stream);
 void launch_nvfp4_scale_bias_cast(const float* acc, const float* ga, const float* gb, const void* bias, int bias_dtype,
                                   void* out, int out_dtype, int64_t M, int64_t N, int sms, cudaStream_t stream);
+cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                                  const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                                  int sms, cudaStream_t stream);
 }
 
 static int dtype_code(const torch::Tensor& x, const char* who) {
@@ -234,6 +237,47 @@ torch::Tensor nvfp4_gemm(const torch::Tensor& a, const torch::Tensor& b, const t
   return out;
 }
 
+// y [M, N] = x [M, K] @ deq(W)^T for a 4-bit weight W [N, K] and few tokens (1 <= M <= 64), x bf16: fmt 0 NVFP4
+// (w uint8 [N, K/2], scales E4M3 [N, K/16], gscale its decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4
+// (w bitsandbytes-packed, N * K / 2 bytes; scales the fp32 absmax per nf4_block elements; levels its 16 values).
+// K % 32 == 0 and nf4_block % 32 == 0 (surogate_hf.kernels.paths.few_token_kernel decides; it checks these).
+torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scales,
+                             const c10::optional<torch::Tensor>& gscale, const c10::optional<torch::Tensor>& levels,
+                             int64_t fmt, int64_t n, int64_t k, int64_t nf4_block) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              "few_token_gemm: x must be a 2-D bf16 CUDA tensor");
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "few_token_gemm: fmt must be 0 (nvfp4), 1 (mxfp4) or 2 (nf4)");
+  const int64_t m = x_in.size(0);
+  TORCH_CHECK(x_in.size(1) == k && k % 32 == 0 && m >= 1 && m <= 64,
+              "few_token_gemm: x [M <= 64, K] with K % 32 == 0 expected, got ", x_in.sizes(), " for K = ", k);
+  TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 && w.numel() == n * k / 2 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "few_token_gemm: w must hold N * K / 2 contiguous bytes, 16-byte aligned");
+  const int64_t scale_count = fmt == 0 ? n * k / 16 : fmt == 1 ? n * k / 32 : n * k / std::max<int64_t>(nf4_block, 1);
+  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.numel() == scale_count &&
+                  scales.element_size() == (fmt == 2 ? 4 : 1),
+              "few_token_gemm: scales must be ", scale_count, " contiguous ", fmt == 2 ? "fp32" : "one-byte", " values");
+  TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->scalar_type() == at::kFloat && gscale->numel() == 1),
+              "few_token_gemm: NVFP4 needs its fp32 decode global");
+  TORCH_CHECK(fmt != 2 || (nf4_block % 32 == 0 && k % nf4_block == 0 && levels.has_value() &&
+                           levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous()),
+              "few_token_gemm: NF4 needs blocks that are a multiple of 32 dividing K and 16 fp32 levels");
+  const torch::Tensor x = aligned_operand(x_in);
+  const at::cuda::CUDAGuard guard(x.device());
+  auto y = torch::empty({m, n}, x.options());
+  if (n == 0) return y;
+  const torch::Tensor g = fmt == 0 ? gscale->to(x.device()).contiguous() : torch::Tensor();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const cudaError_t err = surogate::launch_few_token_gemm(
+      (int)fmt, x.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()),
+      fmt == 2 ? nullptr : reinterpret_cast<const uint8_t*>(scales.data_ptr()),
+      fmt == 2 ? scales.data_ptr<float>() : nullptr, fmt == 2 ? levels->data_ptr<float>() : nullptr,
+      fmt == 0 ? g.data_ptr<float>() : nullptr, y.data_ptr(), (int)m, (int)n, (int)k, (int)nf4_block, sms,
+      at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "few_token_gemm: launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
 // CUDA kernels of the surogate::ext_* ops. Their schemas, fake kernels and reference (CPU) kernels are declared in
 // Python (surogate_hf/ops/ext.py), which the package imports before this library can be loaded; torch.compile
 // graphs call them with no Python in between. On the H100 machine a TORCH_CHECK that threw in here ended the
@@ -248,4 +292,5 @@ TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_nvfp4_amax", &nvfp4_amax);
   m.impl("ext_nvfp4_qdq", &nvfp4_qdq);
   m.impl("ext_nvfp4_gemm", &nvfp4_gemm);
+  m.impl("ext_few_token_gemm", &few_token_gemm);
 }

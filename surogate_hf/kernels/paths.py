@@ -13,7 +13,9 @@ Paths:
                        them inside the call (HF's ceil-div `weight_scale_inv` already covers the padded
                        blocks, zero codes add nothing, so the result equals the unpadded reference math)
   fused_dequant_gemm   nvfp4 / mxfp4 / nf4 with few tokens: Triton GEMM decoding the packed weight tile by
-                       tile into registers (memory-bound regime: reads ~0.5 B/param), masked tails
+                       tile into registers (memory-bound regime: reads ~0.5 B/param), masked tails; a forward
+                       with at most 64 bf16 tokens on SM90+ runs the extension's few-token kernel instead
+                       (csrc/fp4/few_token_gemm.cu, see few_token_kernel)
   dense_decode_cublas  nvfp4 / mxfp4 / nf4 with many tokens: the weight decoded once into a transient dense
                        buffer (exact reference decode, masked tails) and cuBLAS
   reference            the fp32 / dequantize reference math: only where no kernel exists (no CUDA device,
@@ -70,6 +72,17 @@ def splitk_plan(m: int, red: int, out_cols: int, sms: int) -> tuple[int, int]:
         return 1, red
     chunk_units = -(-units // split)
     return -(-units // chunk_units), chunk_units * SPLITK_CHUNK_UNIT
+
+
+def few_token_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
+                     ext_built: bool, nf4_block: int = 64) -> bool:
+    """Whether the forward y = x W^T of a weight-only format takes the extension's few-token kernel
+    (surogate::ext_few_token_gemm) rather than the Triton split kernel: m <= SPLITK_MAX_TOKENS bf16 rows, an SM90+
+    GPU (it sums its K splits across a thread-block cluster), K a multiple of 32 (each lane loads 32 codes of a
+    row) and NF4 blocks of a multiple of 32, with the extension built. The input gradient keeps the Triton kernel."""
+    return (fmt in WEIGHT_ONLY and 1 <= m <= SPLITK_MAX_TOKENS and dtype == torch.bfloat16 and ext_built
+            and capability is not None and tuple(capability) >= (9, 0) and k % 32 == 0
+            and (fmt != "nf4" or nf4_block % 32 == 0))
 
 
 _ELEMENT_BLOCK = {"nvfp4": 16, "mxfp4": 32}

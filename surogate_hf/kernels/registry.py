@@ -144,8 +144,40 @@ def _weight_only(op: str, fwd: bool, fmt_name: str, a, n, k, packed, scale, gsca
     fmt = tg.FORMAT_IDS[fmt_name]
     if plan.path == paths.DENSE:
         return tg.dense_gemm(fwd, fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
+    if fwd and a.numel() <= paths.SPLITK_MAX_TOKENS * k and a.dtype == torch.bfloat16:
+        y = _few_token_linear(fmt_name, a, packed, scale, gscale, code, n, k, nf4_bs)
+        if y is not None:
+            return y
     fn = tg.linear if fwd else tg.linear_dgrad
     return fn(fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
+
+
+_few_token_op = None  # the extension's op once looked up, False when it is not built (looked up once per process)
+
+
+def _few_token_linear(fmt_name, x, packed, scale, gscale, code, n, k, nf4_bs):
+    """x @ deq(W)^T through surogate::ext_few_token_gemm where paths.few_token_kernel says it applies, else None
+    (the caller runs the Triton split kernel; without the extension that is said once)."""
+    global _few_token_op
+    if _few_token_op is None:
+        from . import ext
+
+        _few_token_op = torch.ops.surogate.ext_few_token_gemm.default if ext.load(build=False) is not None else False
+        if _few_token_op is False:
+            warn_once("few_token_ext", "surogate_hf: weight-only GEMMs with <= 64 tokens run the Triton split kernel "
+                      "(two launches, a fraction of the bandwidth of the extension's few-token kernel); the CUDA "
+                      f"extension is {ext.status()[1]}")
+    m = x.numel() // k if k else 0
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    operands_ok = (packed.is_contiguous() and packed.data_ptr() % 16 == 0 and scale.is_contiguous()
+                   and (code is None or code.is_contiguous()))  # what the kernel reads as flat arrays
+    if not (_few_token_op and operands_ok and paths.few_token_kernel(
+            fmt_name, m, k, x.dtype, paths.device_capability(dev), True, nf4_bs)):
+        return None
+    from ..ops.ext import FEW_TOKEN_FORMATS
+
+    y = _few_token_op(x.reshape(m, k), packed, scale, gscale, code, FEW_TOKEN_FORMATS.index(fmt_name), n, k, nf4_bs)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 def nvfp4_linear(x, packed, block_scale, global_scale):

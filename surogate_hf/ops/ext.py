@@ -39,6 +39,8 @@ _lib.define("ext_nvfp4_amax(Tensor x, Tensor? signs, int axis) -> Tensor")
 _lib.define("ext_nvfp4_qdq(Tensor x, Tensor? amax, Tensor? signs, int axis, bool four_over_six, int rule, "
             "bool stochastic, int seed, Tensor? seed_tensor=None) -> (Tensor, Tensor)")
 _lib.define("ext_nvfp4_gemm(Tensor a, Tensor b, Tensor ga, Tensor gb, Tensor? bias, ScalarType out_dtype) -> Tensor")
+_lib.define("ext_few_token_gemm(Tensor x, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, "
+            "int nf4_block) -> Tensor")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
 
@@ -183,6 +185,39 @@ def _(a, b, ga, gb, bias, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+FEW_TOKEN_FORMATS = ("nvfp4", "mxfp4", "nf4")  # the int `fmt` of ext_few_token_gemm indexes this
+
+
+@torch.library.impl(f"{NS}::ext_few_token_gemm", "CompositeExplicitAutograd", lib=_lib)
+@fresh_outputs
+def _ext_few_token_gemm(x: Tensor, w: Tensor, scales: Tensor, gscale: Tensor | None, levels: Tensor | None, fmt: int,
+                        n: int, k: int, nf4_block: int) -> Tensor:
+    """y [M, N] = x [M, K] @ deq(W)^T for a 4-bit weight W [N, K] (fmt indexes FEW_TOKEN_FORMATS), in x's dtype:
+    each weight element decoded as the formats' reference does and rounded to x's dtype (NVFP4 without its decode
+    global, e2m1 * s_blk, exact), products summed in fp32, the NVFP4 global applied to the fp32 sum, one rounding.
+    nvfp4: w uint8 [N, K/2], scales E4M3 [N, K/16], gscale the decode global; mxfp4: scales E8M0 [N, K/32];
+    nf4: w bitsandbytes-packed, scales the fp32 absmax of each nf4_block elements, levels its 16 values.
+    The CUDA kernel (csrc/fp4/few_token_gemm.cu, 1 <= M <= 64) differs by fp32 summation order only."""
+    if fmt not in (0, 1, 2) or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"ext_few_token_gemm: fmt 0, 1 or 2 and x [M, {k}] expected, got fmt {fmt}, x {tuple(x.shape)}")
+    if fmt == 0:
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        wd = F.dequantize_nvfp4(w.reshape(n, k // 2), scales.reshape(n, k // 16), one, torch.float32)
+        return ((x.float() @ wd.t()) * gscale.float().reshape(())).to(x.dtype)
+    if fmt == 1:
+        wd = F.dequantize_mxfp4(w.reshape(n, k // 2), scales.reshape(n, k // 32), torch.float32)
+        return (x.float() @ wd.t()).to(x.dtype)
+    from ..formats.nf4 import dequantize_nf4_raw
+
+    wd = dequantize_nf4_raw(w, scales, levels, nf4_block, (n, k), x.dtype).float()
+    return (x.float() @ wd.t()).to(x.dtype)
+
+
+@torch.library.register_fake(f"{NS}::ext_few_token_gemm", lib=_lib)
+def _(x, w, scales, gscale, levels, fmt, n, k, nf4_block):
+    return x.new_empty((x.shape[0], n))
+
+
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
 ext_fp8_cast_transpose_amax = torch.ops.surogate.ext_fp8_cast_transpose_amax.default
 ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
@@ -191,3 +226,4 @@ ext_fp8_block_gemm = torch.ops.surogate.ext_fp8_block_gemm.default
 ext_nvfp4_amax = torch.ops.surogate.ext_nvfp4_amax.default
 ext_nvfp4_qdq = torch.ops.surogate.ext_nvfp4_qdq.default
 ext_nvfp4_gemm = torch.ops.surogate.ext_nvfp4_gemm.default
+ext_few_token_gemm = torch.ops.surogate.ext_few_token_gemm.default

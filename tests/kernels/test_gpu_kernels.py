@@ -415,6 +415,37 @@ def test_shapes_table_gemms(fmt, nk):
         assert sqnr(dx, dxr) > 40, f"{fmt} [{n}, {k}] M={m} dgrad SQNR {sqnr(dx, dxr):.1f} dB"
 
 
+FEW_TOKENS = (1, 5, 16, 17, 33, 64)
+
+
+@pytest.mark.parametrize("nk", SHAPES_NK, ids=lambda nk: f"{nk[0]}to{nk[1]}")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_few_token_kernel_over_the_shapes_table(fmt, nk):
+    """csrc's few-token weight-only GEMM (surogate::ext_few_token_gemm) on every linear of the table at 1 to 64
+    tokens: within one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T with the
+    kernel's decode, bit-identical from run to run, and what the forward op runs for bf16 x on an SM90 GPU."""
+    _built_extension()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
+    k, n = nk
+    fwd, _, args, wref = _quantized(fmt, _weight(n, k))
+    if fmt == "nvfp4":
+        op_args, wk = (args[0], args[1], args[2], None, 0), wref
+    elif fmt == "mxfp4":
+        op_args, wk = (args[0], args[1], None, None, 1), wref
+    else:  # the kernel decodes NF4 to bf16 like the reference op
+        op_args, wk = (args[0], args[1].float().contiguous(), None, args[2].float().contiguous(), 2), wref.bfloat16().float()
+    for m in FEW_TOKENS:
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+        ref = x.float() @ wk.t()
+        slack = (x.float().abs() @ wk.abs().t()) * (k * 2.0**-24) + 1e-30
+        err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
+        assert err.max() <= 0, f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding"
+        assert torch.equal(y, torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)), "not deterministic"
+        assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
+
+
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 @pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)])
 @pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32])

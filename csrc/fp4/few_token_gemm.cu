@@ -1,0 +1,344 @@
+// Few-token weight-only GEMM: y [M, N] = x [M, K] @ deq(W)^T for a frozen 4-bit weight W [N, K] (NVFP4, MXFP4
+// or NF4), M <= 64, x in bf16. With so few tokens the GEMM is bound by reading the weight, 0.5 byte per element
+// against bf16's 2, so the kernel is built to stream the packed codes once at full bandwidth:
+//   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, and decodes
+//     them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma B fragments;
+//   - the reduction order inside an mma is free, so lane q's 32 codes fill its k-slots of 8 consecutive
+//     m16n8k16 steps, and x is read in the same permuted order: no shuffles, no shared-memory staging;
+//   - the K range is split over up to 8 CTAs of one thread-block cluster (SM90), whose fp32 partials are summed
+//     through distributed shared memory in a fixed order (deterministic, one launch, no workspace).
+// Numerics: each decoded element is the reference's, rounded to bf16 (exact for NVFP4 and MXFP4: e2m1 times a
+// block scale has at most 5 significant bits); products accumulate in fp32; the NVFP4 decode global multiplies
+// the fp32 sum once, like the Triton kernels' bf16 path. Only the fp32 summation order differs from
+// x.float() @ deq(W).float().T. The reference and the decision of when this kernel runs: surogate::ext_few_token_gemm
+// (surogate_hf/ops/ext.py) and surogate_hf.kernels.paths.few_token_kernel.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace surogate {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 128;  // 4 warps; warp w owns n8 tiles [w * NT, (w + 1) * NT) of the CTA's columns
+constexpr int kStep = 128;     // K per main-loop step: 4 lanes x 32 codes of each weight row
+constexpr int kMaxSplit = 8;   // the portable cluster size
+enum : int { kNVFP4 = 0, kMXFP4 = 1, kNF4 = 2 };
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  // PTX prmt in its default mode: a selector nibble with its top bit set replicates the selected byte's sign bit
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// The bf16 bit patterns of the 8 E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000 0x3F00 0x3F80 0x3FC0 0x4000
+// 0x4040 0x4080 0x40C0), split into low and high bytes, as prmt tables (byte i of the pair = magnitude i).
+constexpr uint32_t kLow03 = 0xC0800000u, kLow47 = 0xC0804000u;
+constexpr uint32_t kHigh03 = 0x3F3F3F00u, kHigh47 = 0x40404040u;
+
+// 8 E2M1 codes (code i in bits 4i..4i+3, element order) -> 4 bf16x2 words, word j = elements (2j, 2j + 1).
+__device__ __forceinline__ void e2m1x8_to_bf16(uint32_t w, uint32_t* out) {
+  const uint32_t mag_lo = w & 0x7777u, mag_hi = (w >> 16) & 0x7777u;
+  // sign bytes: byte j = 0xFF where code j is negative. The sign of code 2i is bit 7 of byte i of (w << 4),
+  // that of code 2i + 1 bit 7 of byte i of w; prmt replicates it (selector nibbles with bit 3 set).
+  const uint32_t w4 = w << 4;
+  const uint32_t sign_lo = prmt(w4, w, 0xD9C8u), sign_hi = prmt(w4, w, 0xFBEAu);
+  const uint32_t lo_a = prmt(kLow03, kLow47, mag_lo), lo_b = prmt(kLow03, kLow47, mag_hi);
+  uint32_t hi_a = prmt(kHigh03, kHigh47, mag_lo), hi_b = prmt(kHigh03, kHigh47, mag_hi);
+  hi_a |= sign_lo & 0x80808080u;
+  hi_b |= sign_hi & 0x80808080u;
+  out[0] = prmt(lo_a, hi_a, 0x5140u);
+  out[1] = prmt(lo_a, hi_a, 0x7362u);
+  out[2] = prmt(lo_b, hi_b, 0x5140u);
+  out[3] = prmt(lo_b, hi_b, 0x7362u);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+__device__ __forceinline__ uint32_t bf16_pair(uint32_t bits16) { return bits16 | (bits16 << 16); }
+
+// E4M3 byte -> bf16 bits (exact: 3 mantissa bits, exponents 2^-9 .. 2^8)
+__device__ __forceinline__ uint32_t e4m3_to_bf16_bits(uint32_t byte) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)byte, __NV_E4M3);
+  const __nv_bfloat16 b = __float2bfloat16_rn(__half2float(__half(h)));
+  return *reinterpret_cast<const unsigned short*>(&b);
+}
+
+// E8M0 byte -> bf16 bits of 2^(byte - 127) (bf16 keeps fp32's exponent field; 0 -> 2^-127, 255 -> NaN)
+__device__ __forceinline__ uint32_t e8m0_to_bf16_bits(uint32_t byte) {
+  return byte == 255u ? 0x7FC0u : (byte == 0u ? 0x0040u : byte << 7);
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
+  // the weight is read once per call: keep it out of L1
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// What one lane loads per step for one weight row: 32 codes and their scale(s).
+struct LaneWeights {
+  uint4 codes;
+  uint32_t scale;  // NVFP4: two E4M3 bytes (blocks k0/16, k0/16 + 1); MXFP4: one E8M0 byte; NF4: fp32 absmax bits
+};
+
+template <int FMT>
+__device__ __forceinline__ LaneWeights load_lane(const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
+                                                 const float* __restrict__ absmax, int64_t n, int N, int k0, int K,
+                                                 int nf4_block) {
+  LaneWeights lw{make_uint4(0, 0, 0, 0), 0u};  // past the edges: zero codes, zero scale -> zero products
+  if (n < N && k0 < K) {
+    lw.codes = ld_stream(w + n * (K / 2) + k0 / 2);
+    if (FMT == kNVFP4) {
+      lw.scale = *reinterpret_cast<const unsigned short*>(scales + n * (K / 16) + k0 / 16);
+    } else if (FMT == kMXFP4) {
+      lw.scale = scales[n * (K / 32) + k0 / 32];
+    } else {
+      lw.scale = __float_as_uint(absmax[(n * K + k0) / nf4_block]);
+    }
+  }
+  return lw;
+}
+
+// The lane's 32 codes as 16 bf16x2 words, word i = elements (2i, 2i + 1) of its 32-column range.
+template <int FMT>
+__device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* levels, uint32_t* out) {
+  const uint32_t words[4] = {lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w};
+  if (FMT == kNF4) {
+    const float am = __uint_as_float(lw.scale);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {  // bitsandbytes: the even element in the high nibble
+        const uint32_t byte = (words[i] >> (8 * b)) & 0xFFu;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(levels[byte >> 4] * am, levels[byte & 0xF] * am);
+        out[4 * i + b] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+    }
+  } else {
+    uint32_t s0, s1;
+    if (FMT == kNVFP4) {
+      s0 = bf16_pair(e4m3_to_bf16_bits(lw.scale & 0xFFu));
+      s1 = bf16_pair(e4m3_to_bf16_bits(lw.scale >> 8));
+    } else {
+      s0 = s1 = bf16_pair(e8m0_to_bf16_bits(lw.scale));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      e2m1x8_to_bf16(words[i], out + 4 * i);
+      const uint32_t s = i < 2 ? s0 : s1;  // NVFP4: words 0-1 are block k0/16, words 2-3 the next one
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[4 * i + j] = bf16x2_mul(out[4 * i + j], s);  // exact: <= 5 significant bits
+    }
+  }
+}
+
+// 16 bytes of x at row r, columns k0 + 8 * part .. + 8 (zeros past M or K)
+__device__ __forceinline__ uint4 load_x(const __nv_bfloat16* __restrict__ x, int r, int M, int k, int K) {
+  if (r < M && k < K) return __ldg(reinterpret_cast<const uint4*>(x + (int64_t)r * K + k));
+  return make_uint4(0, 0, 0, 0);
+}
+
+template <int FMT, int MT, int NT>
+__global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
+    const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
+    __nv_bfloat16* __restrict__ y, int M, int N, int K, int nf4_block, int steps_per_split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int BN = 4 * NT * 8;  // output columns per CTA
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int split = gridDim.y, s = blockIdx.y;
+  const int64_t n_cta = (int64_t)blockIdx.x * BN;
+  const int steps = (K + kStep - 1) / kStep;
+  const int step_lo = s * steps_per_split, step_hi = min(step_lo + steps_per_split, steps);
+
+  __shared__ float levels[16];
+  extern __shared__ float partial[];  // [MT * 16][BN] fp32: this CTA's share of the sum
+  if (FMT == kNF4) {
+    if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
+    __syncthreads();
+  }
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+  int64_t rows[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) rows[nt] = n_cta + (warp * NT + nt) * 8 + g;
+
+  LaneWeights cur[NT];
+  if (step_lo < step_hi) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      cur[nt] = load_lane<FMT>(w, scales, absmax, rows[nt], N, step_lo * kStep + q * 32, K, nf4_block);
+  }
+  for (int step = step_lo; step < step_hi; ++step) {
+    const int k0 = step * kStep + q * 32;  // this lane's 32 columns
+    LaneWeights nxt[NT];                   // the next step's codes, in flight while this one computes
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      nxt[nt] = step + 1 < step_hi ? load_lane<FMT>(w, scales, absmax, rows[nt], N, k0 + kStep, K, nf4_block)
+                                   : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+    uint32_t b[NT][16];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) decode_lane<FMT>(cur[nt], levels, b[nt]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int r0 = mt * 16 + g;
+#pragma unroll
+      for (int part = 0; part < 4; ++part) {  // 8 columns of x per part: mma steps j = 2 part, 2 part + 1
+        const uint4 lo = load_x(x, r0, M, k0 + 8 * part, K), hi = load_x(x, r0 + 8, M, k0 + 8 * part, K);
+        // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
+        // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment below
+        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+        const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          mma_16816(acc[mt][nt], a0, b[nt][4 * part], b[nt][4 * part + 1]);
+          mma_16816(acc[mt][nt], a1, b[nt][4 * part + 2], b[nt][4 * part + 3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) cur[nt] = nxt[nt];
+  }
+
+  // C fragment: c0, c1 at row g, columns 2q, 2q + 1 of the n8 tile; c2, c3 at row g + 8
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = (warp * NT + nt) * 8 + 2 * q, row = mt * 16 + g;
+      partial[row * BN + col] = acc[mt][nt][0];
+      partial[row * BN + col + 1] = acc[mt][nt][1];
+      partial[(row + 8) * BN + col] = acc[mt][nt][2];
+      partial[(row + 8) * BN + col + 1] = acc[mt][nt][3];
+    }
+  const float gdec = gscale != nullptr ? *gscale : 1.f;
+  constexpr int E = MT * 16 * BN;
+  if (split == 1) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += kThreads) {
+      const int row = e / BN;
+      const int64_t n = n_cta + e % BN;
+      if (row < M && n < N) y[(int64_t)row * N + n] = __float2bfloat16_rn((0.f + partial[e]) * gdec);
+    }
+    return;
+  }
+  // the cluster's CTAs hold partial sums over consecutive K ranges; each sums a strided share of the tile over
+  // ranks 0 .. split - 1 in order (the sum is the same whichever CTA computes it)
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  for (int e = s * kThreads + threadIdx.x; e < E; e += split * kThreads) {
+    float sum = 0.f;
+    for (int r = 0; r < split; ++r) sum += cluster.map_shared_rank(partial, r)[e];
+    const int row = e / BN;
+    const int64_t n = n_cta + e % BN;
+    if (row < M && n < N) y[(int64_t)row * N + n] = __float2bfloat16_rn(sum * gdec);
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+#endif
+}
+
+template <int FMT, int MT, int NT>
+cudaError_t launch_config(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                          const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                          int split, int steps_per_split, cudaStream_t stream) {
+  constexpr int BN = 4 * NT * 8;
+  auto kernel = few_token_gemm_kernel<FMT, MT, NT>;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)((N + BN - 1) / BN), (unsigned)split, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = MT * 16 * BN * sizeof(float);  // <= 32 KiB
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = (unsigned)split;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = split > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, w, scales, absmax, levels, gscale,
+                            (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
+}
+
+template <int FMT, int MT>
+cudaError_t launch_nt(int nt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                      const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block, int split,
+                      int steps_per_split, cudaStream_t stream) {
+  if (nt == 4)
+    return launch_config<FMT, MT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+  if (nt == 2)
+    return launch_config<FMT, MT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+  return launch_config<FMT, MT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+}
+
+template <int FMT>
+cudaError_t launch_mt(int mt, int nt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                      const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block, int split,
+                      int steps_per_split, cudaStream_t stream) {
+  switch (mt) {
+    case 1: return launch_nt<FMT, 1>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+    case 2: return launch_nt<FMT, 2>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+    case 3: return launch_nt<FMT, 3>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+    default: return launch_nt<FMT, 4>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+  }
+}
+
+}  // namespace
+
+// Tile and split for an [M, K] x [N, K] problem on `sms` SMs: the widest CTA tile (NT n8 tiles per warp) that,
+// with K split over at most 8 CTAs of a cluster, still puts ~2 CTAs on every SM. Wider tiles re-read x less.
+void few_token_gemm_plan(int M, int N, int K, int sms, int* nt_out, int* split_out, int* steps_out) {
+  const int steps = (K + kStep - 1) / kStep, target = 2 * sms;
+  int nt = 4, split = 1;
+  for (nt = 4; nt >= 1; nt /= 2) {
+    const int nb = (N + 32 * nt - 1) / (32 * nt);
+    split = min(min(kMaxSplit, steps), max(1, (target + nb - 1) / nb));
+    if ((int64_t)nb * split >= target || nt == 1) break;
+  }
+  const int per = (steps + split - 1) / split;
+  *nt_out = nt;
+  *split_out = (steps + per - 1) / per;  // no empty CTA
+  *steps_out = per;
+}
+
+// fmt: 0 NVFP4 (scales E4M3 [N, K/16], gscale the decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4 (absmax
+// fp32 per nf4_block elements of the flattened weight, levels its 16 values). x bf16 [M, K] and w [N, K/2] 16-byte
+// aligned, K % 32 == 0, 1 <= M <= 64, NF4 blocks a multiple of 32: the caller checks.
+cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                                  const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                                  int sms, cudaStream_t stream) {
+  int nt, split, per;
+  few_token_gemm_plan(M, N, K, sms, &nt, &split, &per);
+  const int mt = (M + 15) / 16;
+  if (fmt == kNVFP4)
+    return launch_mt<kNVFP4>(mt, nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, stream);
+  if (fmt == kMXFP4)
+    return launch_mt<kMXFP4>(mt, nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, stream);
+  return launch_mt<kNF4>(mt, nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, stream);
+}
+
+}  // namespace surogate
