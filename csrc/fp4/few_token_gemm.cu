@@ -188,41 +188,62 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) rows[nt] = n_cta + (warp * NT + nt) * 8 + g;
 
-  LaneWeights cur[NT];
-  if (step_lo < step_hi) {
+  // The codes of the next kDepth steps stay in flight (a register ring, indexed statically by unrolling the step
+  // loop kDepth times): with one step ahead the kernel waited a full memory latency per step.
+  constexpr int kDepth = 8 / NT;
+  LaneWeights ring[kDepth][NT];
+#pragma unroll
+  for (int i = 0; i < kDepth; ++i)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
-      cur[nt] = load_lane<FMT>(w, scales, absmax, rows[nt], N, step_lo * kStep + q * 32, K, nf4_block);
-  }
-  for (int step = step_lo; step < step_hi; ++step) {
-    const int k0 = step * kStep + q * 32;  // this lane's 32 columns
-    LaneWeights nxt[NT];                   // the next step's codes, in flight while this one computes
+      ring[i][nt] = step_lo + i < step_hi
+                        ? load_lane<FMT>(w, scales, absmax, rows[nt], N, (step_lo + i) * kStep + q * 32, K, nf4_block)
+                        : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+  for (int base = step_lo; base < step_hi; base += kDepth) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      nxt[nt] = step + 1 < step_hi ? load_lane<FMT>(w, scales, absmax, rows[nt], N, k0 + kStep, K, nf4_block)
-                                   : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
-    uint32_t b[NT][16];
+    for (int i = 0; i < kDepth; ++i) {
+      const int step = base + i;
+      if (step >= step_hi) break;
+      const int k0 = step * kStep + q * 32;  // this lane's 32 columns
+      uint32_t b[NT][16];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) decode_lane<FMT>(cur[nt], levels, b[nt]);
+      for (int nt = 0; nt < NT; ++nt) {
+        decode_lane<FMT>(ring[i][nt], levels, b[nt]);
+        ring[i][nt] = step + kDepth < step_hi
+                          ? load_lane<FMT>(w, scales, absmax, rows[nt], N, k0 + kDepth * kStep, K, nf4_block)
+                          : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+      }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int r0 = mt * 16 + g;
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r0 = mt * 16 + g;
+        // 8 columns of x per part (mma steps j = 2 part, 2 part + 1), rows g and g + 8; XG parts issued before their
+        // mmas (all 4 where registers allow: 4-wide tiles with 3-4 m16 tiles would spill)
+        constexpr int XG = MT * NT >= 12 ? 1 : 4;
 #pragma unroll
-      for (int part = 0; part < 4; ++part) {  // 8 columns of x per part: mma steps j = 2 part, 2 part + 1
-        const uint4 lo = load_x(x, r0, M, k0 + 8 * part, K), hi = load_x(x, r0 + 8, M, k0 + 8 * part, K);
-        // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
-        // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment below
-        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
-        const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+        for (int p0 = 0; p0 < 4; p0 += XG) {
+          uint4 xs[XG][2];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          mma_16816(acc[mt][nt], a0, b[nt][4 * part], b[nt][4 * part + 1]);
-          mma_16816(acc[mt][nt], a1, b[nt][4 * part + 2], b[nt][4 * part + 3]);
+          for (int p = 0; p < XG; ++p) {
+            xs[p][0] = load_x(x, r0, M, k0 + 8 * (p0 + p), K);
+            xs[p][1] = load_x(x, r0 + 8, M, k0 + 8 * (p0 + p), K);
+          }
+#pragma unroll
+          for (int p = 0; p < XG; ++p) {
+            const int part = p0 + p;
+            const uint4 lo = xs[p][0], hi = xs[p][1];
+            // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's
+            // range, k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
+            const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+            const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              mma_16816(acc[mt][nt], a0, b[nt][4 * part], b[nt][4 * part + 1]);
+              mma_16816(acc[mt][nt], a1, b[nt][4 * part + 2], b[nt][4 * part + 3]);
+            }
+          }
         }
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) cur[nt] = nxt[nt];
   }
 
   // C fragment: c0, c1 at row g, columns 2q, 2q + 1 of the n8 tile; c2, c3 at row g + 8
@@ -288,8 +309,10 @@ template <int FMT, int MT>
 cudaError_t launch_nt(int nt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                       const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block, int split,
                       int steps_per_split, cudaStream_t stream) {
-  if (nt == 4)
-    return launch_config<FMT, MT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+  if constexpr (MT <= 2) {  // 4-wide tiles with 3-4 m16 tiles spill registers: few_token_gemm_plan never picks them
+    if (nt == 4)
+      return launch_config<FMT, MT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+  }
   if (nt == 2)
     return launch_config<FMT, MT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
   return launch_config<FMT, MT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
@@ -309,15 +332,20 @@ cudaError_t launch_mt(int mt, int nt, const void* x, const uint8_t* w, const uin
 
 }  // namespace
 
-// Tile and split for an [M, K] x [N, K] problem on `sms` SMs: the widest CTA tile (NT n8 tiles per warp) that,
-// with K split over at most 8 CTAs of a cluster, still puts ~2 CTAs on every SM. Wider tiles re-read x less.
+// Tile and split for an [M, K] x [N, K] problem on `sms` SMs. Each lane keeps 8 loads of 16 bytes in flight, so ~4
+// CTAs per SM stream ~64 KiB: the tile (NT n8 tiles per warp) is the widest that, with K split over at most 8 CTAs
+// of a cluster, still gives that many CTAs. With 17-32 tokens 4-wide tiles come first: every warp reads the whole x
+// tile of its K range, and a wider tile reads it for more weight rows (with more tokens they would spill registers).
 void few_token_gemm_plan(int M, int N, int K, int sms, int* nt_out, int* split_out, int* steps_out) {
-  const int steps = (K + kStep - 1) / kStep, target = 2 * sms;
-  int nt = 4, split = 1;
-  for (nt = 4; nt >= 1; nt /= 2) {
+  const int steps = (K + kStep - 1) / kStep, target = 4 * sms;
+  const int order_wide[3] = {4, 2, 1}, order_narrow[3] = {2, 1, 1};
+  const int* order = M > 16 && M <= 32 ? order_wide : order_narrow;
+  int nt = 1, split = 1;
+  for (int i = 0; i < 3; ++i) {
+    nt = order[i];
     const int nb = (N + 32 * nt - 1) / (32 * nt);
     split = min(min(kMaxSplit, steps), max(1, (target + nb - 1) / nb));
-    if ((int64_t)nb * split >= target || nt == 1) break;
+    if ((int64_t)nb * split >= target) break;
   }
   const int per = (steps + split - 1) / split;
   *nt_out = nt;
