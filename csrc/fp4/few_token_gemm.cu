@@ -19,6 +19,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 namespace surogate {
 namespace {
 
@@ -150,10 +152,33 @@ __device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* 
   }
 }
 
-// 16 bytes of x at row r, columns k0 + 8 * part .. + 8 (zeros past M or K)
-__device__ __forceinline__ uint4 load_x(const __nv_bfloat16* __restrict__ x, int r, int M, int k, int K) {
-  if (r < M && k < K) return __ldg(reinterpret_cast<const uint4*>(x + (int64_t)r * K + k));
-  return make_uint4(0, 0, 0, 0);
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  // 16 bytes global -> shared without registers; valid == false writes zeros (src-size 0)
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// x stages in shared memory: [MT * 16 rows][kStep columns] bf16, 16 chunks of 16 bytes per row. A lane reads chunk
+// 4q + part of rows g and g + 8; the XOR puts the 8 lanes of each quarter-warp (rows 2p, 2p + 1; q = 0..3) on 8
+// different 16-byte bank groups.
+__device__ __forceinline__ int x_chunk(int row, int chunk) { return chunk ^ ((chunk >> 3) << 1) ^ (row & 1); }
+
+// Copies the CTA's x tile of one step (rows < M and columns < K, zeros elsewhere) into a stage.
+template <int MT>
+__device__ __forceinline__ void issue_x_stage(__nv_bfloat16* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
+                                              int step) {
+  constexpr int kChunks = MT * 16 * (kStep / 8);
+#pragma unroll
+  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+    const int row = c >> 4, chunk = c & 15, k = step * kStep + chunk * 8;
+    const bool valid = row < M && k < K;
+    cp_async16(stage + row * kStep + x_chunk(row, chunk) * 8, valid ? x + (int64_t)row * K + k : x, valid);
+  }
 }
 
 template <int FMT, int MT, int NT>
@@ -169,11 +194,21 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
   const int steps = (K + kStep - 1) / kStep;
   const int step_lo = s * steps_per_split, step_hi = min(step_lo + steps_per_split, steps);
 
+  // the codes of the next kDepth steps stay in flight per lane (a register ring, indexed statically by unrolling the
+  // step loop kDepth times), and the x tiles of the next kDepth - 1 steps in shared memory (cp.async): with one
+  // step ahead, or x read from L2 at its use, the kernel waited a memory latency per step
+  constexpr int kDepth = NT == 4 ? 2 : 4;
+  constexpr int kStage = MT * 16 * kStep;  // bf16 elements of one x stage
   __shared__ float levels[16];
-  extern __shared__ float partial[];  // [MT * 16][BN] fp32: this CTA's share of the sum
+  extern __shared__ __align__(16) unsigned char smem[];  // x stages, then (after the loop) the fp32 partial tile
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
   if (FMT == kNF4) {
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
-    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < kDepth - 1; ++i) {
+    if (step_lo + i < step_hi) issue_x_stage<MT>(xs + i * kStage, x, M, K, step_lo + i);
+    cp_async_commit();
   }
 
   float acc[MT][NT][4];
@@ -188,9 +223,6 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) rows[nt] = n_cta + (warp * NT + nt) * 8 + g;
 
-  // The codes of the next kDepth steps stay in flight (a register ring, indexed statically by unrolling the step
-  // loop kDepth times): with one step ahead the kernel waited a full memory latency per step.
-  constexpr int kDepth = 8 / NT;
   LaneWeights ring[kDepth][NT];
 #pragma unroll
   for (int i = 0; i < kDepth; ++i)
@@ -204,6 +236,11 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
     for (int i = 0; i < kDepth; ++i) {
       const int step = base + i;
       if (step >= step_hi) break;
+      cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
+      __syncthreads();              // ... and everyone's; the stage read last step is free again
+      if (step + kDepth - 1 < step_hi)
+        issue_x_stage<MT>(xs + ((i + kDepth - 1) % kDepth) * kStage, x, M, K, step + kDepth - 1);
+      cp_async_commit();
       const int k0 = step * kStep + q * 32;  // this lane's 32 columns
       uint32_t b[NT][16];
 #pragma unroll
@@ -213,38 +250,30 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
                           ? load_lane<FMT>(w, scales, absmax, rows[nt], N, k0 + kDepth * kStep, K, nf4_block)
                           : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
       }
+      const __nv_bfloat16* stage = xs + i * kStage;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int r0 = mt * 16 + g;
-        // 8 columns of x per part (mma steps j = 2 part, 2 part + 1), rows g and g + 8; XG parts issued before their
-        // mmas (all 4 where registers allow: 4-wide tiles with 3-4 m16 tiles would spill)
-        constexpr int XG = MT * NT >= 12 ? 1 : 4;
 #pragma unroll
-        for (int p0 = 0; p0 < 4; p0 += XG) {
-          uint4 xs[XG][2];
+        for (int part = 0; part < 4; ++part) {  // 8 columns of x per part: mma steps j = 2 part, 2 part + 1
+          const uint4 lo = *reinterpret_cast<const uint4*>(stage + r0 * kStep + x_chunk(r0, 4 * q + part) * 8);
+          const uint4 hi = *reinterpret_cast<const uint4*>(stage + (r0 + 8) * kStep + x_chunk(r0 + 8, 4 * q + part) * 8);
+          // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
+          // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
+          const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+          const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
 #pragma unroll
-          for (int p = 0; p < XG; ++p) {
-            xs[p][0] = load_x(x, r0, M, k0 + 8 * (p0 + p), K);
-            xs[p][1] = load_x(x, r0 + 8, M, k0 + 8 * (p0 + p), K);
-          }
-#pragma unroll
-          for (int p = 0; p < XG; ++p) {
-            const int part = p0 + p;
-            const uint4 lo = xs[p][0], hi = xs[p][1];
-            // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's
-            // range, k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
-            const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
-            const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              mma_16816(acc[mt][nt], a0, b[nt][4 * part], b[nt][4 * part + 1]);
-              mma_16816(acc[mt][nt], a1, b[nt][4 * part + 2], b[nt][4 * part + 3]);
-            }
+          for (int nt = 0; nt < NT; ++nt) {
+            mma_16816(acc[mt][nt], a0, b[nt][4 * part], b[nt][4 * part + 1]);
+            mma_16816(acc[mt][nt], a1, b[nt][4 * part + 2], b[nt][4 * part + 3]);
           }
         }
       }
     }
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the x stages become the partial tile
+  float* partial = reinterpret_cast<float*>(smem);  // [MT * 16][BN] fp32: this CTA's share of the sum
 
   // C fragment: c0, c1 at row g, columns 2q, 2q + 1 of the n8 tile; c2, c3 at row g + 8
 #pragma unroll
@@ -258,26 +287,29 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
       partial[(row + 8) * BN + col + 1] = acc[mt][nt][3];
     }
   const float gdec = gscale != nullptr ? *gscale : 1.f;
-  constexpr int E = MT * 16 * BN;
+  const int E = M * BN;  // rows past M are zeros: not summed
   if (split == 1) {
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += kThreads) {
-      const int row = e / BN;
       const int64_t n = n_cta + e % BN;
-      if (row < M && n < N) y[(int64_t)row * N + n] = __float2bfloat16_rn((0.f + partial[e]) * gdec);
+      if (n < N) y[(int64_t)(e / BN) * N + n] = __float2bfloat16_rn((0.f + partial[e]) * gdec);
     }
     return;
   }
   // the cluster's CTAs hold partial sums over consecutive K ranges; each sums a strided share of the tile over
-  // ranks 0 .. split - 1 in order (the sum is the same whichever CTA computes it)
+  // ranks 0 .. split - 1 in order (the sum is the same whichever CTA computes it), all remote loads issued first
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   for (int e = s * kThreads + threadIdx.x; e < E; e += split * kThreads) {
+    float v[kMaxSplit];
+#pragma unroll
+    for (int r = 0; r < kMaxSplit; ++r) v[r] = r < split ? cluster.map_shared_rank(partial, r)[e] : 0.f;
     float sum = 0.f;
-    for (int r = 0; r < split; ++r) sum += cluster.map_shared_rank(partial, r)[e];
-    const int row = e / BN;
+#pragma unroll
+    for (int r = 0; r < kMaxSplit; ++r)
+      if (r < split) sum += v[r];
     const int64_t n = n_cta + e % BN;
-    if (row < M && n < N) y[(int64_t)row * N + n] = __float2bfloat16_rn(sum * gdec);
+    if (n < N) y[(int64_t)(e / BN) * N + n] = __float2bfloat16_rn(sum * gdec);
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 #endif
@@ -292,7 +324,12 @@ cudaError_t launch_config(const void* x, const uint8_t* w, const uint8_t* scales
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)((N + BN - 1) / BN), (unsigned)split, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = MT * 16 * BN * sizeof(float);  // <= 32 KiB
+  constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
+  constexpr size_t kSmem = std::max<size_t>(kDepth * MT * 16 * kStep * 2, MT * 16 * BN * sizeof(float));  // <= 64 KiB
+  static const cudaError_t attr_err =  // once per instantiation: more than 48 KiB of dynamic shared memory
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
+  if (attr_err != cudaSuccess) return attr_err;
+  cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
