@@ -74,13 +74,20 @@ def splitk_plan(m: int, red: int, out_cols: int, sms: int) -> tuple[int, int]:
     return -(-units // chunk_units), chunk_units * SPLITK_CHUNK_UNIT
 
 
+# Token counts up to which the forward of a weight-only format runs the extension's few-token kernel. Measured on the
+# H200 (kernel time, torch.profiler; benchmarks/results/shapes_few_token.md): at 1 and 16 tokens it takes 0.55-0.75x
+# the Triton split kernel's time on Llama-3.1-8B's and SmolLM2's linears; at 64 tokens it was slower on two of four
+# shapes (4096x4096: 28.3 vs 24.6 us), so from 17 tokens on the Triton kernel stays.
+FEW_TOKEN_MAX_TOKENS = 16
+
+
 def few_token_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
                      ext_built: bool, nf4_block: int = 64) -> bool:
     """Whether the forward y = x W^T of a weight-only format takes the extension's few-token kernel
-    (surogate::ext_few_token_gemm) rather than the Triton split kernel: m <= SPLITK_MAX_TOKENS bf16 rows, an SM90+
+    (surogate::ext_few_token_gemm) rather than the Triton split kernel: m <= FEW_TOKEN_MAX_TOKENS bf16 rows, an SM90+
     GPU (it sums its K splits across a thread-block cluster), K a multiple of 32 (each lane loads 32 codes of a
     row) and NF4 blocks of a multiple of 32, with the extension built. The input gradient keeps the Triton kernel."""
-    return (fmt in WEIGHT_ONLY and 1 <= m <= SPLITK_MAX_TOKENS and dtype == torch.bfloat16 and ext_built
+    return (fmt in WEIGHT_ONLY and 1 <= m <= FEW_TOKEN_MAX_TOKENS and dtype == torch.bfloat16 and ext_built
             and capability is not None and tuple(capability) >= (9, 0) and k % 32 == 0
             and (fmt != "nf4" or nf4_block % 32 == 0))
 

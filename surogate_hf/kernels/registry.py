@@ -144,7 +144,7 @@ def _weight_only(op: str, fwd: bool, fmt_name: str, a, n, k, packed, scale, gsca
     fmt = tg.FORMAT_IDS[fmt_name]
     if plan.path == paths.DENSE:
         return tg.dense_gemm(fwd, fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
-    if fwd and a.numel() <= paths.SPLITK_MAX_TOKENS * k and a.dtype == torch.bfloat16:
+    if fwd and a.numel() <= paths.FEW_TOKEN_MAX_TOKENS * k and a.dtype == torch.bfloat16:
         y = _few_token_linear(fmt_name, a, packed, scale, gscale, code, n, k, nf4_bs)
         if y is not None:
             return y
@@ -164,7 +164,7 @@ def _few_token_linear(fmt_name, x, packed, scale, gscale, code, n, k, nf4_bs):
 
         _few_token_op = torch.ops.surogate.ext_few_token_gemm.default if ext.load(build=False) is not None else False
         if _few_token_op is False:
-            warn_once("few_token_ext", "surogate_hf: weight-only GEMMs with <= 64 tokens run the Triton split kernel "
+            warn_once("few_token_ext", "surogate_hf: weight-only GEMMs with <= 16 tokens run the Triton split kernel "
                       "(two launches, a fraction of the bandwidth of the extension's few-token kernel); the CUDA "
                       f"extension is {ext.status()[1]}")
     m = x.numel() // k if k else 0

@@ -443,7 +443,8 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk):
         err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
         assert err.max() <= 0, f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding"
         assert torch.equal(y, torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)), "not deterministic"
-        assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
+        if m <= paths.FEW_TOKEN_MAX_TOKENS:  # (the kernel takes up to 64 tokens; the ops route it up to this count)
+            assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
