@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <atomic>
 
 namespace surogate {
 namespace {
@@ -326,9 +327,18 @@ cudaError_t launch_config(const void* x, const uint8_t* w, const uint8_t* scales
   cfg.blockDim = dim3(kThreads, 1, 1);
   constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
   constexpr size_t kSmem = std::max<size_t>(kDepth * MT * 16 * kStep * 2, MT * 16 * BN * sizeof(float));  // <= 64 KiB
-  static const cudaError_t attr_err =  // once per instantiation: more than 48 KiB of dynamic shared memory
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
-  if (attr_err != cudaSuccess) return attr_err;
+  if constexpr (kSmem > 48 * 1024) {  // opt in to more than 48 KiB, once per device (the attribute is per device)
+    static std::atomic<unsigned> configured{0};
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const unsigned bit = 1u << (dev & 31);
+    if (!(configured.load() & bit)) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
+      if (err != cudaSuccess) return err;
+      configured.fetch_or(bit);
+    }
+  }
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
