@@ -274,6 +274,7 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
       fmt == 2 ? scales.data_ptr<float>() : nullptr, fmt == 2 ? levels->data_ptr<float>() : nullptr,
       fmt == 0 ? g.data_ptr<float>() : nullptr, y.data_ptr(), (int)m, (int)n, (int)k, (int)nf4_block, sms,
       at::cuda::getCurrentCUDAStream());
+  if (err != cudaSuccess) (void)cudaGetLastError();  // a failed launch must not fail the next kernel's check too
   TORCH_CHECK(err == cudaSuccess, "few_token_gemm: launch failed: ", cudaGetErrorString(err));
   return y;
 }

@@ -327,7 +327,9 @@ cudaError_t launch_config(const void* x, const uint8_t* w, const uint8_t* scales
   cfg.blockDim = dim3(kThreads, 1, 1);
   constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
   constexpr size_t kSmem = std::max<size_t>(kDepth * MT * 16 * kStep * 2, MT * 16 * BN * sizeof(float));  // <= 64 KiB
-  if constexpr (kSmem > 48 * 1024) {  // opt in to more than 48 KiB, once per device (the attribute is per device)
+  // opt in to more than 48 KiB of static + dynamic shared memory (levels[] is static), once per device (the
+  // attribute is per device)
+  if constexpr (kSmem > 40 * 1024) {
     static std::atomic<unsigned> configured{0};
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
