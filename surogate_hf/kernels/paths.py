@@ -14,7 +14,7 @@ Paths:
                        blocks, zero codes add nothing, so the result equals the unpadded reference math)
   fused_dequant_gemm   nvfp4 / mxfp4 / nf4 with few tokens: Triton GEMM decoding the packed weight tile by
                        tile into registers (memory-bound regime: reads ~0.5 B/param), masked tails; a forward
-                       with at most 64 bf16 tokens on SM90+ runs the extension's few-token kernel instead
+                       with at most 16 bf16 tokens on SM90+ runs the extension's few-token kernel instead
                        (csrc/fp4/few_token_gemm.cu, see few_token_kernel)
   dense_decode_cublas  nvfp4 / mxfp4 / nf4 with many tokens: the weight decoded once into a transient dense
                        buffer (exact reference decode, masked tails) and cuBLAS
