@@ -169,16 +169,25 @@ __device__ __forceinline__ void cp_async_wait() {
 // different 16-byte bank groups.
 __device__ __forceinline__ int x_chunk(int row, int chunk) { return chunk ^ ((chunk >> 3) << 1) ^ (row & 1); }
 
-// Copies the CTA's x tile of one step (rows < M and columns < K, zeros elsewhere) into a stage.
+// Copies the rows < M of the CTA's x tile of one step into a stage (columns past K as zeros); rows >= M are zeroed
+// once per stage before the loop (zero_x_rows), so few tokens copy few chunks.
 template <int MT>
 __device__ __forceinline__ void issue_x_stage(__nv_bfloat16* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
                                               int step) {
-  constexpr int kChunks = MT * 16 * (kStep / 8);
-#pragma unroll
-  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+  const int chunks = min(M, MT * 16) * (kStep / 8);
+  for (int c = threadIdx.x; c < chunks; c += kThreads) {
     const int row = c >> 4, chunk = c & 15, k = step * kStep + chunk * 8;
-    const bool valid = row < M && k < K;
+    const bool valid = k < K;
     cp_async16(stage + row * kStep + x_chunk(row, chunk) * 8, valid ? x + (int64_t)row * K + k : x, valid);
+  }
+}
+
+template <int MT>
+__device__ __forceinline__ void zero_x_rows(__nv_bfloat16* stages, int depth, int M) {
+  const int first = min(M, MT * 16), per_stage = (MT * 16 - first) * (kStep / 8);
+  for (int c = threadIdx.x; c < depth * per_stage; c += kThreads) {
+    const int stage = c / per_stage, row = first + (c % per_stage) / 16, chunk = c % 16;
+    *reinterpret_cast<uint4*>(stages + stage * MT * 16 * kStep + row * kStep + chunk * 8) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -206,6 +215,7 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
   if (FMT == kNF4) {
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
   }
+  zero_x_rows<MT>(xs, kDepth, M);  // made visible by the barrier at the top of the first step
 #pragma unroll
   for (int i = 0; i < kDepth - 1; ++i) {
     if (step_lo + i < step_hi) issue_x_stage<MT>(xs + i * kStage, x, M, K, step_lo + i);
@@ -258,7 +268,9 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
 #pragma unroll
         for (int part = 0; part < 4; ++part) {  // 8 columns of x per part: mma steps j = 2 part, 2 part + 1
           const uint4 lo = *reinterpret_cast<const uint4*>(stage + r0 * kStep + x_chunk(r0, 4 * q + part) * 8);
-          const uint4 hi = *reinterpret_cast<const uint4*>(stage + (r0 + 8) * kStep + x_chunk(r0 + 8, 4 * q + part) * 8);
+          const uint4 hi = mt * 16 + 8 < M  // rows g + 8 of this m16 tile: zeros when all are past M
+                               ? *reinterpret_cast<const uint4*>(stage + (r0 + 8) * kStep + x_chunk(r0 + 8, 4 * q + part) * 8)
+                               : make_uint4(0, 0, 0, 0);
           // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
           // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
           const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
@@ -316,91 +328,129 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
 #endif
 }
 
+// One compiled variant: its launch configuration, its shared-memory opt-in and how many of its clusters fit at once.
 template <int FMT, int MT, int NT>
-cudaError_t launch_config(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
-                          const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
-                          int split, int steps_per_split, cudaStream_t stream) {
-  constexpr int BN = 4 * NT * 8;
-  auto kernel = few_token_gemm_kernel<FMT, MT, NT>;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)((N + BN - 1) / BN), (unsigned)split, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
-  constexpr size_t kSmem = std::max<size_t>(kDepth * MT * 16 * kStep * 2, MT * 16 * BN * sizeof(float));  // <= 64 KiB
-  // opt in to more than 48 KiB of static + dynamic shared memory (levels[] is static), once per device (the
-  // attribute is per device)
-  if constexpr (kSmem > 40 * 1024) {
-    static std::atomic<unsigned> configured{0};
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    const unsigned bit = 1u << (dev & 31);
-    if (!(configured.load() & bit)) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
-      if (err != cudaSuccess) return err;
-      configured.fetch_or(bit);
+struct Variant {
+  static constexpr int BN = 4 * NT * 8;
+  static constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
+  static constexpr size_t kSmem = std::max<size_t>(kDepth * MT * 16 * kStep * 2, MT * 16 * BN * sizeof(float));
+  static constexpr int kMaxDevices = 64;
+
+  static cudaError_t prepare(int dev) {
+    // opt in to more than 48 KiB of static + dynamic shared memory (levels[] is static), once per device (the
+    // attribute is per device)
+    if constexpr (kSmem > 40 * 1024) {
+      static std::atomic<unsigned long long> configured{0};
+      const unsigned long long bit = 1ull << (dev % kMaxDevices);
+      if (!(configured.load() & bit)) {
+        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
+        if (err != cudaSuccess) return err;
+        configured.fetch_or(bit);
+      }
     }
+    return cudaSuccess;
   }
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = (unsigned)split;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = split > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, w, scales, absmax, levels, gscale,
-                            (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
+
+  static cudaLaunchConfig_t config(int N, int split, cudaLaunchAttribute* attr, cudaStream_t stream) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)((N + BN - 1) / BN), (unsigned)split, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmem;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = (unsigned)split;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = split > 1 ? 1 : 0;
+    return cfg;
+  }
+
+  // clusters of `split` CTAs that can be resident at once on device dev (cached). A cluster's CTAs share one GPC,
+  // so this is below CTAs-per-SM x SMs / split: a grid past it runs a second, nearly empty wave (measured: 128
+  // clusters of 5 against 124 resident doubled a 4096 x 4096 call).
+  static int capacity(int dev, int split) {
+    static std::atomic<int> cache[kMaxDevices][kMaxSplit + 1];
+    std::atomic<int>& slot = cache[dev % kMaxDevices][split];
+    int n = slot.load();
+    if (n > 0) return n;
+    cudaLaunchAttribute attr[1];
+    cudaLaunchConfig_t cfg = config(BN, split, attr, nullptr);
+    cfg.numAttrs = 1;  // the occupancy query wants the cluster shape even for split 1
+    if (prepare(dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT>, &cfg) != cudaSuccess || n < 1) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    slot.store(n);
+    return n;
+  }
+
+  static cudaError_t launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                            const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                            int split, int steps_per_split, int dev, cudaStream_t stream) {
+    const cudaError_t err = prepare(dev);
+    if (err != cudaSuccess) return err;
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = config(N, split, attr, stream);
+    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT>, (const __nv_bfloat16*)x, w, scales, absmax,
+                              levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
+  }
+};
+
+// The K split of one variant: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose
+// clusters all fit at once; 1 (no cluster, any number of waves) where even 2 do not.
+template <typename V>
+void plan_split(int N, int K, int dev, int* split_out, int* steps_out) {
+  const int steps = (K + kStep - 1) / kStep, nb = (N + V::BN - 1) / V::BN;
+  int split = 1;
+  for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
+    if (nb <= V::capacity(dev, s)) {
+      split = s;
+      break;
+    }
+  const int per = (steps + split - 1) / split;
+  *split_out = (steps + per - 1) / per;  // no empty CTA
+  *steps_out = per;
 }
 
+template <typename V>
+cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                            const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                            int dev, cudaStream_t stream) {
+  int split, per;
+  plan_split<V>(N, K, dev, &split, &per);
+  return V::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
+}
+
+// Tile width: NT = 2 n8 tiles per warp (4 with 17-32 tokens, where x is re-read per tile; 3-4 m16 tiles with 4
+// would spill registers); 1 where the wider tile leaves fewer CTAs than SMs even split 8 ways (small weights).
 template <int FMT, int MT>
-cudaError_t launch_nt(int nt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
-                      const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block, int split,
-                      int steps_per_split, cudaStream_t stream) {
-  if constexpr (MT <= 2) {  // 4-wide tiles with 3-4 m16 tiles spill registers: few_token_gemm_plan never picks them
-    if (nt == 4)
-      return launch_config<FMT, MT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
-  }
-  if (nt == 2)
-    return launch_config<FMT, MT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
-  return launch_config<FMT, MT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
+                      const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
+                      cudaStream_t stream) {
+  const int steps = (K + kStep - 1) / kStep;
+  constexpr int kWide = MT == 2 ? 4 : 2;
+  if ((int64_t)((N + 32 * kWide - 1) / (32 * kWide)) * std::min(kMaxSplit, steps) >= sms)
+    return plan_and_launch<Variant<FMT, MT, kWide>>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev,
+                                                    stream);
+  return plan_and_launch<Variant<FMT, MT, 1>>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
 }
 
 template <int FMT>
-cudaError_t launch_mt(int mt, int nt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
-                      const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block, int split,
-                      int steps_per_split, cudaStream_t stream) {
-  switch (mt) {
-    case 1: return launch_nt<FMT, 1>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
-    case 2: return launch_nt<FMT, 2>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
-    case 3: return launch_nt<FMT, 3>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
-    default: return launch_nt<FMT, 4>(nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, steps_per_split, stream);
+cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
+                       const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
+                       cudaStream_t stream) {
+  switch ((M + 15) / 16) {
+    case 1: return launch_mt<FMT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    case 2: return launch_mt<FMT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    case 3: return launch_mt<FMT, 3>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    default: return launch_mt<FMT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
   }
 }
 
 }  // namespace
-
-// Tile and split for an [M, K] x [N, K] problem on `sms` SMs. Each lane keeps 8 loads of 16 bytes in flight, so ~4
-// CTAs per SM stream ~64 KiB: the tile (NT n8 tiles per warp) is the widest that, with K split over at most 8 CTAs
-// of a cluster, still gives that many CTAs. With 17-32 tokens 4-wide tiles come first: every warp reads the whole x
-// tile of its K range, and a wider tile reads it for more weight rows (with more tokens they would spill registers).
-void few_token_gemm_plan(int M, int N, int K, int sms, int* nt_out, int* split_out, int* steps_out) {
-  const int steps = (K + kStep - 1) / kStep, target = 4 * sms;
-  const int order_wide[3] = {4, 2, 1}, order_narrow[3] = {2, 1, 1};
-  const int* order = M > 16 && M <= 32 ? order_wide : order_narrow;
-  int nt = 1, split = 1;
-  for (int i = 0; i < 3; ++i) {
-    nt = order[i];
-    const int nb = (N + 32 * nt - 1) / (32 * nt);
-    split = min(min(kMaxSplit, steps), max(1, (target + nb - 1) / nb));
-    if ((int64_t)nb * split >= target) break;
-  }
-  const int per = (steps + split - 1) / split;
-  *nt_out = nt;
-  *split_out = (steps + per - 1) / per;  // no empty CTA
-  *steps_out = per;
-}
 
 // fmt: 0 NVFP4 (scales E4M3 [N, K/16], gscale the decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4 (absmax
 // fp32 per nf4_block elements of the flattened weight, levels its 16 values). x bf16 [M, K] and w [N, K/2] 16-byte
@@ -408,14 +458,12 @@ void few_token_gemm_plan(int M, int N, int K, int sms, int* nt_out, int* split_o
 cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                                   const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
                                   int sms, cudaStream_t stream) {
-  int nt, split, per;
-  few_token_gemm_plan(M, N, K, sms, &nt, &split, &per);
-  const int mt = (M + 15) / 16;
-  if (fmt == kNVFP4)
-    return launch_mt<kNVFP4>(mt, nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, stream);
-  if (fmt == kMXFP4)
-    return launch_mt<kMXFP4>(mt, nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, stream);
-  return launch_mt<kNF4>(mt, nt, x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, stream);
+  int dev = 0;
+  const cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (fmt == kNVFP4) return launch_fmt<kNVFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+  if (fmt == kMXFP4) return launch_fmt<kMXFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+  return launch_fmt<kNF4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
 }
 
 }  // namespace surogate
