@@ -221,7 +221,9 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
   if (whole_x) {
     zero_x_rows<MT>(xs, step_hi - step_lo, M);
     for (int step = step_lo; step < step_hi; ++step) issue_x_stage<MT>(xs + (step - step_lo) * kStage, x, M, K, step);
-    cp_async_commit();  // waited for below, once the weight loads are in flight too
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
   } else {
     zero_x_rows<MT>(xs, kDepth, M);  // made visible by the barrier at the top of the first step
 #pragma unroll
@@ -251,10 +253,6 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
       ring[i][nt] = step_lo + i < step_hi
                         ? load_lane<FMT>(w, scales, absmax, rows[nt], N, (step_lo + i) * kStep + q * 32, K, nf4_block)
                         : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
-  if (whole_x) {
-    cp_async_wait<0>();
-    __syncthreads();
-  }
   for (int base = step_lo; base < step_hi; base += kDepth) {
 #pragma unroll
     for (int i = 0; i < kDepth; ++i) {
