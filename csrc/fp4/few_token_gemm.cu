@@ -195,7 +195,7 @@ template <int FMT, int MT, int NT>
 __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
-    __nv_bfloat16* __restrict__ y, int M, int N, int K, int nf4_block, int steps_per_split, int whole_x_steps) {
+    __nv_bfloat16* __restrict__ y, int M, int N, int K, int nf4_block, int steps_per_split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int BN = 4 * NT * 8;  // output columns per CTA
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -215,22 +215,11 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
   if (FMT == kNF4) {
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
   }
-  // whole_x: the CTA's whole x slice fits the shared memory it was launched with, so it is copied once and the steps
-  // run with no barrier; otherwise a ring of kDepth stages, refilled kDepth - 1 steps ahead
-  const bool whole_x = whole_x_steps >= step_hi - step_lo;
-  if (whole_x) {
-    zero_x_rows<MT>(xs, step_hi - step_lo, M);
-    for (int step = step_lo; step < step_hi; ++step) issue_x_stage<MT>(xs + (step - step_lo) * kStage, x, M, K, step);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-  } else {
-    zero_x_rows<MT>(xs, kDepth, M);  // made visible by the barrier at the top of the first step
+  zero_x_rows<MT>(xs, kDepth, M);  // made visible by the barrier at the top of the first step
 #pragma unroll
-    for (int i = 0; i < kDepth - 1; ++i) {
-      if (step_lo + i < step_hi) issue_x_stage<MT>(xs + i * kStage, x, M, K, step_lo + i);
-      cp_async_commit();
-    }
+  for (int i = 0; i < kDepth - 1; ++i) {
+    if (step_lo + i < step_hi) issue_x_stage<MT>(xs + i * kStage, x, M, K, step_lo + i);
+    cp_async_commit();
   }
 
   float acc[MT][NT][4];
@@ -258,13 +247,11 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
     for (int i = 0; i < kDepth; ++i) {
       const int step = base + i;
       if (step >= step_hi) break;
-      if (!whole_x) {
-        cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
-        __syncthreads();              // ... and everyone's; the stage read last step is free again
-        if (step + kDepth - 1 < step_hi)
-          issue_x_stage<MT>(xs + ((i + kDepth - 1) % kDepth) * kStage, x, M, K, step + kDepth - 1);
-        cp_async_commit();
-      }
+      cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
+      __syncthreads();              // ... and everyone's; the stage read last step is free again
+      if (step + kDepth - 1 < step_hi)
+        issue_x_stage<MT>(xs + ((i + kDepth - 1) % kDepth) * kStage, x, M, K, step + kDepth - 1);
+      cp_async_commit();
       const int k0 = step * kStep + q * 32;  // this lane's 32 columns
       uint32_t b[NT][16];
 #pragma unroll
@@ -274,7 +261,7 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
                           ? load_lane<FMT>(w, scales, absmax, rows[nt], N, k0 + kDepth * kStep, K, nf4_block)
                           : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
       }
-      const __nv_bfloat16* stage = xs + (whole_x ? step - step_lo : i) * kStage;
+      const __nv_bfloat16* stage = xs + i * kStage;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int r0 = mt * 16 + g;
@@ -346,12 +333,7 @@ template <int FMT, int MT, int NT>
 struct Variant {
   static constexpr int BN = 4 * NT * 8;
   static constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
-  // the x ring or, where it fits, the whole x slice (40 KiB: 4 CTAs of 2-wide tiles still fit an SM), and the
-  // partial tile after the loop
-  static constexpr size_t kStageBytes = MT * 16 * kStep * 2;
-  static constexpr size_t kSmem = std::max<size_t>(std::max<size_t>(kDepth * kStageBytes, 40 * 1024),
-                                                   MT * 16 * BN * sizeof(float));
-  static constexpr int kWholeXSteps = (int)(kSmem / kStageBytes);
+  static constexpr size_t kSmem = std::max<size_t>(kDepth * MT * 16 * kStep * 2, MT * 16 * BN * sizeof(float));
   static constexpr int kMaxDevices = 64;
 
   static cudaError_t prepare(int dev) {
@@ -413,7 +395,7 @@ struct Variant {
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = config(N, split, attr, stream);
     return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT>, (const __nv_bfloat16*)x, w, scales, absmax,
-                              levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split, kWholeXSteps);
+                              levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
   }
 };
 
