@@ -240,7 +240,7 @@ torch::Tensor nvfp4_gemm(const torch::Tensor& a, const torch::Tensor& b, const t
 // y [M, N] = x [M, K] @ deq(W)^T for a 4-bit weight W [N, K] and few tokens (1 <= M <= 64), x bf16: fmt 0 NVFP4
 // (w uint8 [N, K/2], scales E4M3 [N, K/16], gscale its decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4
 // (w bitsandbytes-packed, N * K / 2 bytes; scales the fp32 absmax per nf4_block elements; levels its 16 values).
-// K % 32 == 0 and nf4_block % 32 == 0 (surogate_hf.kernels.paths.few_token_kernel decides; it checks these).
+// K % 32 == 0 and NF4 blocks a power of two >= 32 (surogate_hf.kernels.paths.few_token_kernel decides; it checks these).
 torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scales,
                              const c10::optional<torch::Tensor>& gscale, const c10::optional<torch::Tensor>& levels,
                              int64_t fmt, int64_t n, int64_t k, int64_t nf4_block) {
@@ -259,9 +259,9 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
               "few_token_gemm: scales must be ", scale_count, " contiguous ", fmt == 2 ? "fp32" : "one-byte", " values");
   TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->scalar_type() == at::kFloat && gscale->numel() == 1),
               "few_token_gemm: NVFP4 needs its fp32 decode global");
-  TORCH_CHECK(fmt != 2 || (nf4_block % 32 == 0 && k % nf4_block == 0 && levels.has_value() &&
+  TORCH_CHECK(fmt != 2 || (nf4_block >= 32 && (nf4_block & (nf4_block - 1)) == 0 && k % nf4_block == 0 && levels.has_value() &&
                            levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous()),
-              "few_token_gemm: NF4 needs blocks that are a multiple of 32 dividing K and 16 fp32 levels");
+              "few_token_gemm: NF4 needs blocks that are a power of two >= 32 dividing K, and 16 fp32 levels");
   const torch::Tensor x = aligned_operand(x_in);
   const at::cuda::CUDAGuard guard(x.device());
   auto y = torch::empty({m, n}, x.options());

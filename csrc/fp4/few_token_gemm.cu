@@ -68,11 +68,12 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 
 __device__ __forceinline__ uint32_t bf16_pair(uint32_t bits16) { return bits16 | (bits16 << 16); }
 
-// E4M3 byte -> bf16 bits (exact: 3 mantissa bits, exponents 2^-9 .. 2^8)
-__device__ __forceinline__ uint32_t e4m3_to_bf16_bits(uint32_t byte) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)byte, __NV_E4M3);
-  const __nv_bfloat16 b = __float2bfloat16_rn(__half2float(__half(h)));
-  return *reinterpret_cast<const unsigned short*>(&b);
+// Two E4M3 bytes -> a bf16x2 (exact: 3 mantissa bits, exponents 2^-9 .. 2^8), one conversion for both
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_bytes & 0xFFFFu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&b);
 }
 
 // E8M0 byte -> bf16 bits of 2^(byte - 127) (bf16 keeps fp32's exponent field; 0 -> 2^-127, 255 -> NaN)
@@ -102,19 +103,40 @@ struct LaneWeights {
   uint32_t scale;  // NVFP4: two E4M3 bytes (blocks k0/16, k0/16 + 1); MXFP4: one E8M0 byte; NF4: fp32 absmax bits
 };
 
+// One weight row as a lane reads it: pointers to its first 16 code bytes and its first scale(s), set once, so a step
+// only adds a constant (per-step 64-bit index arithmetic, and NF4's division by the block size, cost more
+// instructions than the decode they fed).
+struct LaneRow {
+  const uint8_t* codes;  // w + n * K/2 + q * 16: 64 bytes further per step
+  const uint8_t* scale;  // NVFP4: + n * K/16 + 2q (8 bytes per step); MXFP4: + n * K/32 + q (4 per step)
+  const float* absmax;   // NF4: the row's first block; the lane's block per step is ((q * 32 + step * 128) >> shift)
+  bool valid;            // n < N
+};
+
 template <int FMT>
-__device__ __forceinline__ LaneWeights load_lane(const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
-                                                 const float* __restrict__ absmax, int64_t n, int N, int k0, int K,
-                                                 int nf4_block) {
+__device__ __forceinline__ LaneRow lane_row(const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
+                                            const float* __restrict__ absmax, int64_t n, int N, int K, int q,
+                                            int nf4_shift) {
+  LaneRow r;
+  r.valid = n < N;
+  const int64_t nn = r.valid ? n : 0;  // in-bounds pointers even for rows past N (never dereferenced)
+  r.codes = w + nn * (K / 2) + q * 16;
+  r.scale = FMT == kNVFP4 ? scales + nn * (K / 16) + 2 * q : FMT == kMXFP4 ? scales + nn * (K / 32) + q : nullptr;
+  r.absmax = FMT == kNF4 ? absmax + ((nn * K) >> nf4_shift) : nullptr;
+  return r;
+}
+
+template <int FMT>
+__device__ __forceinline__ LaneWeights load_lane(const LaneRow& r, int step, int q, int K, int nf4_shift) {
   LaneWeights lw{make_uint4(0, 0, 0, 0), 0u};  // past the edges: zero codes, zero scale -> zero products
-  if (n < N && k0 < K) {
-    lw.codes = ld_stream(w + n * (K / 2) + k0 / 2);
+  if (r.valid && step * kStep + q * 32 < K) {
+    lw.codes = ld_stream(r.codes + step * (kStep / 2));
     if (FMT == kNVFP4) {
-      lw.scale = *reinterpret_cast<const unsigned short*>(scales + n * (K / 16) + k0 / 16);
+      lw.scale = *reinterpret_cast<const unsigned short*>(r.scale + step * (kStep / 16));
     } else if (FMT == kMXFP4) {
-      lw.scale = scales[n * (K / 32) + k0 / 32];
+      lw.scale = r.scale[step * (kStep / 32)];
     } else {
-      lw.scale = __float_as_uint(absmax[(n * K + k0) / nf4_block]);
+      lw.scale = __float_as_uint(r.absmax[(q * 32 + step * kStep) >> nf4_shift]);
     }
   }
   return lw;
@@ -138,8 +160,9 @@ __device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* 
   } else {
     uint32_t s0, s1;
     if (FMT == kNVFP4) {
-      s0 = bf16_pair(e4m3_to_bf16_bits(lw.scale & 0xFFu));
-      s1 = bf16_pair(e4m3_to_bf16_bits(lw.scale >> 8));
+      const uint32_t both = e4m3x2_to_bf16x2(lw.scale);  // (block k0/16, block k0/16 + 1)
+      s0 = prmt(both, both, 0x1010u);
+      s1 = prmt(both, both, 0x3232u);
     } else {
       s0 = s1 = bf16_pair(e8m0_to_bf16_bits(lw.scale));
     }
@@ -169,18 +192,37 @@ __device__ __forceinline__ void cp_async_wait() {
 // different 16-byte bank groups.
 __device__ __forceinline__ int x_chunk(int row, int chunk) { return chunk ^ ((chunk >> 3) << 1) ^ (row & 1); }
 
-// Copies the rows < M of the CTA's x tile of one step into a stage (columns past K as zeros); rows >= M are zeroed
-// once per stage before the loop (zero_x_rows), so few tokens copy few chunks.
+// A thread's share of the x copies of one step: up to 2 * MT 16-byte chunks (rows < M), their shared and global
+// offsets fixed across steps.
 template <int MT>
-__device__ __forceinline__ void issue_x_stage(__nv_bfloat16* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
-                                              int step) {
-  const int chunks = min(M, MT * 16) * (kStep / 8);
-  for (int c = threadIdx.x; c < chunks; c += kThreads) {
-    const int row = c >> 4, chunk = c & 15, k = step * kStep + chunk * 8;
-    const bool valid = k < K;
-    cp_async16(stage + row * kStep + x_chunk(row, chunk) * 8, valid ? x + (int64_t)row * K + k : x, valid);
+struct XCopies {
+  static constexpr int kPerThread = MT * 16 * (kStep / 8) / kThreads;
+  int smem[kPerThread];  // bf16 elements into a stage
+  int gmem[kPerThread];  // bf16 elements into x at step 0; -1: no chunk for this thread
+  int col[kPerThread];   // the chunk's first column at step 0
+
+  __device__ __forceinline__ XCopies(int M, int K) {
+    const int chunks = min(M, MT * 16) * (kStep / 8);
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int c = threadIdx.x + j * kThreads, row = c >> 4, chunk = c & 15;
+      smem[j] = row * kStep + x_chunk(row, chunk) * 8;
+      gmem[j] = c < chunks ? row * K + chunk * 8 : -1;
+      col[j] = chunk * 8;
+    }
   }
-}
+
+  // copies the rows < M of the CTA's x tile of `step` into a stage (columns past K as zeros); rows >= M were zeroed
+  // once (zero_x_rows)
+  __device__ __forceinline__ void issue(__nv_bfloat16* stage, const __nv_bfloat16* __restrict__ x, int K, int step) const {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      if (gmem[j] < 0) continue;
+      const bool valid = col[j] + step * kStep < K;
+      cp_async16(stage + smem[j], valid ? x + gmem[j] + step * kStep : x, valid);
+    }
+  }
+};
 
 template <int MT>
 __device__ __forceinline__ void zero_x_rows(__nv_bfloat16* stages, int depth, int M) {
@@ -192,10 +234,10 @@ __device__ __forceinline__ void zero_x_rows(__nv_bfloat16* stages, int depth, in
 }
 
 template <int FMT, int MT, int NT>
-__global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
+__global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
-    __nv_bfloat16* __restrict__ y, int M, int N, int K, int nf4_block, int steps_per_split) {
+    __nv_bfloat16* __restrict__ y, int M, int N, int K, int nf4_shift, int steps_per_split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int BN = 4 * NT * 8;  // output columns per CTA
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -216,9 +258,10 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
   }
   zero_x_rows<MT>(xs, kDepth, M);  // made visible by the barrier at the top of the first step
+  const XCopies<MT> xcopy(M, K);
 #pragma unroll
   for (int i = 0; i < kDepth - 1; ++i) {
-    if (step_lo + i < step_hi) issue_x_stage<MT>(xs + i * kStage, x, M, K, step_lo + i);
+    if (step_lo + i < step_hi) xcopy.issue(xs + i * kStage, x, K, step_lo + i);
     cp_async_commit();
   }
 
@@ -230,9 +273,14 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
-  int64_t rows[NT];
+  LaneRow rows[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) rows[nt] = n_cta + (warp * NT + nt) * 8 + g;
+  for (int nt = 0; nt < NT; ++nt)
+    rows[nt] = lane_row<FMT>(w, scales, absmax, n_cta + (warp * NT + nt) * 8 + g, N, K, q, nf4_shift);
+  // this lane's A-fragment chunks (the swizzle depends on the row's parity only, the same for g, g + 8 and every mt)
+  int xoff[4];
+#pragma unroll
+  for (int part = 0; part < 4; ++part) xoff[part] = g * kStep + x_chunk(g, 4 * q + part) * 8;
 
   LaneWeights ring[kDepth][NT];
 #pragma unroll
@@ -240,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
       ring[i][nt] = step_lo + i < step_hi
-                        ? load_lane<FMT>(w, scales, absmax, rows[nt], N, (step_lo + i) * kStep + q * 32, K, nf4_block)
+                        ? load_lane<FMT>(rows[nt], step_lo + i, q, K, nf4_shift)
                         : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
   for (int base = step_lo; base < step_hi; base += kDepth) {
 #pragma unroll
@@ -250,26 +298,24 @@ __global__ void __launch_bounds__(kThreads) few_token_gemm_kernel(
       cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
       __syncthreads();              // ... and everyone's; the stage read last step is free again
       if (step + kDepth - 1 < step_hi)
-        issue_x_stage<MT>(xs + ((i + kDepth - 1) % kDepth) * kStage, x, M, K, step + kDepth - 1);
+        xcopy.issue(xs + ((i + kDepth - 1) % kDepth) * kStage, x, K, step + kDepth - 1);
       cp_async_commit();
-      const int k0 = step * kStep + q * 32;  // this lane's 32 columns
       uint32_t b[NT][16];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         decode_lane<FMT>(ring[i][nt], levels, b[nt]);
         ring[i][nt] = step + kDepth < step_hi
-                          ? load_lane<FMT>(w, scales, absmax, rows[nt], N, k0 + kDepth * kStep, K, nf4_block)
+                          ? load_lane<FMT>(rows[nt], step + kDepth, q, K, nf4_shift)
                           : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
       }
       const __nv_bfloat16* stage = xs + i * kStage;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const int r0 = mt * 16 + g;
 #pragma unroll
         for (int part = 0; part < 4; ++part) {  // 8 columns of x per part: mma steps j = 2 part, 2 part + 1
-          const uint4 lo = *reinterpret_cast<const uint4*>(stage + r0 * kStep + x_chunk(r0, 4 * q + part) * 8);
+          const uint4 lo = *reinterpret_cast<const uint4*>(stage + mt * 16 * kStep + xoff[part]);
           const uint4 hi = mt * 16 + 8 < M  // rows g + 8 of this m16 tile: zeros when all are past M
-                               ? *reinterpret_cast<const uint4*>(stage + (r0 + 8) * kStep + x_chunk(r0 + 8, 4 * q + part) * 8)
+                               ? *reinterpret_cast<const uint4*>(stage + (mt * 16 + 8) * kStep + xoff[part])
                                : make_uint4(0, 0, 0, 0);
           // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
           // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
@@ -454,13 +500,16 @@ cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, c
 
 // fmt: 0 NVFP4 (scales E4M3 [N, K/16], gscale the decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4 (absmax
 // fp32 per nf4_block elements of the flattened weight, levels its 16 values). x bf16 [M, K] and w [N, K/2] 16-byte
-// aligned, K % 32 == 0, 1 <= M <= 64, NF4 blocks a multiple of 32: the caller checks.
+// aligned, K % 32 == 0, 1 <= M <= 64, NF4 blocks a power of two >= 32: the caller checks.
 cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                                   const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
                                   int sms, cudaStream_t stream) {
   int dev = 0;
   const cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
+  int nf4_shift = 0;  // the kernel takes NF4's block size (a power of two) as a shift
+  while (fmt == kNF4 && (1 << nf4_shift) < nf4_block) ++nf4_shift;
+  nf4_block = nf4_shift;
   if (fmt == kNVFP4) return launch_fmt<kNVFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
   if (fmt == kMXFP4) return launch_fmt<kMXFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
   return launch_fmt<kNF4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);

@@ -86,10 +86,11 @@ def few_token_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: t
     """Whether the forward y = x W^T of a weight-only format takes the extension's few-token kernel
     (surogate::ext_few_token_gemm) rather than the Triton split kernel: m <= FEW_TOKEN_MAX_TOKENS bf16 rows, an SM90+
     GPU (it sums its K splits across a thread-block cluster), K a multiple of 32 (each lane loads 32 codes of a
-    row) and NF4 blocks of a multiple of 32, with the extension built. The input gradient keeps the Triton kernel."""
+    row) and NF4 blocks of a power of two >= 32 (bitsandbytes' sizes), with the extension built. The input gradient
+    keeps the Triton kernel."""
     return (fmt in WEIGHT_ONLY and 1 <= m <= FEW_TOKEN_MAX_TOKENS and dtype == torch.bfloat16 and ext_built
             and capability is not None and tuple(capability) >= (9, 0) and k % 32 == 0
-            and (fmt != "nf4" or nf4_block % 32 == 0))
+            and (fmt != "nf4" or (nf4_block >= 32 and nf4_block & (nf4_block - 1) == 0)))
 
 
 _ELEMENT_BLOCK = {"nvfp4": 16, "mxfp4": 32}

@@ -156,3 +156,4 @@ def test_few_token_forwards_of_every_shapes_table_linear_take_the_cuda_kernel(fm
     assert not P.few_token_kernel("fp8", 16, 4096, torch.bfloat16, SM90, True)
     assert P.few_token_kernel("nf4", 16, 4096, torch.bfloat16, SM90, True, nf4_block=128)
     assert not P.few_token_kernel("nf4", 16, 4096, torch.bfloat16, SM90, True, nf4_block=16)
+    assert not P.few_token_kernel("nf4", 16, 4032, torch.bfloat16, SM90, True, nf4_block=96)
