@@ -176,62 +176,58 @@ __device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* 
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  // 16 bytes global -> shared without registers; valid == false writes zeros (src-size 0)
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
-// x stages in shared memory: [MT * 16 rows][kStep columns] bf16, 16 chunks of 16 bytes per row. A lane reads chunk
-// 4q + part of rows g and g + 8; the XOR puts the 8 lanes of each quarter-warp (rows 2p, 2p + 1; q = 0..3) on 8
-// different 16-byte bank groups.
-__device__ __forceinline__ int x_chunk(int row, int chunk) { return chunk ^ ((chunk >> 3) << 1) ^ (row & 1); }
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  // 4 bytes global -> shared; valid == false writes zeros
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+}
 
-// A thread's share of the x copies of one step: up to 2 * MT 16-byte chunks (rows < M), their shared and global
-// offsets fixed across steps.
+// x stages in shared memory, in mma A-fragment order: 16 bytes per (m16 tile mt, row g, lane group q, mma step j) =
+// x[g][c], x[g + 8][c], x[g][c + 2], x[g + 8][c + 2] (pairs of bf16) with c = 32q + 4j, so that one 16-byte load is the
+// four A registers of an mma (as a row-major tile they took two loads and ~7 register moves per mma). The 16-byte
+// slot of step j is j ^ q ^ 4 (g & 1): the 8 lanes of a quarter-warp (g = 2p, 2p + 1; q = 0..3) read 8 different
+// bank groups.
+__device__ __forceinline__ int x_frag_byte(int g, int q, int j) { return ((g * 4 + q) * 8 + (j ^ q ^ ((g & 1) << 2))) * 16; }
+constexpr int kStageTileBytes = 16 * kStep * 2;  // one m16 tile of a stage
+
+// A thread's x copies of one step: 8 bf16 pairs (16 columns) of one row per m16 tile, rows < M only; rows >= M stay
+// zero (the stages are zeroed once). Offsets fixed across steps.
 template <int MT>
 struct XCopies {
-  static constexpr int kPerThread = MT * 16 * (kStep / 8) / kThreads;
-  int smem[kPerThread];  // bf16 elements into a stage
-  int gmem[kPerThread];  // bf16 elements into x at step 0; -1: no chunk for this thread
-  int col[kPerThread];   // the chunk's first column at step 0
+  int smem[4];  // byte offset in a stage of the pairs 2kk, 2kk + 1 (the second one 8 bytes further), tile 0
+  int gmem;     // elements into x of the first pair, row of tile 0, step 0
+  int row;      // the row within an m16 tile
+  int col;      // the first column at step 0
 
-  __device__ __forceinline__ XCopies(int M, int K) {
-    const int chunks = min(M, MT * 16) * (kStep / 8);
+  __device__ __forceinline__ XCopies(int K) {
+    const int t = threadIdx.x;
+    row = t >> 3;                 // 8 threads per row
+    col = (t & 7) * 16;           // 16 columns each
+    const int g = row & 7, h = row >> 3, q = col >> 5, j0 = (col & 31) >> 2;
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const int c = threadIdx.x + j * kThreads, row = c >> 4, chunk = c & 15;
-      smem[j] = row * kStep + x_chunk(row, chunk) * 8;
-      gmem[j] = c < chunks ? row * K + chunk * 8 : -1;
-      col[j] = chunk * 8;
-    }
+    for (int kk = 0; kk < 4; ++kk) smem[kk] = x_frag_byte(g, q, j0 + kk) + 4 * h;
+    gmem = row * K + col;
   }
 
-  // copies the rows < M of the CTA's x tile of `step` into a stage (columns past K as zeros); rows >= M were zeroed
-  // once (zero_x_rows)
-  __device__ __forceinline__ void issue(__nv_bfloat16* stage, const __nv_bfloat16* __restrict__ x, int K, int step) const {
+  __device__ __forceinline__ void issue(unsigned char* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
+                                        int step) const {
+    const bool col_ok = col + step * kStep < K;
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      if (gmem[j] < 0) continue;
-      const bool valid = col[j] + step * kStep < K;
-      cp_async16(stage + smem[j], valid ? x + gmem[j] + step * kStep : x, valid);
+    for (int mt = 0; mt < MT; ++mt) {
+      if (mt * 16 + row >= M) break;
+      const __nv_bfloat16* src = x + gmem + (int64_t)mt * 16 * K + step * kStep;
+#pragma unroll
+      for (int k = 0; k < 8; ++k)  // pair k: columns col + 2k, + 1 -> mma step j0 + k / 2, half k % 2
+        cp_async4(stage + mt * kStageTileBytes + smem[k >> 1] + 8 * (k & 1), col_ok ? src + 2 * k : x, col_ok);
     }
   }
 };
-
-template <int MT>
-__device__ __forceinline__ void zero_x_rows(__nv_bfloat16* stages, int depth, int M) {
-  const int first = min(M, MT * 16), per_stage = (MT * 16 - first) * (kStep / 8);
-  for (int c = threadIdx.x; c < depth * per_stage; c += kThreads) {
-    const int stage = c / per_stage, row = first + (c % per_stage) / 16, chunk = c % 16;
-    *reinterpret_cast<uint4*>(stages + stage * MT * 16 * kStep + row * kStep + chunk * 8) = make_uint4(0, 0, 0, 0);
-  }
-}
 
 template <int FMT, int MT, int NT>
 __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
@@ -257,11 +253,14 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
   if (FMT == kNF4) {
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
   }
-  zero_x_rows<MT>(xs, kDepth, M);  // made visible by the barrier at the top of the first step
-  const XCopies<MT> xcopy(M, K);
+  // every stage zeroed once (rows >= M stay zero), before any copy lands in them
+  for (int c = threadIdx.x; c < kDepth * kStage / 8; c += kThreads) reinterpret_cast<uint4*>(xs)[c] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  const XCopies<MT> xcopy(K);
+  unsigned char* xbytes = reinterpret_cast<unsigned char*>(xs);
 #pragma unroll
   for (int i = 0; i < kDepth - 1; ++i) {
-    if (step_lo + i < step_hi) xcopy.issue(xs + i * kStage, x, K, step_lo + i);
+    if (step_lo + i < step_hi) xcopy.issue(xbytes + i * kStage * 2, x, M, K, step_lo + i);
     cp_async_commit();
   }
 
@@ -277,10 +276,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
     rows[nt] = lane_row<FMT>(w, scales, absmax, n_cta + (warp * NT + nt) * 8 + g, N, K, q, nf4_shift);
-  // this lane's A-fragment chunks (the swizzle depends on the row's parity only, the same for g, g + 8 and every mt)
-  int xoff[4];
-#pragma unroll
-  for (int part = 0; part < 4; ++part) xoff[part] = g * kStep + x_chunk(g, 4 * q + part) * 8;
+  const int xfrag = (g * 4 + q) * 128, xswz = q ^ ((g & 1) << 2);  // x_frag_byte(g, q, j) = xfrag + (j ^ xswz) * 16
 
   LaneWeights ring[kDepth][NT];
 #pragma unroll
@@ -298,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
       cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
       __syncthreads();              // ... and everyone's; the stage read last step is free again
       if (step + kDepth - 1 < step_hi)
-        xcopy.issue(xs + ((i + kDepth - 1) % kDepth) * kStage, x, K, step + kDepth - 1);
+        xcopy.issue(xbytes + ((i + kDepth - 1) % kDepth) * kStage * 2, x, M, K, step + kDepth - 1);
       cp_async_commit();
       uint32_t b[NT][16];
 #pragma unroll
@@ -308,24 +304,17 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
                           ? load_lane<FMT>(rows[nt], step + kDepth, q, K, nf4_shift)
                           : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
       }
-      const __nv_bfloat16* stage = xs + i * kStage;
+      const unsigned char* stage = xbytes + i * kStage * 2;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int part = 0; part < 4; ++part) {  // 8 columns of x per part: mma steps j = 2 part, 2 part + 1
-          const uint4 lo = *reinterpret_cast<const uint4*>(stage + mt * 16 * kStep + xoff[part]);
-          const uint4 hi = mt * 16 + 8 < M  // rows g + 8 of this m16 tile: zeros when all are past M
-                               ? *reinterpret_cast<const uint4*>(stage + (mt * 16 + 8) * kStep + xoff[part])
-                               : make_uint4(0, 0, 0, 0);
-          // A fragment of step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
+        for (int j = 0; j < 8; ++j) {
+          // A fragment of mma step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
           // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
-          const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
-          const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+          const uint4 a = *reinterpret_cast<const uint4*>(stage + mt * kStageTileBytes + xfrag + ((j ^ xswz) << 4));
+          const uint32_t frag[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            mma_16816(acc[mt][nt], a0, b[nt][4 * part], b[nt][4 * part + 1]);
-            mma_16816(acc[mt][nt], a1, b[nt][4 * part + 2], b[nt][4 * part + 3]);
-          }
+          for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], frag, b[nt][2 * j], b[nt][2 * j + 1]);
         }
       }
     }
