@@ -196,35 +196,42 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
 __device__ __forceinline__ int x_frag_byte(int g, int q, int j) { return ((g * 4 + q) * 8 + (j ^ q ^ ((g & 1) << 2))) * 16; }
 constexpr int kStageTileBytes = 16 * kStep * 2;  // one m16 tile of a stage
 
-// A thread's x copies of one step: 8 bf16 pairs (16 columns) of one row per m16 tile, rows < M only; rows >= M stay
-// zero (the stages are zeroed once). Offsets fixed across steps.
+// A thread's x copies of one step: bf16 pair t % 64 (columns 2 (t % 64), + 1) of rows 2k + t / 64 (k = 0..7) of each
+// m16 tile, rows < M only; rows >= M stay zero (the stages are zeroed once). Consecutive threads copy consecutive
+// pairs of a row, so each copy instruction reads 128 contiguous bytes per warp (a thread-per-row-segment order read 32
+// bytes apart and cost 8x the sectors). Offsets fixed across steps.
 template <int MT>
 struct XCopies {
-  int smem[4];  // byte offset in a stage of the pairs 2kk, 2kk + 1 (the second one 8 bytes further), tile 0
-  int gmem;     // elements into x of the first pair, row of tile 0, step 0
-  int row;      // the row within an m16 tile
-  int col;      // the first column at step 0
+  int smem;  // byte offset in a stage of row t / 64 (k = 0), tile 0; row 2k adds frag_rows(k)
+  int gmem;  // elements into x of that row's pair, step 0
+  int col;   // the pair's first column at step 0
+  int row0;  // t / 64
 
   __device__ __forceinline__ XCopies(int K) {
-    const int t = threadIdx.x;
-    row = t >> 3;                 // 8 threads per row
-    col = (t & 7) * 16;           // 16 columns each
-    const int g = row & 7, h = row >> 3, q = col >> 5, j0 = (col & 31) >> 2;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) smem[kk] = x_frag_byte(g, q, j0 + kk) + 4 * h;
-    gmem = row * K + col;
+    const int t = threadIdx.x, pair = t & 63;
+    row0 = t >> 6;
+    col = 2 * pair;
+    const int q = pair >> 4, j = (pair >> 1) & 7, p = pair & 1;
+    smem = x_frag_byte(row0, q, j) + 8 * p;  // the swizzle depends on the row's parity, = row0 for every k
+    gmem = row0 * K + col;
   }
+
+  // bytes from row row0 to row 2k + row0 of a tile in the fragment layout: rows g -> g + 2k (k < 4) or, past 8,
+  // the g + 8 half (4 bytes further) of row g + 2k - 8
+  static __device__ __forceinline__ int frag_rows(int k) { return k < 4 ? 2 * k * 512 : (2 * k - 8) * 512 + 4; }
 
   __device__ __forceinline__ void issue(unsigned char* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
                                         int step) const {
     const bool col_ok = col + step * kStep < K;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      if (mt * 16 + row >= M) break;
-      const __nv_bfloat16* src = x + gmem + (int64_t)mt * 16 * K + step * kStep;
 #pragma unroll
-      for (int k = 0; k < 8; ++k)  // pair k: columns col + 2k, + 1 -> mma step j0 + k / 2, half k % 2
-        cp_async4(stage + mt * kStageTileBytes + smem[k >> 1] + 8 * (k & 1), col_ok ? src + 2 * k : x, col_ok);
+      for (int k = 0; k < 8; ++k) {
+        const int row = mt * 16 + 2 * k + row0;
+        if (row >= M) break;
+        cp_async4(stage + mt * kStageTileBytes + smem + frag_rows(k),
+                  col_ok ? x + gmem + (int64_t)(mt * 16 + 2 * k) * K + step * kStep : x, col_ok);
+      }
     }
   }
 };
