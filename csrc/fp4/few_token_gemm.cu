@@ -480,6 +480,10 @@ cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, co
   return plan_and_launch<Variant<FMT, MT, 1>>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
 }
 
+// 1-16 tokens take one m16 tile (MT 1), what the ops route here (kernels.paths.FEW_TOKEN_MAX_TOKENS). MT 2-4 give
+// the same results (GPU-tested up to 64 tokens) but were measured 12-14x slower than the Triton split kernel at
+// 17-64 tokens (H200, cda5662: 4096x4096 nvfp4 at 32 tokens 284 vs 20 us; the cause is not yet found), so nothing
+// routes them.
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
                        const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,

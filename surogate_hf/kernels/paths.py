@@ -75,9 +75,9 @@ def splitk_plan(m: int, red: int, out_cols: int, sms: int) -> tuple[int, int]:
 
 
 # Token counts up to which the forward of a weight-only format runs the extension's few-token kernel. Measured on the
-# H200 (kernel time, torch.profiler; benchmarks/results/shapes_few_token.md): at 1 and 16 tokens it takes 0.55-0.75x
-# the Triton split kernel's time on Llama-3.1-8B's and SmolLM2's linears; at 64 tokens it was slower on two of four
-# shapes (4096x4096: 28.3 vs 24.6 us), so from 17 tokens on the Triton kernel stays.
+# H200 (kernel time, torch.profiler; benchmarks/results/shapes_few_token.md, cda5662): at 1 and 16 tokens it takes
+# 0.48-0.75x the Triton split kernel's time on Llama-3.1-8B's and SmolLM2's linears; at 17-64 tokens (its wider token
+# tiles) 12-14x the Triton kernel's (4096x4096 nvfp4 at 32 tokens: 284 vs 20 us), so from 17 tokens on Triton stays.
 FEW_TOKEN_MAX_TOKENS = 16
 
 
