@@ -1,10 +1,10 @@
 // Few-token weight-only GEMM: y [M, N] = x [M, K] @ deq(W)^T for a frozen 4-bit weight W [N, K] (NVFP4, MXFP4
-// or NF4), M <= 64, x in bf16. With so few tokens the GEMM is bound by reading the weight, 0.5 byte per element
-// against bf16's 2, so the kernel is built to stream the packed codes once at full bandwidth:
-//   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, and decodes
-//     them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma B fragments;
-//   - the reduction order inside an mma is free, so lane q's 32 codes fill its k-slots of 8 consecutive
-//     m16n8k16 steps, and x is read in the same permuted order: no shuffles, no shared-memory staging;
+// or NF4), M <= 64 (the ops route 1-16 tokens here, see launch_fmt), x in bf16. With so few tokens the GEMM is bound
+// by reading the weight, 0.5 byte per element against bf16's 2, so the kernel streams the packed codes once:
+//   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 4 steps ahead, and
+//     decodes them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma B fragments;
+//   - the reduction order inside an mma is free, so lane q's 32 codes fill its k-slots of 8 consecutive m16n8k16
+//     steps, and x is staged in shared memory (cp.async) in the same permuted order, as ready A fragments;
 //   - the K range is split over up to 8 CTAs of one thread-block cluster (SM90), whose fp32 partials are summed
 //     through distributed shared memory in a fixed order (deterministic, one launch, no workspace).
 // Numerics: each decoded element is the reference's, rounded to bf16 (exact for NVFP4 and MXFP4: e2m1 times a
