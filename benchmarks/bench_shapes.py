@@ -68,6 +68,7 @@ def graph_replay(fn):
 
 
 GRAPHS = []  # --graphs: time CUDA graph replays (GPU time) instead of eager calls
+EXT_BUILT = False  # set in main: whether the native extension (the few-token kernel) is built
 
 
 def gemm_section(models, tokens, warmup_ms, rep_ms):
@@ -108,6 +109,8 @@ def gemm_section(models, tokens, warmup_ms, rep_ms):
                         continue
                     speed = ms["bf16"] / ms[key]
                     path = "bitsandbytes" if key == "bnb" else paths.plan_gemm(key, m, k, n, torch.bfloat16, cap).path
+                    if key in paths.WEIGHT_ONLY and paths.few_token_kernel(key, m, k, torch.bfloat16, cap, EXT_BUILT):
+                        path += " (csrc few-token kernel)"  # the forward's kernel inside the fused path
                     target = 1.5 if m <= 64 else (0.9 if m >= 2048 else None)
                     note = ""
                     if key in ("nvfp4", "mxfp4", "nf4") and target is not None:
@@ -232,6 +235,10 @@ def main():
     args = ap.parse_args()
     if args.graphs:
         GRAPHS.append(True)
+    global EXT_BUILT
+    from surogate_hf.kernels import ext
+
+    EXT_BUILT = ext.load(build=False) is not None
     t0 = time.perf_counter()
     gemm_models = [m for m in args.gemm_models.split(",") if m]
     tokens = [int(t) for t in args.tokens.split(",")]
