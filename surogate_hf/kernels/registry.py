@@ -144,7 +144,7 @@ def _weight_only(op: str, fwd: bool, fmt_name: str, a, n, k, packed, scale, gsca
     fmt = tg.FORMAT_IDS[fmt_name]
     if plan.path == paths.DENSE:
         return tg.dense_gemm(fwd, fmt, a, packed, scale, gscale, code, n, k, nf4_bs)
-    if fwd and a.numel() <= paths.FEW_TOKEN_MAX_TOKENS * k and a.dtype == torch.bfloat16:
+    if fwd:
         y = _few_token_linear(fmt_name, a, packed, scale, gscale, code, n, k, nf4_bs)
         if y is not None:
             return y
