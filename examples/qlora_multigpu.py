@@ -107,6 +107,9 @@ def main():
     report(model, state, "loaded")
     data = SyntheticTaskDataset(TaskSpec(task="reverse", alphabet=16, min_len=4, max_len=8), 4096, seed=1)
     (accelerate_loop if args.loop == "accelerate" else trainer_loop)(model, data, args)
+    # left to interpreter exit, the gloo group's teardown aborted a rank once in CI ("terminate called without an
+    # active exception" after all steps had finished); torch asks for an explicit destroy
+    state.destroy_process_group()
 
 
 if __name__ == "__main__":
