@@ -344,8 +344,10 @@ class MXFP4Linear(QuantizedLinear):
 class NF4Linear(QuantizedLinear):
     quant_format = "nf4"
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, block_size=64, double_quant=True):
-        super().__init__(in_features, out_features, bias, device, dtype, fmt=NF4Format(block_size, double_quant))
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, block_size=64, double_quant=True,
+                 scale_search=True):
+        super().__init__(in_features, out_features, bias, device, dtype,
+                         fmt=NF4Format(block_size, double_quant, scale_search))
 
     def quant_state(self):
         """The bitsandbytes QuantState of the weight (for bitsandbytes-layout export)."""

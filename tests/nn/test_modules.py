@@ -88,7 +88,7 @@ def test_from_linear_layout_and_dequantize_match_the_reference(fmt):
         ref = {"weight": p, "weight_scale": s}
         deq = F.dequantize_mxfp4(p, s, torch.bfloat16)
     else:
-        p, qs = F.quantize_nf4(w)
+        p, qs = F.quantize_nf4(w, scale_search=True)  # the module default
         ref = {"weight": p, "weight_absmax": qs.absmax, "weight_nested_absmax": qs.state2.absmax}
         deq = F.dequantize_nf4(p, qs, torch.bfloat16)
     for name, t in ref.items():

@@ -26,7 +26,7 @@ from .base import (
 )
 
 NF4_BLOCK_SIZES = F.nf4.NF4_BLOCK_SIZES
-NF4_NESTED_BLOCK = 256  # bitsandbytes' block size for double-quantized absmaxes
+NF4_NESTED_BLOCK = F.nf4.NF4_NESTED_BLOCK  # bitsandbytes' block size for double-quantized absmaxes
 _NESTED_BLOCK = NF4_NESTED_BLOCK
 
 # module slot -> checkpoint suffix
@@ -45,17 +45,22 @@ _OFFSET = "_offset"  # unit slot filled from the QuantState JSON's nested_offset
 
 @dataclasses.dataclass(frozen=True)
 class NF4Options(Options):
-    """block_size: 64 | 128 weights per absmax; double_quant: quantize the absmaxes too (bitsandbytes)."""
+    """block_size: 64 | 128 weights per absmax; double_quant: quantize the absmaxes too (bitsandbytes);
+    scale_search: each block's scale is the lowest-error share of its absmax (formats.nf4.quantize_nf4), not the
+    absmax itself (False: bitsandbytes' quantize_4bit, bit for bit)."""
 
-    CONFIG_FIELDS = {"nf4_block_size": "block_size", "nf4_double_quant": "double_quant"}
+    CONFIG_FIELDS = {"nf4_block_size": "block_size", "nf4_double_quant": "double_quant",
+                     "nf4_scale_search": "scale_search"}
 
     block_size: int = 64
     double_quant: bool = True
+    scale_search: bool = True
 
     def validate(self):
         if self.block_size not in NF4_BLOCK_SIZES or not is_int(self.block_size):
             raise OptionError("block_size", f"unsupported {{opt}} {self.block_size!r}; expected one of {NF4_BLOCK_SIZES}")
         check_bool("double_quant", self.double_quant)
+        check_bool("scale_search", self.scale_search)
 
 
 class NF4Format(Format):
@@ -63,10 +68,11 @@ class NF4Format(Format):
     options_class = NF4Options
     per_component = True
 
-    def __init__(self, block_size: int = 64, double_quant: bool = True):
-        self.options = NF4Options(block_size, bool(double_quant))
+    def __init__(self, block_size: int = 64, double_quant: bool = True, scale_search: bool = True):
+        self.options = NF4Options(block_size, bool(double_quant), bool(scale_search))
         self.block_size = int(self.options.block_size)
         self.double_quant = self.options.double_quant
+        self.scale_search = self.options.scale_search
 
     def shape_problem(self, n, k):
         # bitsandbytes 0.50's CPU dequantize_4bit mis-decodes blocks that straddle rows (k % block != 0)
@@ -89,7 +95,7 @@ class NF4Format(Format):
         return s
 
     def quantize(self, w, expert=False):
-        packed, qs = F.quantize_nf4(w, self.block_size, self.double_quant)
+        packed, qs = F.quantize_nf4(w, self.block_size, self.double_quant, scale_search=self.scale_search)
         t = {"": packed.reshape(-1, 1), "_absmax": qs.absmax, "_quant_map": qs.code.float()}
         if qs.nested:
             t["_nested_absmax"] = qs.state2.absmax.float()
@@ -121,6 +127,16 @@ class NF4Format(Format):
 
     def _absmax(self, t, n, k):
         return F.nf4_absmax(self.quant_state(t, n, k, torch.float32))
+
+    def element_scales(self, t, n, k):
+        return self._absmax(t, n, k).repeat_interleave(self.block_size).reshape(n, k)
+
+    def round_to_grid(self, v):
+        code = F.nf4_code(v.device)  # the NF4 levels every unit this format writes holds as its quant_map
+        return code[F.nf4.nf4_round(v, code)]
+
+    def encode_on_scales(self, t, w, n, k):
+        return {**t, "": F.nf4.encode_nf4(w, self._absmax(t, n, k), t["_quant_map"], self.block_size)}
 
     def dequantize(self, t, n, k, dtype):
         # the same decode the linear ops use (bitsandbytes' dequantize_4bit agrees for k % block == 0)
@@ -190,7 +206,8 @@ class NF4Layout(Layout):
     packed_experts_only = True
 
     def module_options(self, lf):
-        return {"block_size": lf.nf4_block, "double_quant": lf.double_quant}
+        # bitsandbytes' own encode when re-quantizing (as the checkpoint's producer did)
+        return {"block_size": lf.nf4_block, "double_quant": lf.double_quant, "scale_search": False}
 
     def refine(self, lf, module, key, index):
         """blocksize and double quantization are per tensor, in the stored QuantState."""
