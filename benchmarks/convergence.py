@@ -14,6 +14,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     qlora-<fmt>+loftq         the same, adapters initialised by surogate_hf.loftq_init (--loftq-iters)
     qlora-<fmt>+aa            the same, activation-aware: loftq_init(iters=1, calibration=--aa-windows windows
                               from the end of the train split), the rank-r fit of each layer's output error
+    qlora-<fmt>+gptq          the same calibration, loftq_init(quantizer="gptq"): GPTQ codes for the base on the
+                              format's own scales, then the activation-aware adapters on the error GPTQ leaves
     qlora-fp8+fp8-hybrid      QLoRA with a training recipe (apply_recipe on the PEFT model: the base GEMMs follow
                               the recipe, docs/recipes.md; a 128x128 fp8 base keeps its own W8A8 GEMMs);
     qlora-nvfp4+nvfp4         likewise qlora-mxfp4+nvfp4 and qlora-nf4+fp8-hybrid
@@ -61,6 +63,7 @@ ALL_SETUPS = (
     + [f"qlora-{f}" for f in FORMATS]
     + [f"qlora-{f}+loftq" for f in FORMATS]
     + [f"qlora-{f}+aa" for f in FORMATS]
+    + [f"qlora-{f}+gptq" for f in FORMATS]
     + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
     + ["full-bf16", "full-fp8-hybrid", "full-fp8-blockwise", "full-nvfp4"]
 )
@@ -193,6 +196,9 @@ def build(setup: str, ckpt: Path, args, device: str):
                 surogate_hf.loftq_init(model, ckpt, iters=args.loftq_iters)
             elif extra == "aa":
                 surogate_hf.loftq_init(model, ckpt, iters=1, calibration=args.calibration, damp=args.aa_damp)
+            elif extra == "gptq":  # GPTQ codes for the base, then the activation-aware adapters on what it leaves
+                surogate_hf.loftq_init(model, ckpt, iters=1, calibration=args.calibration, damp=args.aa_damp,
+                                       quantizer="gptq")
             else:
                 surogate_hf.apply_recipe(model, extra)
         lr = args.lr_lora

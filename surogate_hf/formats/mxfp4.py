@@ -80,6 +80,15 @@ def quantize_mxfp4(x: torch.Tensor, scale_rounding: str = "floor"):
     return pack_e2m1(codes), biased.to(torch.uint8)
 
 
+def encode_mxfp4_on_scales(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The packed E2M1 codes of x [..., K] on given E8M0 scales [..., K/32] (quantize_mxfp4's encode with its
+    scales fixed; a power-of-two division is exact)."""
+    check_mxfp4_shape(x.shape)
+    shared = scales.to(torch.int32) - E8M0_BIAS
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MXFP4_BLOCK, MXFP4_BLOCK)
+    return pack_e2m1(e2m1_encode(torch.ldexp(xb, (-shared).unsqueeze(-1).float())).reshape(x.shape))
+
+
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes to fp32 powers of two; 255 -> NaN."""
     s = scales.to(torch.int32)

@@ -165,6 +165,15 @@ def quantize_nvfp4(
     return NVFP4Quantized(packed, s, g_dec.reshape(()))
 
 
+def encode_nvfp4_on_scales(x: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """The packed E2M1 codes of x [..., R, K] on given 1D block scales and decode global (the encode of
+    quantize_nvfp4 with its scales fixed): e2m1(x * min(1 / (s_blk * global_dec), FLT_MAX)), round to nearest."""
+    *lead, r, k = x.shape
+    enc = (1.0 / (block_scale.float() * global_scale.float())).clamp(max=_FLT_MAX)
+    codes = e2m1_encode(x.float().reshape(*lead, r, k // NVFP4_BLOCK, NVFP4_BLOCK) * enc.unsqueeze(-1))
+    return pack_e2m1(codes.reshape(x.shape))
+
+
 def check_nvfp4_scales(packed: torch.Tensor, block_scale: torch.Tensor) -> None:
     """The block scale a packed NVFP4 tensor needs: E4M3, [..., rows, K/16]."""
     k = packed.shape[-1] * 2

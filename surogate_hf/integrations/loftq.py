@@ -41,8 +41,10 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import slots as S
+from .gptq import gptq_quantize
 
 _PEFT_PREFIX = "base_model.model."
+QUANTIZERS = ("round", "gptq")
 
 
 class _CheckpointWeights(Mapping):
@@ -133,27 +135,33 @@ def _frob_error(w: Tensor, deq: Tensor, lr: Tensor | None, root: Tensor | None =
     return float(d.norm() / w.norm().clamp_min(1e-30))
 
 
-def input_metric(second_moment: Tensor, damp: float) -> tuple[Tensor, Tensor]:
-    """(H^(1/2), H^(-1/2)) in float64 of the damped input second moment H + damp * mean(diag H) * I (symmetric
-    roots through one eigendecomposition). The damping keeps directions the calibration never excited from
-    getting unbounded weight in H^(-1/2)."""
+def damped(second_moment: Tensor, damp: float) -> Tensor:
+    """The input second moment H + damp * mean(diag H) * I, in float64. The damping keeps directions the
+    calibration never excited from getting unbounded weight (in H^(-1/2), and in GPTQ's H^-1)."""
     h = second_moment.double()
-    h = h + damp * h.diagonal().mean().clamp_min(1e-30) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    evals, vecs = torch.linalg.eigh(h)
+    return h + damp * h.diagonal().mean().clamp_min(1e-30) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+
+
+def input_metric(second_moment: Tensor, damp: float) -> tuple[Tensor, Tensor]:
+    """(H^(1/2), H^(-1/2)) in float64 of the damped input second moment (`damped`; symmetric roots through one
+    eigendecomposition)."""
+    evals, vecs = torch.linalg.eigh(damped(second_moment, damp))
     evals = evals.clamp_min(evals.max() * 1e-12)
     return (vecs * evals.sqrt()) @ vecs.T, (vecs * evals.rsqrt()) @ vecs.T
 
 
 @torch.no_grad()
 def loftq_decompose(base: nn.Module, w: Tensor, rank: int, scaling: float, iters: int = 1,
-                    metric: tuple[Tensor, Tensor] | None = None):
+                    metric: tuple[Tensor, Tensor] | None = None, gptq_moment: Tensor | None = None):
     """Alternate quantize / SVD for one quantized linear `base` and its dense weight `w` [out, in].
 
     metric: (H^(1/2), H^(-1/2)) of the layer's input second moment (input_metric), or None. With it the rank-r fit
     minimises the output error over those inputs, ||(E - s B A) H^(1/2)||_F, whose minimiser is the truncated
     SVD of E H^(1/2) mapped back by H^(-1/2) (activation-aware, as in QERA, Zhang et al. 2024); without it the
     weight error ||E - s B A||_F (LoftQ). Errors and the choice of iterate use the same metric.
-    Returns (slots {buffer name: tensor} to load into base, A [rank, in], B [out, rank] in fp32, errors) where
+    gptq_moment: the damped input second moment H (`damped`), or None. With it each quantization is GPTQ's
+    (integrations/gptq.py: codes that minimise the output error on the format's own scales) instead of the
+    format's round-to-nearest.    Returns (slots {buffer name: tensor} to load into base, A [rank, in], B [out, rank] in fp32, errors) where
     errors = {"plain": relative error of deq(Q(w)) alone, "loftq": of deq(Q_t) + scaling * B @ A}."""
     if iters < 1:
         raise ValueError(f"loftq_init: iters must be >= 1, got {iters}")
@@ -170,7 +178,7 @@ def loftq_decompose(base: nn.Module, w: Tensor, rank: int, scaling: float, iters
     root, inv_root = (None, None) if metric is None else (metric[0].to(w.device), metric[1].to(w.device))
     res, best, plain = w, None, None
     for t in range(iters):
-        slots = base.quantize_weight(res)
+        slots = base.quantize_weight(res) if gptq_moment is None else gptq_quantize(base, res, gptq_moment.to(w.device))
         deq = deq_of(slots)
         if plain is None:
             plain = _frob_error(w, deq, None, root)
@@ -200,6 +208,8 @@ def loftq_init(
     calibration=None,
     damp: float = 0.01,
     calibration_memory: int = 4 << 30,
+    quantizer: str = "round",
+    gptq_damp: float = 0.3,
 ) -> dict[str, dict[str, float]]:
     """Initialise the LoRA adapters (and requantize the bases) of a PEFT model over surogate quantized
     linears so that deq(W_q) + scaling * B @ A approximates the dense weights (see the module doc).
@@ -217,6 +227,13 @@ def loftq_init(
         damp: the second moments' damping, relative to their mean diagonal (calibration only).
         calibration_memory: bytes of second moments held at once (in_features^2 * 4 per layer); layers beyond it
             are calibrated in further passes over the batches, after the earlier layers got their adapters.
+        quantizer: how each base is (re)quantized: "round" (the format's round-to-nearest; with iters=1 the base
+            is unchanged) or "gptq" (GPTQ codes on the format's own scales, minimising each layer's output error
+            over the calibration inputs; needs calibration). Either way the base stays a plain tensor of its format.
+        gptq_damp: GPTQ's damping of the second moments, relative to their mean diagonal. Larger than GPTQ's usual
+            0.01 because a few calibration windows estimate H poorly: on the convergence benchmark's real model
+            (mxfp4, 8 windows of 512 tokens) the step-0 loss was best at 0.3 of 0.01 / 0.1 / 0.3 / 1.0, with 8
+            and with 32 windows (docs/fidelity.md).
     Returns {module name: {"plain": error, "loftq": error}}: relative Frobenius errors of each weight, or of each
     layer's output over the calibration inputs when calibration is given.
     """
@@ -228,6 +245,13 @@ def loftq_init(
         raise ValueError(f"loftq_init: iters must be in 1..5, got {iters}")
     if not damp > 0:
         raise ValueError(f"loftq_init: damp must be > 0, got {damp}")
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"loftq_init: quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
+    if not gptq_damp > 0:
+        raise ValueError(f"loftq_init: gptq_damp must be > 0, got {gptq_damp}")
+    if quantizer == "gptq" and calibration is None:
+        raise ValueError("loftq_init: quantizer='gptq' minimises each layer's output error over calibration inputs; "
+                         "pass calibration= (batches of training inputs)")
     dense = _dense_weights(peft_model, weights)
     targets = []
     for name, module in peft_model.named_modules():
@@ -252,8 +276,9 @@ def loftq_init(
         moments = None if batches is None else _input_moments(peft_model, [t[2] for t in group], batches)
         for i, (name, module, base, key) in enumerate(group):
             metric = None if moments is None else input_metric(moments[i], damp)
+            h = damped(moments[i], gptq_damp) if quantizer == "gptq" else None
             slots, a, b, errors = loftq_decompose(
-                base, dense[key], module.r[adapter_name], float(module.scaling[adapter_name]), int(iters), metric
+                base, dense[key], module.r[adapter_name], float(module.scaling[adapter_name]), int(iters), metric, h
             )
             for slot, v in slots.items():
                 S.set_slot(base, slot, v)

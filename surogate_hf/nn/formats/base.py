@@ -151,6 +151,20 @@ class Format:
         return _paths.plan_gemm(self.name, m, k, n, dtype, None if capability is None else tuple(capability),
                                 **self.path_options(), **device)
 
+    # ---- a fixed grid: what error-feedback quantizers (GPTQ, integrations/gptq.py) round onto
+    def element_scales(self, t: dict[str, Tensor], n: int, k: int) -> Tensor:
+        """[n, k] fp32: each element's decode scale in unit t, so that it decodes to (grid value) x scale."""
+        raise NotImplementedError(f"format {self.name!r} has no fixed-grid rounding")
+
+    def round_to_grid(self, v: Tensor) -> Tensor:
+        """Values in units of their element scale, rounded to the nearest value of the element grid (fp32); the
+        rounding the format's own encode does."""
+        raise NotImplementedError(f"format {self.name!r} has no fixed-grid rounding")
+
+    def encode_on_scales(self, t: dict[str, Tensor], w: Tensor, n: int, k: int) -> dict[str, Tensor]:
+        """Unit t with its codes replaced by those of the dense w [n, k] on t's own scales (scales unchanged)."""
+        raise NotImplementedError(f"format {self.name!r} has no fixed-grid rounding")
+
     # ---- writing the standard checkpoint layout (save_pretrained of an online-quantized model)
     def to_checkpoint(self, t: dict[str, Tensor], n: int, k: int, prefix: str, dtype) -> dict[str, Tensor]:
         """One [n, k] unit as the standard checkpoint tensors `{prefix}weight...` (dtype: the model's)."""

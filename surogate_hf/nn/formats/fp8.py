@@ -105,6 +105,16 @@ class FP8Format(Format):
             return n, k, t["_scale_inv"].reshape(1, 1)
         return self.block_size[0], self.block_size[1], t["_scale_inv"]
 
+    def element_scales(self, t, n, k):
+        bn, bk, s = self._blocks(t, n, k)
+        return F.fp8._expand_blocks(s.float(), bn, bk, n, k)
+
+    def round_to_grid(self, v):
+        return F.cast_to_fp8(v, F.E4M3).float()
+
+    def encode_on_scales(self, t, w, n, k):
+        return {**t, "": F.cast_to_fp8(w.float() / self.element_scales(t, n, k), F.E4M3)}
+
     def dequantize(self, t, n, k, dtype):
         bn, bk, s = self._blocks(t, n, k)
         return ops.dequantize_fp8_blocks(t[""], s, bn, bk, dtype)

@@ -59,6 +59,16 @@ class MXFP4Format(Format):
         scales = t["_scales"] if "_scales" in t else t["_scale"]
         return t[""].reshape(n, k // 2), scales.reshape(n, k // MXFP4_BLOCK)
 
+    def element_scales(self, t, n, k):
+        return F.e8m0_to_float(self._canon(t, n, k)[1]).repeat_interleave(MXFP4_BLOCK, -1)
+
+    def round_to_grid(self, v):
+        return F.e2m1_decode(F.e2m1_encode(v))
+
+    def encode_on_scales(self, t, w, n, k):
+        packed = F.mxfp4.encode_mxfp4_on_scales(w, self._canon(t, n, k)[1])
+        return {**t, "": packed.reshape(t[""].shape)}
+
     def dequantize(self, t, n, k, dtype):
         return ops.dequantize_mxfp4(*self._canon(t, n, k), dtype)
 

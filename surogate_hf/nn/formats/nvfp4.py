@@ -84,6 +84,15 @@ class NVFP4Format(Format):
     def cuda_plan(self, t, n, k):
         return _cuda.plan_nvfp4(t[""], t["_scale"], t["_scale_2"])
 
+    def element_scales(self, t, n, k):
+        return (t["_scale"].float() * t["_scale_2"].float()).repeat_interleave(NVFP4_BLOCK, -1)
+
+    def round_to_grid(self, v):
+        return F.e2m1_decode(F.e2m1_encode(v))
+
+    def encode_on_scales(self, t, w, n, k):
+        return {**t, "": F.nvfp4.encode_nvfp4_on_scales(w, t["_scale"], t["_scale_2"])}
+
     def bytes_per_param(self):
         return 0.5 + 1.0 / NVFP4_BLOCK
 
