@@ -14,6 +14,7 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     qlora-<fmt>+loftq         the same, adapters initialised by surogate_hf.loftq_init (--loftq-iters)
     qlora-<fmt>+aa            the same, activation-aware: loftq_init(iters=1, calibration=--aa-windows windows
                               from the end of the train split), the rank-r fit of each layer's output error
+    qlora-nf4-absmax          nf4 encoded as bitsandbytes does (nf4_scale_search=False: each block's scale its absmax)
     qlora-<fmt>+gptq          the same calibration, loftq_init(quantizer="gptq"): GPTQ codes for the base on the
                               format's own scales, then the activation-aware adapters on the error GPTQ leaves
     qlora-fp8+fp8-hybrid      QLoRA with a training recipe (apply_recipe on the PEFT model: the base GEMMs follow
@@ -64,6 +65,7 @@ ALL_SETUPS = (
     + [f"qlora-{f}+loftq" for f in FORMATS]
     + [f"qlora-{f}+aa" for f in FORMATS]
     + [f"qlora-{f}+gptq" for f in FORMATS]
+    + ["qlora-nf4-absmax"]
     + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
     + ["full-bf16", "full-fp8-hybrid", "full-fp8-blockwise", "full-nvfp4"]
 )
@@ -91,6 +93,8 @@ FULL_SETUPS = {
     "full-nvfp4-ends-2-6": ("nvfp4", {"skip_quant_first_layers": 2, "skip_quant_last_layers": 6}),
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
+# QLoRA bases other than a format's defaults: name -> (format, SurogateConfig options)
+QLORA_VARIANTS = {"nf4-absmax": ("nf4", {"nf4_scale_search": False})}  # bitsandbytes' own encode (scale = absmax)
 
 
 def reference_of(setup: str) -> str:
@@ -186,8 +190,9 @@ def build(setup: str, ckpt: Path, args, device: str):
         lr = args.lr_lora
     elif setup.startswith("qlora-"):
         fmt, *extras = setup[len("qlora-") :].split("+")
+        fmt, options = QLORA_VARIANTS.get(fmt, (fmt, {}))
         model = AutoModelForCausalLM.from_pretrained(
-            ckpt, quantization_config=surogate_hf.SurogateConfig(format=fmt), device_map=device, **load
+            ckpt, quantization_config=surogate_hf.SurogateConfig(format=fmt, **options), device_map=device, **load
         )
         model = surogate_hf.prepare_for_training(model, gradient_checkpointing=False)
         model = get_peft_model(model, lora)

@@ -1,5 +1,6 @@
 """Weight fidelity on real weights, CPU only: SQNR of every format (and of MXFP4's scale-rounding rules) over
-the linear weights of the convergence benchmark's model, and the weight error LoftQ leaves per format.
+the linear weights of the convergence benchmark's model, and the weight error LoftQ leaves per format. `nf4` is the default encode (the
+block scale searched, `nf4_scale_search`); the row after it is bitsandbytes' own (scale = the block absmax).
 
     python benchmarks/weight_fidelity.py                    # needs `benchmarks/convergence.py --prepare` once
     python benchmarks/weight_fidelity.py --layers 0,8,17 --loftq-iters 1,2,5
@@ -39,6 +40,9 @@ def fake_quant(w: torch.Tensor, how: str) -> torch.Tensor:
     if how == "nvfp4 (no 4/6)":
         return F.fake_quantize_nvfp4(w, four_over_six=False, out_dtype=torch.float32)
     n, k = w.shape
+    if how == "nf4 (bitsandbytes' absmax scale)":
+        fmt = make_format("nf4", scale_search=False)
+        return fmt.dequantize(fmt.quantize(w), n, k, torch.float32)
     fmt = make_format(how, **({"block_size": (128, 128)} if how == "fp8" else {}))
     return fmt.dequantize(fmt.quantize(w), n, k, torch.float32)
 
@@ -81,7 +85,7 @@ def main(argv=None):
     loftq_weights = {n: w for n, w in linear.items() if int(n.split(".")[2]) in loftq_layers}
     print(f"{len(weights)} weights of layers {layers}, {sum(w.numel() for w in weights.values()) / 1e6:.1f}M elements")
 
-    kinds = ["fp8", "nvfp4", "nvfp4 (no 4/6)", "nf4"] + [f"mxfp4:{r}" for r in F.mxfp4.SCALE_ROUNDINGS]
+    kinds = ["fp8", "nvfp4", "nvfp4 (no 4/6)", "nf4", "nf4 (bitsandbytes' absmax scale)"] + [f"mxfp4:{r}" for r in F.mxfp4.SCALE_ROUNDINGS]
     sig = sum(float(w.square().sum()) for w in weights.values())
     rows = {}
     for how in kinds:

@@ -44,17 +44,18 @@ def test_missing_cache_and_bad_setups_are_named(tmp_path):
         assets.load_real(tmp_path)
     with pytest.raises(SystemExit, match="matches no setup"):
         convergence.select_setups("qlora-int3")
-    assert convergence.select_setups("qlora-nf4*") == ["qlora-nf4", "qlora-nf4+loftq", "qlora-nf4+aa",
-                                                       "qlora-nf4+fp8-hybrid"]
+    assert convergence.select_setups("qlora-nf4*") == ["qlora-nf4", "qlora-nf4+loftq", "qlora-nf4+aa", "qlora-nf4+gptq",
+                                                       "qlora-nf4-absmax", "qlora-nf4+fp8-hybrid"]
 
 
 def test_tiny_run_trains_each_kind_of_setup(tmp_path):
     out = tmp_path / "conv"
     results = convergence.main(
-        ["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "qlora-nf4+loftq,qlora-mxfp4+aa,full-fp8-hybrid", "--out", str(out), "--device", "cpu"]
+        ["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "qlora-nf4+loftq,qlora-mxfp4+aa,qlora-nvfp4+gptq,qlora-nf4-absmax,full-fp8-hybrid", "--out", str(out), "--device", "cpu"]
     )
     # the references are added and trained in the same run
-    assert list(results) == ["lora-bf16", "full-bf16", "qlora-nf4+loftq", "qlora-mxfp4+aa", "full-fp8-hybrid"]
+    assert list(results) == ["lora-bf16", "full-bf16", "qlora-nf4+loftq", "qlora-mxfp4+aa", "qlora-nvfp4+gptq",
+                             "qlora-nf4-absmax", "full-fp8-hybrid"]
     for name, r in results.items():
         assert "error" not in r, (name, r)
         assert r["step"] == [0, 1, 2] and len(r["val"]) == 3 and all(np.isfinite(r["val"]))
