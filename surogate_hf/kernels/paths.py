@@ -14,7 +14,7 @@ Paths:
                        blocks, zero codes add nothing, so the result equals the unpadded reference math)
   fused_dequant_gemm   nvfp4 / mxfp4 / nf4 with few tokens: Triton GEMM decoding the packed weight tile by
                        tile into registers (memory-bound regime: reads ~0.5 B/param), masked tails; a forward
-                       with at most 16 bf16 tokens on SM90+ runs the extension's few-token kernel instead
+                       with at most 64 bf16 tokens on SM90+ runs the extension's few-token kernel instead
                        (csrc/fp4/few_token_gemm.cu, see few_token_kernel)
   dense_decode_cublas  nvfp4 / mxfp4 / nf4 with many tokens: the weight decoded once into a transient dense
                        buffer (exact reference decode, masked tails) and cuBLAS
@@ -78,7 +78,7 @@ def splitk_plan(m: int, red: int, out_cols: int, sms: int) -> tuple[int, int]:
 # H200 (kernel time, torch.profiler; benchmarks/results/shapes_few_token.md, cda5662): at 1 and 16 tokens it takes
 # 0.48-0.75x the Triton split kernel's time on Llama-3.1-8B's and SmolLM2's linears; at 17-64 tokens (its wider token
 # tiles) 12-14x the Triton kernel's (4096x4096 nvfp4 at 32 tokens: 284 vs 20 us), so from 17 tokens on Triton stays.
-FEW_TOKEN_MAX_TOKENS = 16
+FEW_TOKEN_MAX_TOKENS = 64
 
 
 def few_token_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,

@@ -168,7 +168,7 @@ def _few_token_linear(fmt_name, x, packed, scale, gscale, code, n, k, nf4_bs):
 
         _few_token_op = torch.ops.surogate.ext_few_token_gemm.default if ext.load(build=False) is not None else False
         if _few_token_op is False:
-            warn_once("few_token_ext", "surogate_hf: weight-only GEMMs with <= 16 tokens run the Triton split kernel "
+            warn_once("few_token_ext", "surogate_hf: weight-only GEMMs with <= 64 tokens run the Triton split kernel "
                       "(two launches; 1.2-1.7x the time of the extension's few-token kernel on Llama-3.1-8B's "
                       f"linears); the CUDA extension is {ext.status()[1]}")
     operands_ok = (packed.is_contiguous() and packed.data_ptr() % 16 == 0 and scale.is_contiguous()

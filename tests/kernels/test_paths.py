@@ -140,14 +140,14 @@ def test_few_token_split_fills_the_gpu_where_the_weight_is_large():
 
 @pytest.mark.parametrize("fmt", P.WEIGHT_ONLY)
 def test_few_token_forwards_of_every_shapes_table_linear_take_the_cuda_kernel(fmt):
-    """With the extension built, a bf16 forward of <= 16 tokens on SM90 runs csrc's few-token kernel on every linear
+    """With the extension built, a bf16 forward of <= 64 tokens on SM90 runs csrc's few-token kernel on every linear
     of the table (each K is a multiple of 32); it is not planned where it cannot run."""
     hidden, _, _, inter = S.MODELS["GPT-OSS-20B"]
     units = [(k, n) for _, _, k, n in S.all_linears()] + [(hidden, 2 * inter), (inter, hidden)]
     for k, n in units:
-        for m in (1, 7, 16):
+        for m in (1, 7, 16, 17, 33, 64):
             assert P.few_token_kernel(fmt, m, k, torch.bfloat16, SM90, True), f"{fmt} [{n}, {k}] M={m}"
-        assert not P.few_token_kernel(fmt, 17, k, torch.bfloat16, SM90, True)  # the Triton split kernel's regime
+        assert not P.few_token_kernel(fmt, 65, k, torch.bfloat16, SM90, True)  # the Triton split kernel's regime
         assert not P.few_token_kernel(fmt, 16, k, torch.float16, SM90, True)
         assert not P.few_token_kernel(fmt, 16, k, torch.bfloat16, (8, 0), True)  # no thread-block clusters
         assert not P.few_token_kernel(fmt, 16, k, torch.bfloat16, SM90, False)
