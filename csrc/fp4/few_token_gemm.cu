@@ -182,55 +182,53 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-  // 4 bytes global -> shared; valid == false writes zeros
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  // 16 bytes global -> shared; valid == false writes zeros
   const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 
-// x stages in shared memory, in mma A-fragment order: 16 bytes per (m16 tile mt, row g, lane group q, mma step j) =
-// x[g][c], x[g + 8][c], x[g][c + 2], x[g + 8][c + 2] (pairs of bf16) with c = 32q + 4j, so that one 16-byte load is the
-// four A registers of an mma (as a row-major tile they took two loads and ~7 register moves per mma). The 16-byte
-// slot of step j is j ^ q ^ 4 (g & 1): the 8 lanes of a quarter-warp (g = 2p, 2p + 1; q = 0..3) read 8 different
-// bank groups.
-__device__ __forceinline__ int x_frag_byte(int g, int q, int j) { return ((g * 4 + q) * 8 + (j ^ q ^ ((g & 1) << 2))) * 16; }
+// x stages in shared memory: each m16 tile of a step row-major, 16 rows x 128 columns (256 bytes a row), 16-byte chunk
+// ch of row r at slot ch ^ ((ch >> 3) & 1 | (r & 1) << 1). The A fragments of lane (g, q) for the 8 mma steps of a
+// step are columns [32q, 32q + 32) of rows g and g + 8: chunks 4q .. 4q + 3, one 16-byte load per row per two mma
+// steps (the k permutation makes each lane's columns contiguous). The 8 lanes of a quarter-warp (g = 2p, 2p + 1,
+// q = 0..3) then read 8 different bank groups, and 8 consecutive threads copying one row's chunks write 8.
+// (Storing ready A fragments instead took 4-byte copies: 8 per thread and m16 tile per step against 2 here.)
+__device__ __forceinline__ int x_chunk_byte(int row, int ch) { return row * 256 + ((ch ^ (((ch >> 3) & 1) | ((row & 1) << 1))) << 4); }
 constexpr int kStageTileBytes = 16 * kStep * 2;  // one m16 tile of a stage
+constexpr int kCopiesPerTile = 16 * kStep * 2 / 16 / kThreads;  // 16-byte chunks per thread and m16 tile (2)
 
-// A thread's x copies of one step: bf16 pair t % 64 (columns 2 (t % 64), + 1) of rows 2k + t / 64 (k = 0..7) of each
-// m16 tile, rows < M only; rows >= M stay zero (the stages are zeroed once). Consecutive threads copy consecutive
-// pairs of a row, so each copy instruction reads 128 contiguous bytes per warp (a thread-per-row-segment order read 32
-// bytes apart and cost 8x the sectors). Offsets fixed across steps.
+// A thread's x copies of one step: chunks t and t + 128 of each m16 tile (row = chunk / 16, 8 columns each), rows < M
+// only; rows >= M stay zero (the stages are zeroed once), columns past K are written as zeros. Offsets fixed across
+// steps.
 template <int MT>
 struct XCopies {
-  int smem;  // byte offset in a stage of row t / 64 (k = 0), tile 0; row 2k adds frag_rows(k)
-  int gmem;  // elements into x of that row's pair, step 0
-  int col;   // the pair's first column at step 0
-  int row0;  // t / 64
+  int smem[kCopiesPerTile];  // byte offset in a tile
+  int gmem[kCopiesPerTile];  // elements into x, step 0, tile 0
+  int col[kCopiesPerTile];   // first column at step 0
+  int row[kCopiesPerTile];   // row in the tile
 
   __device__ __forceinline__ XCopies(int K) {
-    const int t = threadIdx.x, pair = t & 63;
-    row0 = t >> 6;
-    col = 2 * pair;
-    const int q = pair >> 4, j = (pair >> 1) & 7, p = pair & 1;
-    smem = x_frag_byte(row0, q, j) + 8 * p;  // the swizzle depends on the row's parity, = row0 for every k
-    gmem = row0 * K + col;
+#pragma unroll
+    for (int i = 0; i < kCopiesPerTile; ++i) {
+      const int c = threadIdx.x + i * kThreads, r = c >> 4, ch = c & 15;
+      smem[i] = x_chunk_byte(r, ch);
+      row[i] = r;
+      col[i] = ch * 8;
+      gmem[i] = r * K + col[i];
+    }
   }
-
-  // bytes from row row0 to row 2k + row0 of a tile in the fragment layout: rows g -> g + 2k (k < 4) or, past 8,
-  // the g + 8 half (4 bytes further) of row g + 2k - 8
-  static __device__ __forceinline__ int frag_rows(int k) { return k < 4 ? 2 * k * 512 : (2 * k - 8) * 512 + 4; }
 
   __device__ __forceinline__ void issue(unsigned char* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
                                         int step) const {
-    const bool col_ok = col + step * kStep < K;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int row = mt * 16 + 2 * k + row0;
-        if (row >= M) break;
-        cp_async4(stage + mt * kStageTileBytes + smem + frag_rows(k),
-                  col_ok ? x + gmem + (int64_t)(mt * 16 + 2 * k) * K + step * kStep : x, col_ok);
+      for (int i = 0; i < kCopiesPerTile; ++i) {
+        if (mt * 16 + row[i] >= M) continue;
+        const bool col_ok = col[i] + step * kStep < K;
+        cp_async16(stage + mt * kStageTileBytes + smem[i],
+                   col_ok ? x + gmem[i] + (int64_t)(mt * 16) * K + step * kStep : x, col_ok);
       }
     }
   }
@@ -283,7 +281,8 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
     rows[nt] = lane_row<FMT>(w, scales, absmax, n_cta + (warp * NT + nt) * 8 + g, N, K, q, nf4_shift);
-  const int xfrag = (g * 4 + q) * 128, xswz = q ^ ((g & 1) << 2);  // x_frag_byte(g, q, j) = xfrag + (j ^ xswz) * 16
+  // this lane's A chunks: c-th of rows g and g + 8 at x_chunk_byte(g, 4q + c) and 8 rows (2048 bytes) further
+  const int xrow = g * 256, xswz = ((q >> 1) & 1) | ((g & 1) << 1);  // x_chunk_byte(g, 4q + c) = xrow + ((4q + c) ^ xswz) * 16
 
   LaneWeights ring[kDepth][NT];
 #pragma unroll
@@ -315,13 +314,19 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int c = 0; c < 4; ++c) {
           // A fragment of mma step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
-          // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
-          const uint4 a = *reinterpret_cast<const uint4*>(stage + mt * kStageTileBytes + xfrag + ((j ^ xswz) << 4));
-          const uint32_t frag[4] = {a.x, a.y, a.z, a.w};
+          // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment. Chunk c of a
+          // row holds the lane's columns 8c .. 8c + 7: mma steps 2c and 2c + 1.
+          const unsigned char* tile = stage + mt * kStageTileBytes + xrow + (((4 * q + c) ^ xswz) << 4);
+          const uint4 lo = *reinterpret_cast<const uint4*>(tile);         // row g
+          const uint4 hi = *reinterpret_cast<const uint4*>(tile + 2048);  // row g + 8 (same parity: same slot)
+          const uint32_t f0[4] = {lo.x, hi.x, lo.y, hi.y}, f1[4] = {lo.z, hi.z, lo.w, hi.w};
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], frag, b[nt][2 * j], b[nt][2 * j + 1]);
+          for (int nt = 0; nt < NT; ++nt) {
+            mma_16816(acc[mt][nt], f0, b[nt][4 * c], b[nt][4 * c + 1]);
+            mma_16816(acc[mt][nt], f1, b[nt][4 * c + 2], b[nt][4 * c + 3]);
+          }
         }
       }
     }
