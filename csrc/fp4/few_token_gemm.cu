@@ -1,5 +1,5 @@
 // Few-token weight-only GEMM: y [M, N] = x [M, K] @ deq(W)^T for a frozen 4-bit weight W [N, K] (NVFP4, MXFP4
-// or NF4), M <= 64 (the ops route 1-16 tokens here, see launch_fmt), x in bf16. With so few tokens the GEMM is bound
+// or NF4), M <= 64 (kernels.paths.FEW_TOKEN_MAX_TOKENS), x in bf16. With so few tokens the GEMM is bound
 // by reading the weight, 0.5 byte per element against bf16's 2, so the kernel streams the packed codes once:
 //   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 4 steps ahead, and
 //     decodes them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma B fragments;
@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 namespace surogate {
 namespace {
@@ -30,6 +31,7 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 128;  // 4 warps; warp w owns n8 tiles [w * NT, (w + 1) * NT) of the CTA's columns
 constexpr int kStep = 128;     // K per main-loop step: 4 lanes x 32 codes of each weight row
 constexpr int kMaxSplit = 8;   // the portable cluster size
+constexpr int kStageTileBytes = 16 * kStep * 2;  // bytes of one m16 tile of an x stage (16 rows x kStep bf16)
 enum : int { kNVFP4 = 0, kMXFP4 = 1, kNF4 = 2 };
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -188,27 +190,86 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 
-// x stages in shared memory: each m16 tile of a step row-major, 16 rows x 128 columns (256 bytes a row), 16-byte chunk
-// ch of row r at slot ch ^ ((ch >> 3) & 1 | (r & 1) << 1). The A fragments of lane (g, q) for the 8 mma steps of a
-// step are columns [32q, 32q + 32) of rows g and g + 8: chunks 4q .. 4q + 3, one 16-byte load per row per two mma
-// steps (the k permutation makes each lane's columns contiguous). The 8 lanes of a quarter-warp (g = 2p, 2p + 1,
-// q = 0..3) then read 8 different bank groups, and 8 consecutive threads copying one row's chunks write 8.
-// (Storing ready A fragments instead took 4-byte copies: 8 per thread and m16 tile per step against 2 here.)
-__device__ __forceinline__ int x_chunk_byte(int row, int ch) { return row * 256 + ((ch ^ (((ch >> 3) & 1) | ((row & 1) << 1))) << 4); }
-constexpr int kStageTileBytes = 16 * kStep * 2;  // one m16 tile of a stage
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  // 4 bytes global -> shared; valid == false writes zeros
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+}
+
+// One m16 tile (1-16 tokens): x stages in shared memory in mma A-fragment order: 16 bytes per (m16 tile mt, row g,
+// lane group q, mma step j) = x[g][c], x[g + 8][c], x[g][c + 2], x[g + 8][c + 2] (pairs of bf16) with c = 32q + 4j,
+// so that one 16-byte load is the
+// four A registers of an mma (as a row-major tile they took two loads and ~7 register moves per mma). The 16-byte
+// slot of step j is j ^ q ^ 4 (g & 1): the 8 lanes of a quarter-warp (g = 2p, 2p + 1; q = 0..3) read 8 different
+// bank groups.
+__device__ __forceinline__ int x_frag_byte(int g, int q, int j) { return ((g * 4 + q) * 8 + (j ^ q ^ ((g & 1) << 2))) * 16; }
+
+// A thread's x copies of one step: bf16 pair t % 64 (columns 2 (t % 64), + 1) of rows 2k + t / 64 (k = 0..7) of each
+// m16 tile, rows < M only; rows >= M stay zero (the stages are zeroed once). Consecutive threads copy consecutive
+// pairs of a row, so each copy instruction reads 128 contiguous bytes per warp (a thread-per-row-segment order read 32
+// bytes apart and cost 8x the sectors). Offsets fixed across steps.
+template <int MT>
+struct XFragmentCopies {
+  int smem;  // byte offset in a stage of row t / 64 (k = 0), tile 0; row 2k adds frag_rows(k)
+  int gmem;  // elements into x of that row's pair, step 0
+  int col;   // the pair's first column at step 0
+  int row0;  // t / 64
+
+  __device__ __forceinline__ XFragmentCopies(int K) {
+    const int t = threadIdx.x, pair = t & 63;
+    row0 = t >> 6;
+    col = 2 * pair;
+    const int q = pair >> 4, j = (pair >> 1) & 7, p = pair & 1;
+    smem = x_frag_byte(row0, q, j) + 8 * p;  // the swizzle depends on the row's parity, = row0 for every k
+    gmem = row0 * K + col;
+  }
+
+  // bytes from row row0 to row 2k + row0 of a tile in the fragment layout: rows g -> g + 2k (k < 4) or, past 8,
+  // the g + 8 half (4 bytes further) of row g + 2k - 8
+  static __device__ __forceinline__ int frag_rows(int k) { return k < 4 ? 2 * k * 512 : (2 * k - 8) * 512 + 4; }
+
+  __device__ __forceinline__ void issue(unsigned char* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
+                                        int step) const {
+    const bool col_ok = col + step * kStep < K;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int row = mt * 16 + 2 * k + row0;
+        if (row >= M) break;
+        cp_async4(stage + mt * kStageTileBytes + smem + frag_rows(k),
+                  col_ok ? x + gmem + (int64_t)(mt * 16 + 2 * k) * K + step * kStep : x, col_ok);
+      }
+    }
+  }
+};
+
+// Two to four m16 tiles (17-64 tokens): x stages in shared memory, each m16 tile of a step row-major, 16 rows x 128
+// columns (256 bytes a row), 16-byte chunk ch of row r at slot ch ^ ((ch >> 3) & 1 | (r & 1) << 1). The A fragments
+// of lane (g, q) for the 8 mma steps of a step are columns [32q, 32q + 32) of rows g and g + 8: chunks 4q .. 4q + 3,
+// one 16-byte load per row per two mma steps (the k permutation makes each lane's columns contiguous). The 8 lanes of
+// a quarter-warp (g = 2p, 2p + 1, q = 0..3) then read 8 different bank groups, and 8 consecutive threads copying one
+// row's chunks write 8. Storing ready A fragments (XFragmentCopies) takes 4-byte copies, 8 per thread and m16 tile
+// per step against 2 here, but a fragment is then one load, where here it is assembled from two (register moves: the
+// mma wants its A registers consecutive). Measured on the H200 (4096 x 4096 nvfp4, kernel time): with 1 token the
+// fragment order is 5% faster (9.6 vs 10.1 us), with 48 / 64 tokens this order (18.4 / 22.2 us against 21.0 / 26.2
+// us).
+__device__ __forceinline__ int x_chunk_byte(int row, int ch) {
+  return row * 256 + ((ch ^ (((ch >> 3) & 1) | ((row & 1) << 1))) << 4);
+}
 constexpr int kCopiesPerTile = 16 * kStep * 2 / 16 / kThreads;  // 16-byte chunks per thread and m16 tile (2)
 
 // A thread's x copies of one step: chunks t and t + 128 of each m16 tile (row = chunk / 16, 8 columns each), rows < M
 // only; rows >= M stay zero (the stages are zeroed once), columns past K are written as zeros. Offsets fixed across
 // steps.
 template <int MT>
-struct XCopies {
+struct XRowCopies {
   int smem[kCopiesPerTile];  // byte offset in a tile
   int gmem[kCopiesPerTile];  // elements into x, step 0, tile 0
   int col[kCopiesPerTile];   // first column at step 0
   int row[kCopiesPerTile];   // row in the tile
 
-  __device__ __forceinline__ XCopies(int K) {
+  __device__ __forceinline__ XRowCopies(int K) {
 #pragma unroll
     for (int i = 0; i < kCopiesPerTile; ++i) {
       const int c = threadIdx.x + i * kThreads, r = c >> 4, ch = c & 15;
@@ -261,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
   // every stage zeroed once (rows >= M stay zero), before any copy lands in them
   for (int c = threadIdx.x; c < kDepth * kStage / 8; c += kThreads) reinterpret_cast<uint4*>(xs)[c] = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  const XCopies<MT> xcopy(K);
+  const std::conditional_t<MT == 1, XFragmentCopies<MT>, XRowCopies<MT>> xcopy(K);
   unsigned char* xbytes = reinterpret_cast<unsigned char*>(xs);
 #pragma unroll
   for (int i = 0; i < kDepth - 1; ++i) {
@@ -281,8 +342,10 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
     rows[nt] = lane_row<FMT>(w, scales, absmax, n_cta + (warp * NT + nt) * 8 + g, N, K, q, nf4_shift);
-  // this lane's A chunks: c-th of rows g and g + 8 at x_chunk_byte(g, 4q + c) and 8 rows (2048 bytes) further
-  const int xrow = g * 256, xswz = ((q >> 1) & 1) | ((g & 1) << 1);  // x_chunk_byte(g, 4q + c) = xrow + ((4q + c) ^ xswz) * 16
+  // XFragmentCopies: x_frag_byte(g, q, j) = xfrag + (j ^ xfswz) * 16. XRowCopies: this lane's A chunk c of rows g and
+  // g + 8 at x_chunk_byte(g, 4q + c) = xrow + ((4q + c) ^ xswz) * 16 and 8 rows (2048 bytes) further
+  const int xfrag = (g * 4 + q) * 128, xfswz = q ^ ((g & 1) << 2);
+  const int xrow = g * 256, xswz = ((q >> 1) & 1) | ((g & 1) << 1);
 
   LaneWeights ring[kDepth][NT];
 #pragma unroll
@@ -311,6 +374,17 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
                           : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
       }
       const unsigned char* stage = xbytes + i * kStage * 2;
+      if constexpr (MT == 1) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          // A fragment of mma step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
+          // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
+          const uint4 a = *reinterpret_cast<const uint4*>(stage + xfrag + ((j ^ xfswz) << 4));
+          const uint32_t frag[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt], frag, b[nt][2 * j], b[nt][2 * j + 1]);
+        }
+      } else {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -328,6 +402,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
             mma_16816(acc[mt][nt], f1, b[nt][4 * c + 2], b[nt][4 * c + 3]);
           }
         }
+      }
       }
     }
   }
@@ -485,10 +560,10 @@ cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, co
   return plan_and_launch<Variant<FMT, MT, 1>>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
 }
 
-// 1-16 tokens take one m16 tile (MT 1), what the ops route here (kernels.paths.FEW_TOKEN_MAX_TOKENS). MT 2-4 give
-// the same results (GPU-tested up to 64 tokens) but were measured 12-14x slower than the Triton split kernel at
-// 17-64 tokens (H200, cda5662: 4096x4096 nvfp4 at 32 tokens 284 vs 20 us; the cause is not yet found), so nothing
-// routes them.
+// 1-16 tokens take one m16 tile (MT 1), 17-64 two to four, all routed here (kernels.paths.FEW_TOKEN_MAX_TOKENS). Kernel
+// time against the Triton split kernel on Llama-3.1-8B's linears (H200): 0.46-0.55x at 1-16 tokens, 0.6x at 17-32,
+// 0.9x at 64 (4096 x 4096 nvfp4 at 64 tokens: 22.2 vs 29.9 us). An earlier probe reported the 17-64-token tiles
+// 12-14x slower: it had called the op before the extension was loaded, and timed the op's reference path.
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
                        const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,

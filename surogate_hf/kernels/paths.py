@@ -74,10 +74,11 @@ def splitk_plan(m: int, red: int, out_cols: int, sms: int) -> tuple[int, int]:
     return -(-units // chunk_units), chunk_units * SPLITK_CHUNK_UNIT
 
 
-# Token counts up to which the forward of a weight-only format runs the extension's few-token kernel. Measured on the
-# H200 (kernel time, torch.profiler; benchmarks/results/shapes_few_token.md, cda5662): at 1 and 16 tokens it takes
-# 0.48-0.75x the Triton split kernel's time on Llama-3.1-8B's and SmolLM2's linears; at 17-64 tokens (its wider token
-# tiles) 12-14x the Triton kernel's (4096x4096 nvfp4 at 32 tokens: 284 vs 20 us), so from 17 tokens on Triton stays.
+# Token counts up to which the forward of a weight-only format runs the extension's few-token kernel (its m16 token
+# tiles take up to 64). Kernel time against the Triton split kernel on Llama-3.1-8B's linears (H200, torch.profiler,
+# benchmarks/results/shapes_few_token_64.md): about half at 1-16 tokens, 0.6x at 17-32, 0.6-0.9x at 48-64. (An earlier
+# probe reported the 17-64-token tiles 12-14x slower: it timed the op before the extension was loaded, i.e. the op's
+# reference path.)
 FEW_TOKEN_MAX_TOKENS = 64
 
 
