@@ -20,8 +20,10 @@ scales are replaced by Q_t, the adapters by A_t, B_t (in the adapters' own dtype
 With `calibration=` (batches of training inputs) the fit is activation-aware instead: each layer's input second
 moment H = E[x x^T] is collected by forward hooks, and B A minimises the layer's output error over those inputs,
 ||(W - deq(Q) - s B A) H^(1/2)||_F: the rank-r SVD of (W - deq(Q)) H^(1/2), mapped back by H^(-1/2) (QERA,
-Zhang et al. 2024). On the convergence benchmark's real model the weight-space fit raised the step-0 loss of
-nvfp4 QLoRA while lowering every layer's output error; the activation-aware fit lowered it (docs/fidelity.md).
+Zhang et al. 2024). `quantizer="gptq"` also replaces Q's round-to-nearest by GPTQ codes on the format's own scales
+(integrations/gptq.py), fitted to the same H. On the convergence benchmark's real model the weight-space fit raised
+the step-0 loss of nvfp4 QLoRA while lowering every layer's output error; the activation-aware fit lowered it
+(docs/fidelity.md).
 
 The quantized model no longer holds W, so the dense weights must be given: a checkpoint directory or
 .safetensors file (read lazily, one tensor at a time, like PEFT's `replace_lora_weights_loftq`), a state
@@ -161,8 +163,10 @@ def loftq_decompose(base: nn.Module, w: Tensor, rank: int, scaling: float, iters
     weight error ||E - s B A||_F (LoftQ). Errors and the choice of iterate use the same metric.
     gptq_moment: the damped input second moment H (`damped`), or None. With it each quantization is GPTQ's
     (integrations/gptq.py: codes that minimise the output error on the format's own scales) instead of the
-    format's round-to-nearest.    Returns (slots {buffer name: tensor} to load into base, A [rank, in], B [out, rank] in fp32, errors) where
-    errors = {"plain": relative error of deq(Q(w)) alone, "loftq": of deq(Q_t) + scaling * B @ A}."""
+    format's round-to-nearest.
+    Returns (slots {buffer name: tensor} to load into base, A [rank, in], B [out, rank] in fp32, errors) where
+    errors = {"plain": relative error of deq(Q(w)) alone (GPTQ's Q with gptq_moment), "loftq": of deq(Q_t) + scaling *
+    B @ A}."""
     if iters < 1:
         raise ValueError(f"loftq_init: iters must be >= 1, got {iters}")
     n, k = base.out_features, base.in_features
