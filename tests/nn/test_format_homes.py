@@ -55,7 +55,10 @@ def test_options_are_validated_and_errors_name_the_option():
 def test_config_fields_translate_to_the_home_options():
     # SurogateConfig spells NF4's options with a prefix; the home's CONFIG_FIELDS is the one translation
     assert SurogateConfig(format="nf4", nf4_block_size=128, nf4_double_quant=False).format_options() == {
-        "block_size": 128, "double_quant": False}
+        "block_size": 128, "double_quant": False, "scale_search": True}
+    assert SurogateConfig(format="nf4", nf4_scale_search=False).format_options()["scale_search"] is False
+    with pytest.raises(ValueError, match=r"nf4_scale_search=False is an option of format='nf4'"):
+        SurogateConfig(format="nvfp4", nf4_scale_search=False)
     with pytest.raises(ValueError, match=r"SurogateConfig: unsupported nf4_block_size 32"):
         NF4Options.from_config({"nf4_block_size": 32})
     assert SurogateConfig(format="fp8", block_size="tensor").format_options() == {"block_size": None, "ue8m0": False}
