@@ -23,7 +23,8 @@ from torch import nn
 from common import attempt, bench_ms, table, time_train_steps, train_step_fn, write_result
 
 import surogate_hf.kernels  # noqa: F401
-from surogate_hf.kernels import _warn, paths
+from surogate_hf.kernels import paths
+from surogate_hf.ops import _warn
 from surogate_hf.kernels import model_shapes as S
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "nf4")

@@ -562,7 +562,7 @@ cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, co
 
 // 1-16 tokens take one m16 tile (MT 1), 17-64 two to four, all routed here (kernels.paths.FEW_TOKEN_MAX_TOKENS). Kernel
 // time against the Triton split kernel on Llama-3.1-8B's linears (H200): 0.46-0.55x at 1-16 tokens, 0.6x at 17-32,
-// 0.9x at 64 (4096 x 4096 nvfp4 at 64 tokens: 22.2 vs 29.9 us). An earlier probe reported the 17-64-token tiles
+// 0.7-0.9x at 64 (4096 x 4096 nvfp4 at 64 tokens: 22.2 vs 30.3 us). An earlier probe reported the 17-64-token tiles
 // 12-14x slower: it had called the op before the extension was loaded, and timed the op's reference path.
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,

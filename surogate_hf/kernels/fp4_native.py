@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import probe
-from ._warn import warn_once
+from ..ops._warn import warn_once
 
 # cuBLASLt reads each packed row in 16-byte units: K / 2 bytes a multiple of 16
 K_MULTIPLE = 32

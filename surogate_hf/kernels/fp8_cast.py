@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import probe
-from ._warn import warn_once
+from ..ops._warn import warn_once
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _impl = []  # [the cast function], resolved at the first call

@@ -17,7 +17,7 @@ import torch.nn.functional as Fn
 
 from .. import formats as F
 from . import paths
-from ._warn import warn_once
+from ..ops._warn import warn_once
 from . import triton_quant as TQ
 from .fp8_layout import RECIPE_1X128 as _RECIPE_1X128
 from .fp8_layout import RECIPE_128X128 as _RECIPE_128X128

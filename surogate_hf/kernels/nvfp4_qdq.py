@@ -18,7 +18,7 @@ import torch
 
 from ..formats.nvfp4 import FOUR_OVER_SIX_RULES, NVFP4_BLOCK, nvfp4_operand
 from . import probe
-from ._warn import warn_once
+from ..ops._warn import warn_once
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _impl = []  # [(amax, qdq, gemm)], resolved at the first call

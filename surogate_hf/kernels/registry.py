@@ -13,7 +13,7 @@ import torch
 
 from . import fp8_cast, paths, probe
 from . import nvfp4_qdq as _nvfp4_qdq
-from ._warn import warn_once
+from ..ops._warn import warn_once
 from .fp8_layout import RECIPE_1X128, RECIPE_128X128, mm_scales, pad_columns, pad_weight
 
 NS = "surogate"

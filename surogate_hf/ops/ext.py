@@ -2,7 +2,7 @@
 
 The extension (surogate_hf.kernels.ext, built on demand) registers CUDA kernels for these names from C++
 (`TORCH_LIBRARY_IMPL(surogate, CUDA, ...)` in csrc/bindings.cpp); without it, or off CUDA, each op runs the
-reference below, which states its numerics. Callers in surogate_hf.kernels take these ops only once the extension is
+reference below, which states its numerics (on CUDA tensors it says so once: `warns_on_cuda`). Callers in surogate_hf.kernels take these ops only once the extension is
 loaded (kernels.ext.load), so the references serve the CPU opcheck tests and a GPU comparison, not a hot path.
 The schemas spell `int` (not SymInt) because the C++ kernels take int64_t. They are declared with torch.library's
 define/impl rather than custom_op so that a call reaches the C++ kernel with no Python autograd wrapper on the
@@ -11,11 +11,14 @@ host path (these ops run inside autograd Functions and compiled graphs, never on
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from .. import formats as F
 from ._outputs import fresh_outputs
+from ._warn import warn_once
 from .quant import nvfp4_qdq_fake
 
 NS = "surogate"
@@ -26,6 +29,25 @@ _lib = torch.library.Library(NS, "FRAGMENT")
 _SCALING = getattr(torch.nn.functional, "ScalingType", None)
 RECIPE_1X128 = int(_SCALING.BlockWise1x128.value) if _SCALING is not None else -1
 RECIPE_128X128 = int(_SCALING.BlockWise128x128.value) if _SCALING is not None else -1
+
+
+def warns_on_cuda(fn):
+    """A reference kernel of an ext op, saying once per op when it runs on CUDA tensors: there the extension's CUDA
+    kernel would have taken the call, so the extension is not loaded in this process and the op runs its far slower
+    torch-ops reference (a probe that called an op before loading the extension once timed that reference as the
+    kernel). Never a silent slow path."""
+    name = fn.__name__.lstrip("_")
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        if any(isinstance(a, Tensor) and a.is_cuda for a in args):
+            warn_once(f"ext_reference:{name}", f"surogate::{name} ran its reference kernel (torch ops, far slower) on "
+                      "CUDA tensors: the CUDA extension is not loaded in this process. surogate_hf's own callers load "
+                      "it first; a direct call needs surogate_hf.kernels.ext.load() (python -m surogate_hf.kernels.build "
+                      "builds it)")
+        return fn(*args, **kwargs)
+
+    return kernel
 
 
 _lib.define("ext_fp8_cast_amax(Tensor x, Tensor scale, Tensor(a!) q, Tensor(b!) amax_bits) -> ()")
@@ -45,6 +67,7 @@ NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq ind
 
 
 @torch.library.impl(f"{NS}::ext_fp8_cast_amax", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_fp8_cast_amax(x: Tensor, scale: Tensor, q: Tensor, amax_bits: Tensor) -> None:
     """q = sat_rne(x * scale) written into the preallocated FP8 tensor q (x's numel); amax_bits (int32 [1], the bits
@@ -64,6 +87,7 @@ def _(x, scale, q, amax_bits):
 
 
 @torch.library.impl(f"{NS}::ext_fp8_cast_transpose_amax", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_fp8_cast_transpose_amax(x: Tensor, scale: Tensor, q: Tensor, qt: Tensor, amax_bits: Tensor) -> None:
     """ext_fp8_cast_amax of the 2-D x [R, C] that also writes q's contiguous transpose into qt [C, R]."""
@@ -80,6 +104,7 @@ def _(x, scale, q, qt, amax_bits):
 
 
 @torch.library.impl(f"{NS}::ext_fp8_quantize_tiles", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_fp8_quantize_tiles(x: Tensor, row_multiple: int) -> tuple[Tensor, Tensor]:
     """(q [Mp, K] E4M3, scale_inv [Mp, K/128] fp32 as an Mp-contiguous view) of x [M, K] in 1x128 tiles
@@ -103,6 +128,7 @@ def _(x, row_multiple):
 
 
 @torch.library.impl(f"{NS}::ext_transpose_bytes", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_transpose_bytes(x: Tensor) -> Tensor:
     """The contiguous transpose of a 2-D tensor of 1-byte elements (FP8 or uint8)."""
@@ -117,6 +143,7 @@ def _(x):
 
 
 @torch.library.impl(f"{NS}::ext_fp8_block_gemm", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_fp8_block_gemm(x: Tensor, w: Tensor, w_scales_mm: Tensor, transpose_w: bool, recipe_a: int,
                        recipe_b: int) -> Tensor:
@@ -145,6 +172,7 @@ def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_amax", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_nvfp4_amax(x: Tensor, signs: Tensor | None, axis: int) -> Tensor:
     """surogate::nvfp4_amax (the csrc kernel reads a contiguous 2-D x, 16-byte aligned)."""
@@ -157,6 +185,7 @@ def _(x, signs, axis):
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_qdq", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_nvfp4_qdq(x: Tensor, amax: Tensor | None, signs: Tensor | None, axis: int, four_over_six: bool, rule: int,
                    stochastic: bool, seed: int, seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -172,6 +201,7 @@ def _(x, amax, signs, axis, four_over_six, rule, stochastic, seed, seed_tensor=N
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_gemm", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_nvfp4_gemm(a: Tensor, b: Tensor, ga: Tensor, gb: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """cast((a @ b) * (ga * gb) + bias.f32, out_dtype): the NVFP4 GEMM over two nvfp4_qdq operands (bf16 values that
@@ -189,6 +219,7 @@ FEW_TOKEN_FORMATS = ("nvfp4", "mxfp4", "nf4")  # the int `fmt` of ext_few_token_
 
 
 @torch.library.impl(f"{NS}::ext_few_token_gemm", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
 @fresh_outputs
 def _ext_few_token_gemm(x: Tensor, w: Tensor, scales: Tensor, gscale: Tensor | None, levels: Tensor | None, fmt: int,
                         n: int, k: int, nf4_block: int) -> Tensor:

@@ -6,7 +6,8 @@ are checked on the GPU (tests/kernels/test_gpu_kernels.py); here the choice, wit
 import pytest
 import torch
 
-from surogate_hf.kernels import _warn, ext, fp8_cast
+from surogate_hf.kernels import ext, fp8_cast
+from surogate_hf.ops import _warn
 
 
 @pytest.fixture

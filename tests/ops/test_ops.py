@@ -136,3 +136,33 @@ def test_dynamo_constant_marker_is_what_the_official_decorator_sets():
     assert torch.compiler.assume_constant_result(probe) is probe
     assert {k: v for k, v in probe.__dict__.items() if k not in before} == {"_dynamo_marked_constant": True}
     assert registry._fp8_native_ok._dynamo_marked_constant is True
+
+
+def test_an_ext_reference_on_cuda_tensors_says_the_extension_is_not_loaded(monkeypatch):
+    """On CUDA tensors an ext op reaches its torch-ops reference only when the extension is not loaded (its CUDA kernel
+    would take the call): that slow path is named once per op, never silent. CPU tensors run the reference quietly."""
+    import warnings
+
+    from surogate_hf.ops import _warn
+    from surogate_hf.ops.ext import warns_on_cuda
+
+    monkeypatch.setattr(_warn, "_seen", set())
+
+    class OnCuda(torch.Tensor):  # a CPU tensor that reports CUDA: no GPU is needed to reach the check
+        @property
+        def is_cuda(self):
+            return True
+
+    @warns_on_cuda
+    def _ext_probe(x):
+        return x + 1
+
+    x = torch.zeros(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(_ext_probe(x), x + 1)
+    with pytest.warns(RuntimeWarning, match=r"surogate::ext_probe ran its reference kernel .* not loaded"):
+        _ext_probe(x.as_subclass(OnCuda))
+    with warnings.catch_warnings():  # once per op
+        warnings.simplefilter("error")
+        _ext_probe(x.as_subclass(OnCuda))
