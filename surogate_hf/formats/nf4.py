@@ -38,6 +38,10 @@ def quantize_nf4(w: torch.Tensor, block_size: int = 64, double_quant: bool = Tru
     if block_size not in NF4_BLOCK_SIZES:
         raise ValueError(f"nf4 block_size must be one of {NF4_BLOCK_SIZES}, got {block_size}")
     if scale_search:
+        if w.numel() % block_size:
+            raise ValueError(f"quantize_nf4: scale_search needs whole blocks; the weight's {w.numel()} elements are not "
+                             f"a multiple of block_size {block_size} (bitsandbytes' own encode, scale_search=False, "
+                             "takes a partial last block)")
         return _quantize_nf4_searched(w, block_size, double_quant)
     return _bnb().quantize_4bit(
         w.contiguous(), blocksize=block_size, compress_statistics=double_quant, quant_type="nf4",

@@ -86,3 +86,8 @@ def test_scale_search_on_cuda_matches_the_cpu_encode():
     d_gpu = F.dequantize_nf4_raw(p_gpu, F.nf4_absmax(s_gpu), F.nf4_code("cuda"), 64, w.shape, torch.float32).cpu()
     e_cpu, e_gpu = (d_cpu - w).square().sum(), (d_gpu - w).square().sum()
     assert abs(float(e_gpu / e_cpu) - 1) < 1e-3
+
+
+def test_scale_search_names_a_partial_block():
+    with pytest.raises(ValueError, match=r"scale_search needs whole blocks; the weight's 96 elements .* block_size 64"):
+        F.quantize_nf4(torch.randn(3, 32), 64, True, scale_search=True)
