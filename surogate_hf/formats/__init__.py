@@ -6,6 +6,7 @@ from .e2m1 import (
     e2m1_decode,
     e2m1_encode,
     e2m1_encode_stochastic,
+    e2m1_round,
     pack_e2m1,
     unpack_e2m1,
 )

@@ -40,6 +40,11 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest E2M1 value (fp32): the value e2m1_encode's code decodes to."""
+    return e2m1_decode(e2m1_encode(x))
+
+
 def e2m1_encode_stochastic(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to E2M1 codes stochastically: up with probability (|x|-lo)/(hi-lo).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .e2m1 import decode_packed_e2m1, e2m1_decode, e2m1_encode, pack_e2m1
+from .e2m1 import decode_packed_e2m1, e2m1_encode, e2m1_round, pack_e2m1
 
 MXFP4_BLOCK = 32
 E8M0_BIAS = 127
@@ -55,10 +55,17 @@ def _shared_exponent(xb: torch.Tensor, amax: torch.Tensor, rounding: str) -> tor
     if rounding == "best":
         errs = []
         for cand in (floor, floor + 1):
-            q = e2m1_decode(e2m1_encode(torch.ldexp(xb, (-cand).unsqueeze(-1).float())))
+            q = e2m1_round(torch.ldexp(xb, (-cand).unsqueeze(-1).float()))
             errs.append((torch.ldexp(q, cand.unsqueeze(-1).float()) - xb).square().sum(-1))
         return torch.where(errs[1] < errs[0], floor + 1, floor)
     raise ValueError(f"quantize_mxfp4: scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
+
+
+def _encode_blocks(xb: torch.Tensor, biased: torch.Tensor, shape) -> torch.Tensor:
+    """Packed E2M1 codes of the blocks xb [..., K/32, 32] on their biased E8M0 exponents (int): e2m1(x / 2^shared),
+    the division by a power of two exact."""
+    shared = biased.to(torch.int32) - E8M0_BIAS
+    return pack_e2m1(e2m1_encode(torch.ldexp(xb, (-shared).unsqueeze(-1).float())).reshape(shape))
 
 
 def quantize_mxfp4(x: torch.Tensor, scale_rounding: str = "floor"):
@@ -74,19 +81,15 @@ def quantize_mxfp4(x: torch.Tensor, scale_rounding: str = "floor"):
     biased = torch.where(amax == 0, torch.zeros_like(biased), biased)
     bad = ~torch.isfinite(amax)
     biased = torch.where(bad, torch.full_like(biased, E8M0_NAN), biased)
-    shared = biased - E8M0_BIAS
-    codes = e2m1_encode(torch.ldexp(xb, (-shared).unsqueeze(-1).float()))
-    codes = codes.reshape(x.shape)
-    return pack_e2m1(codes), biased.to(torch.uint8)
+    return _encode_blocks(xb, biased, x.shape), biased.to(torch.uint8)
 
 
 def encode_mxfp4_on_scales(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The packed E2M1 codes of x [..., K] on given E8M0 scales [..., K/32] (quantize_mxfp4's encode with its
     scales fixed; a power-of-two division is exact)."""
     check_mxfp4_shape(x.shape)
-    shared = scales.to(torch.int32) - E8M0_BIAS
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MXFP4_BLOCK, MXFP4_BLOCK)
-    return pack_e2m1(e2m1_encode(torch.ldexp(xb, (-shared).unsqueeze(-1).float())).reshape(x.shape))
+    return _encode_blocks(xb, scales.to(torch.int32), x.shape)
 
 
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,11 @@ def nvfp4_global_scales(amax: torch.Tensor):
     return enc, dec
 
 
+def _block_encode_scale(block_scale: torch.Tensor, global_dec: torch.Tensor) -> torch.Tensor:
+    """enc_blk = min(1 / (s_blk * global_dec), FLT_MAX): what a block's elements are multiplied by before E2M1."""
+    return (1.0 / (block_scale.float() * global_dec.float())).clamp(max=_FLT_MAX)
+
+
 def _tree_sum(e: torch.Tensor) -> torch.Tensor:
     while e.shape[-1] > 1:
         half = e.shape[-1] // 2
@@ -140,7 +145,7 @@ def quantize_nvfp4(
 
     def candidate(m: float):
         s = (blk_amax / m * g_enc).clamp(max=FP8_MAX[E4M3]).to(E4M3)
-        enc = (1.0 / (s.float() * g_dec)).clamp(max=_FLT_MAX)
+        enc = _block_encode_scale(s, g_dec)
         codes = e2m1_encode(xb * enc.unsqueeze(-1))
         deq = (e2m1_decode(codes) * s.float().unsqueeze(-1)) * g_dec
         return s, enc, codes, deq
@@ -169,7 +174,7 @@ def encode_nvfp4_on_scales(x: torch.Tensor, block_scale: torch.Tensor, global_sc
     """The packed E2M1 codes of x [..., R, K] on given 1D block scales and decode global (the encode of
     quantize_nvfp4 with its scales fixed): e2m1(x * min(1 / (s_blk * global_dec), FLT_MAX)), round to nearest."""
     *lead, r, k = x.shape
-    enc = (1.0 / (block_scale.float() * global_scale.float())).clamp(max=_FLT_MAX)
+    enc = _block_encode_scale(block_scale, global_scale)
     codes = e2m1_encode(x.float().reshape(*lead, r, k // NVFP4_BLOCK, NVFP4_BLOCK) * enc.unsqueeze(-1))
     return pack_e2m1(codes.reshape(x.shape))
 

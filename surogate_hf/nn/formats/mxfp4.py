@@ -63,7 +63,7 @@ class MXFP4Format(Format):
         return F.e8m0_to_float(self._canon(t, n, k)[1]).repeat_interleave(MXFP4_BLOCK, -1)
 
     def round_to_grid(self, v):
-        return F.e2m1_decode(F.e2m1_encode(v))
+        return F.e2m1_round(v)
 
     def encode_on_scales(self, t, w, n, k):
         packed = F.mxfp4.encode_mxfp4_on_scales(w, self._canon(t, n, k)[1])

@@ -88,7 +88,7 @@ class NVFP4Format(Format):
         return (t["_scale"].float() * t["_scale_2"].float()).repeat_interleave(NVFP4_BLOCK, -1)
 
     def round_to_grid(self, v):
-        return F.e2m1_decode(F.e2m1_encode(v))
+        return F.e2m1_round(v)
 
     def encode_on_scales(self, t, w, n, k):
         return {**t, "": F.nvfp4.encode_nvfp4_on_scales(w, t["_scale"], t["_scale_2"])}
