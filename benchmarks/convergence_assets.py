@@ -47,14 +47,23 @@ PART1_LAYERS = 7  # layers 0..6 travel with part1, the rest with part2
 DEFAULT_DIR = Path(__file__).resolve().parent / ".convergence_assets"
 
 # GGML type ids (gguf.GGMLQuantizationType) and (elements, bytes) per block
-F32, Q5_0, Q8_0, Q4_K, Q6_K = 0, 6, 8, 12, 14
-_BLOCK = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+F32, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 0, 3, 6, 8, 12, 14
+_BLOCK = {Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
 
 
 # ----------------------------------------------------------------------------- GGUF block decoders
 def _q8_0(b):
     d = b[:, :2].copy().view(np.float16).astype(np.float32)
     return b[:, 2:].copy().view(np.int8).astype(np.float32) * d
+
+
+def _q4_1(b):
+    # f16 d, f16 m, 16 bytes of nibbles: low nibbles are elements 0..15, high nibbles 16..31; value = d * q + m
+    n = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = b[:, 4:].reshape(n, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    return d * (qs & 0x0F).reshape(n, 32).astype(np.float32) + m
 
 
 def _q5_0(b):
@@ -92,7 +101,7 @@ def _q6_k(b):
     return (d * q).reshape(n, 256)
 
 
-_DECODERS = {Q8_0: _q8_0, Q5_0: _q5_0, Q4_K: _q4_k, Q6_K: _q6_k}
+_DECODERS = {Q4_1: _q4_1, Q8_0: _q8_0, Q5_0: _q5_0, Q4_K: _q4_k, Q6_K: _q6_k}
 
 
 def dequantize_gguf(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -100,14 +109,14 @@ def dequantize_gguf(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> 
     if ggml_type == F32:
         return raw.reshape(-1).view(np.float32).reshape(shape).copy()
     if ggml_type not in _DECODERS:
-        raise ValueError(f"GGML type {ggml_type} has no decoder here (have F32, Q5_0, Q8_0, Q4_K, Q6_K)")
+        raise ValueError(f"GGML type {ggml_type} has no decoder here (have F32, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)")
     elems, nbytes = _BLOCK[ggml_type]
     blocks = np.ascontiguousarray(raw).reshape(-1, nbytes)
     return _DECODERS[ggml_type](blocks).reshape(shape)
 
 
 # ----------------------------------------------------------------------------- GGUF -> HF names
-_LAYER_MAP = {
+_LAYER_MAP = {  # gemma3
     "attn_q": "self_attn.q_proj.weight",
     "attn_k": "self_attn.k_proj.weight",
     "attn_v": "self_attn.v_proj.weight",
@@ -122,15 +131,37 @@ _LAYER_MAP = {
     "ffn_up": "mlp.up_proj.weight",
     "ffn_down": "mlp.down_proj.weight",
 }
+# llama: one norm before attention, one before the MLP (Gemma's ffn_norm is its pre-feedforward norm); no q/k norms
+_LLAMA_LAYER_MAP = {
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+}
+_LAYER_MAPS = {"gemma3": _LAYER_MAP, "llama": _LLAMA_LAYER_MAP}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "gemma3") -> str:
+    """The transformers name of a GGUF tensor of a `arch` model (general.architecture: gemma3 or llama)."""
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
     _, idx, rest = gguf_name.split(".", 2)
-    return f"model.layers.{int(idx)}.{_LAYER_MAP[rest.removesuffix('.weight')]}"
+    return f"model.layers.{int(idx)}.{_LAYER_MAPS[arch][rest.removesuffix('.weight')]}"
+
+
+def unpermute_qk_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf.py LlamaModel.permute), as transformers' GGUF
+    loader does (LlamaTensorProcessor._reverse_permute_weights): n_head = attention heads for attn_q, kv heads
+    for attn_k. Rows move whole, so this works on decoded rows and on raw block rows alike."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _is_norm(name: str) -> bool:

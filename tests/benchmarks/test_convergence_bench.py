@@ -14,7 +14,7 @@ import convergence  # noqa: E402
 import convergence_assets as assets  # noqa: E402
 
 
-@pytest.mark.parametrize("ggml_type", [assets.Q8_0, assets.Q5_0, assets.Q4_K, assets.Q6_K])
+@pytest.mark.parametrize("ggml_type", [assets.Q4_1, assets.Q8_0, assets.Q5_0, assets.Q4_K, assets.Q6_K])
 def test_gguf_decoders_match_gguf_py(ggml_type):
     gguf = pytest.importorskip("gguf")
     elems, nbytes = assets._BLOCK[ggml_type]
@@ -22,7 +22,7 @@ def test_gguf_decoders_match_gguf_py(ggml_type):
     rows, cols = 6, 2 * 256
     raw = rng.integers(0, 256, size=(rows, cols // elems * nbytes), dtype=np.uint8)
     # finite fp16 block scales: clear the exponent's top bit of every fp16 field (random bytes may be inf/NaN)
-    fp16_at = {assets.Q8_0: [0], assets.Q5_0: [0], assets.Q4_K: [0, 2], assets.Q6_K: [208]}[ggml_type]
+    fp16_at = {assets.Q4_1: [0, 2], assets.Q8_0: [0], assets.Q5_0: [0], assets.Q4_K: [0, 2], assets.Q6_K: [208]}[ggml_type]
     blocks = raw.reshape(-1, nbytes)
     for off in fp16_at:
         blocks[:, off + 1] &= 0x3F
@@ -37,6 +37,47 @@ def test_gguf_names_map_to_gemma3():
     assert assets.hf_name("blk.3.attn_output.weight") == "model.layers.3.self_attn.o_proj.weight"
     with pytest.raises(ValueError, match="GGML type 2"):
         assets.dequantize_gguf(np.zeros(18, np.uint8), 2, (32,))
+
+
+def test_gguf_names_map_to_llama():
+    """llama's ffn_norm is the norm before the MLP (post_attention_layernorm), Gemma's is pre_feedforward_layernorm."""
+    assert assets.hf_name("token_embd.weight", "llama") == "model.embed_tokens.weight"
+    assert assets.hf_name("output_norm.weight", "llama") == "model.norm.weight"
+    assert assets.hf_name("blk.0.attn_norm.weight", "llama") == "model.layers.0.input_layernorm.weight"
+    assert assets.hf_name("blk.29.ffn_norm.weight", "llama") == "model.layers.29.post_attention_layernorm.weight"
+    assert assets.hf_name("blk.7.attn_k.weight", "llama") == "model.layers.7.self_attn.k_proj.weight"
+    assert assets.hf_name("blk.7.ffn_down.weight", "llama") == "model.layers.7.mlp.down_proj.weight"
+    with pytest.raises(KeyError):  # llama has no q/k norms, no post-attention / post-ffw norms
+        assets.hf_name("blk.0.attn_q_norm.weight", "llama")
+
+
+def _llama_cpp_permute(weights, n_head, n_head_kv):
+    # llama.cpp convert_hf_to_gguf.py, LlamaModel.permute (MIT): what the GGUF's attn_q / attn_k rows went through
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_qk_unpermute_inverts_llama_cpp_and_matches_transformers(which):
+    """SmolLM2-135M's shapes: q 576 rows over 9 heads, k 192 rows over 3 kv heads; on fp32 rows and on raw Q4_1
+    block rows (a row of 576 elements is 18 whole blocks, so permuting the blocks = permuting the decoded rows)."""
+    heads, kv = 9, 3
+    n_head = heads if which == "q" else kv
+    w = np.random.default_rng(0).standard_normal((n_head * 64, 576)).astype(np.float32)
+    permuted = _llama_cpp_permute(w, heads, heads if which == "q" else kv)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(assets.unpermute_qk_rows(permuted, n_head), w)
+    ggml = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    proc = ggml.LlamaTensorProcessor(config={"num_attention_heads": heads, "num_key_value_heads": kv})
+    name = f"blk.0.attn_{which}.weight"
+    assert np.array_equal(proc.process(permuted, name).weights, assets.unpermute_qk_rows(permuted, n_head))
+    gguf = pytest.importorskip("gguf")
+    raw = gguf.quants.quantize(permuted, gguf.GGMLQuantizationType.Q4_1)  # [rows, 18 * 20 bytes]
+    assert raw.shape == (n_head * 64, 18 * 20)
+    decoded_then_unpermuted = assets.unpermute_qk_rows(assets.dequantize_gguf(raw, assets.Q4_1, w.shape), n_head)
+    unpermuted_then_decoded = assets.dequantize_gguf(assets.unpermute_qk_rows(raw, n_head), assets.Q4_1, w.shape)
+    assert np.array_equal(decoded_then_unpermuted, unpermuted_then_decoded)
 
 
 def test_missing_cache_and_bad_setups_are_named(tmp_path):
