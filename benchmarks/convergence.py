@@ -2,11 +2,17 @@
 every precision setup trained from the same weights, on the same batches, with the same seeds.
 
     python benchmarks/convergence.py --prepare                 # once, needs the network (see convergence_assets.py)
+    python benchmarks/convergence.py --prepare --asset-set smollm2-kjv   # once: the held-out model and corpus
     python benchmarks/convergence.py --jobs 3                  # all setups, three at once (one at a time: ~23 min
                                                                # on an H100, ~75 s a setup, host-bound)
     python benchmarks/convergence.py --setups qlora-nf4,qlora-nf4+loftq --steps 100
+    python benchmarks/convergence.py --asset-set smollm2-kjv   # the same setups on SmolLM2-135M + the KJV
     python benchmarks/convergence.py --tiny --steps 4          # CPU smoke run: tiny Gemma3 from a config, text
                                                                # the package ships (its docstrings), byte tokens
+
+Asset sets (--asset-set; convergence_assets.py): gemma3-shakespeare (default: Gemma 3 270M on Shakespeare, cache
+benchmarks/.convergence_assets) and smollm2-kjv (held out: SmolLM2-135M-Instruct on the King James Bible, cache
+benchmarks/.convergence_assets_heldout). --assets names another cache dir; its config.json says which set it holds.
 
 Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g. 'qlora-*'):
     lora-bf16                 stock PEFT LoRA on the bf16 model: the reference of every LoRA setup
@@ -25,8 +31,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters (per-tensor delayed scaling)
     full-fp8-blockwise        apply_recipe("fp8-hybrid", fp8_scaling="blockwise"): DeepSeek-V3's 1x128 / 128x128 tiles
     full-fp8-{margin1,bf16grad}   fp8-hybrid with margin 1; E4M3 forward GEMMs with bf16 backward GEMMs (ablation)
-    full-nvfp4                apply_recipe("nvfp4"), fp32 masters (by default the first block and the last two of
-                              the 18 stay in bf16: recipes.config.NVFP4_BF16_ENDS)
+    full-nvfp4                apply_recipe("nvfp4"), fp32 masters (by default the first block and the last two
+                              stay in bf16: recipes.config.NVFP4_BF16_ENDS)
     full-nvfp4-{no46,nosr,norht,allfp4}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
                               Hadamard transform, or with every block in FP4 (ablation)
     full-nvfp4-{w2d,w1d,w1d-allfp4}   weights in 16x16 tiles or in 1x16 blocks along each GEMM's reduction dim
@@ -88,7 +94,8 @@ FULL_SETUPS = {
     "full-nvfp4-w1d-allfp4": ("nvfp4", {"fp4_weight_blocks": "1d", "skip_quant_first_layers": 0,
                                         "skip_quant_last_layers": 0}),
     "full-nvfp4-absmax": ("nvfp4", {"four_over_six_rule": "abs_max"}),
-    # more decoder layers kept in model_dtype than the default ~16% (1 first and 2 last of Gemma-3-270M's 18)
+    # more decoder layers kept in model_dtype than the default (1 first and 2 last: ~16% of Gemma-3-270M's 18,
+    # 10% of SmolLM2-135M's 30)
     "full-nvfp4-ends-1-4": ("nvfp4", {"skip_quant_first_layers": 1, "skip_quant_last_layers": 4}),
     "full-nvfp4-ends-2-6": ("nvfp4", {"skip_quant_first_layers": 2, "skip_quant_last_layers": 6}),
 }
@@ -136,12 +143,14 @@ def tiny_assets(seed: int):
 
 
 def write_checkpoint(config: dict, state: dict | None, out_dir: Path, seed: int) -> Path:
-    """The bf16 checkpoint every setup loads with from_pretrained (as a user would)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    """The bf16 checkpoint every setup loads with from_pretrained (as a user would). The model class is the causal
+    LM of config["model_type"] (gemma3_text -> Gemma3ForCausalLM, llama -> LlamaForCausalLM)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    cfg = Gemma3TextConfig(**{k: v for k, v in config.items() if k not in ("source", "model_type")})
+    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k not in ("source", "model_type")})
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(cfg)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)](cfg)
     if state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embedding
@@ -347,11 +356,16 @@ def plot(results: dict, path: Path, title: str) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare", action="store_true", help="download and cache the model and text, then exit")
-    ap.add_argument("--assets", type=Path, default=assets.DEFAULT_DIR, help="the cache --prepare writes")
+    ap.add_argument("--asset-set", choices=list(assets.ASSET_SETS), default=None,
+                    help=f"model + corpus (default {assets.DEFAULT_SET}; smollm2-kjv is the held-out set); "
+                         f"picks the default --assets dir")
+    ap.add_argument("--assets", type=Path, default=None,
+                    help="the cache --prepare writes (default: the asset set's, e.g. benchmarks/.convergence_assets)")
     ap.add_argument("--tiny", action="store_true", help="tiny model from a config + text the package ships (no cache)")
     ap.add_argument("--setups", default=None, help="comma-separated names or patterns (default: all)")
     ap.add_argument("--layers", type=int, default=None,
-                    help="use the first N decoder layers (default all 18); a cut model starts at a loss of ~25: smoke tests only")
+                    help="use the first N decoder layers (default all: Gemma 18, SmolLM2 30); a cut model starts at a "
+                         "loss far above the full model's (Gemma ~25): smoke tests only")
     ap.add_argument("--steps", type=int, default=None, help="default 200 (tiny: 4)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 8, tiny 2)")
     ap.add_argument("--seq-len", type=int, default=None, help="default 512 (tiny 32)")
@@ -373,8 +387,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    asset_set = args.asset_set or assets.DEFAULT_SET
+    if args.assets is None:
+        args.assets = assets.ASSET_SETS[asset_set].default_dir
     if args.prepare:
-        assets.prepare(args.assets)
+        assets.prepare(args.assets, asset_set=asset_set)
         return {}
     import transformers
 
@@ -392,8 +409,13 @@ def main(argv=None) -> dict:
         config, state, train_ids, val_ids = tiny_assets(args.seed)
         source = "tiny Gemma3 from a config, byte-level text of surogate_hf's docstrings"
     else:
+        info = assets.cache_info(args.assets)
+        if args.asset_set is not None and info["asset_set"] != args.asset_set:
+            raise SystemExit(f"--assets {args.assets} holds the asset set {info['asset_set']!r}, not {args.asset_set!r}")
+        args.asset_set = info["asset_set"]  # recorded in the run's meta
         config, state, train_ids, val_ids = assets.load_real(args.assets, args.layers)
-        source = f"Gemma 3 270M ({config['num_hidden_layers']} layers, vocab cut to {config['vocab_size']}), Shakespeare (PG)"
+        source = (f"{info['model_name']} ({config['num_hidden_layers']} layers, vocab cut to {config['vocab_size']}), "
+                  f"{info['corpus_name']}")
     vals = val_batches(val_ids, args.seq_len, args.batch, args.val_seqs)
     n_cal = min(args.aa_windows, len(train_ids) // args.seq_len)
     # the +aa setups' calibration inputs: the last windows of the train split (training text, never validation)

@@ -1,5 +1,6 @@
-"""benchmarks/convergence.py and its assets: the GGUF decoders are bit-exact to gguf-py's, the tiny CPU run
-trains every kind of setup end to end and writes its table, curves and plot, bad input is named."""
+"""benchmarks/convergence.py and its assets: the GGUF decoders are bit-exact to gguf-py's, llama.cpp's q/k row
+permutation is undone as transformers undoes it, both asset sets' caches load (norms, layer split, model class),
+the tiny CPU run trains every kind of setup end to end and writes its table, curves and plot, bad input is named."""
 
 import json
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -80,9 +82,113 @@ def test_qk_unpermute_inverts_llama_cpp_and_matches_transformers(which):
     assert np.array_equal(decoded_then_unpermuted, unpermuted_then_decoded)
 
 
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=64,
+               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+               max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # norms that are not all ones: a wrong -1 shows
+    return cfg, model
+
+
+def _write_cache(root: Path, cfg: dict, model, cache: dict | None, part1_layers: int) -> Path:
+    """A cache as prepare writes it, every tensor stored as GGML F32 (type 0)."""
+    from safetensors.numpy import save_file
+
+    (root / "part1").mkdir(parents=True)
+    (root / "part2").mkdir()
+    config = {**cfg, "source": "test"} | ({"cache": cache} if cache is not None else {})
+    (root / "part1" / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg["vocab_size"], 4096).astype(np.uint16)
+    np.savez(root / "part1" / "tokens.npz", train=ids[:3072], val=ids[3072:], vocab=np.arange(cfg["vocab_size"]))
+    groups: dict = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        w = p.float().numpy()
+        if cache is None and name.endswith("norm.weight"):
+            w = w + 1.0  # a legacy (Gemma) cache stores norms as 1 + w
+        key = int(name.split(".")[2]) if name.startswith("model.layers.") else "base"
+        groups.setdefault(key, ({}, {}))
+        groups[key][0][name] = np.ascontiguousarray(w).view(np.uint8).reshape(w.shape[0] if w.ndim > 1 else 1, -1)
+        groups[key][1][name] = json.dumps({"type": assets.F32, "shape": list(w.shape)})
+    for key, (tensors, meta) in groups.items():
+        path = root / "part1" / "base.safetensors" if key == "base" else (
+            root / ("part1" if key < part1_layers else "part2") / f"layer_{key:02d}.safetensors")
+        save_file(tensors, str(path), metadata=meta)
+    return root
+
+
+def test_llama_cache_loads_and_writes_a_llama_checkpoint(tmp_path):
+    """load_real follows the cache block (plain norms, the part1/part2 split), write_checkpoint builds the model
+    class of config["model_type"]: the checkpoint's logits are the original model's (bf16 aside)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, model = _tiny_llama()
+    cache = {"asset_set": "smollm2-kjv", "part1_layers": 1, "norm_minus_one": False,
+             "model_name": "tiny llama", "corpus_name": "random ids"}
+    root = _write_cache(tmp_path / "cache", cfg, model, cache, part1_layers=1)
+    assert assets.cache_info(root)["part1_layers"] == 1
+    config, state, train, val = assets.load_real(root)
+    assert "cache" not in config and config["num_hidden_layers"] == 2 and len(train) == 3072 and len(val) == 1024
+    ref = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert state.keys() == ref.keys() and all(torch.equal(state[k], ref[k]) for k in ref)  # norms not shifted
+    ckpt = convergence.write_checkpoint(config, state, tmp_path / "ckpt", seed=0)
+    assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    ids = train[:32][None]
+    with torch.no_grad():
+        want = model.to(torch.bfloat16).float()(input_ids=ids).logits
+        assert torch.allclose(loaded(input_ids=ids).logits, want, atol=1e-4)
+    # layers >= part1_layers live in part2: without it only --layers 1 loads
+    (root / "part2" / "layer_01.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="--layers 1"):
+        assets.load_real(root)
+    assert assets.load_real(root, 1)[0]["num_hidden_layers"] == 1
+
+
+def test_legacy_cache_without_cache_block_loads_as_gemma(tmp_path):
+    """A config.json without "cache" (every Gemma cache prepared before the held-out set) keeps Gemma's values:
+    norms stored as 1 + w get the 1 taken off, layers 0..6 in part1."""
+    cfg, model = _tiny_llama()  # the layout is what counts here, not the architecture
+    root = _write_cache(tmp_path / "legacy", cfg, model, None, part1_layers=7)
+    assert assets.cache_info(root) == assets.LEGACY_CACHE
+    _, state, _, _ = assets.load_real(root)
+    ref = model.state_dict()
+    for k in state:
+        assert torch.allclose(state[k], ref[k]), k  # 1 + w - 1: within an fp32 rounding of w
+
+
+def test_run_on_a_llama_cache_and_a_set_mismatch_is_named(tmp_path):
+    cfg, model = _tiny_llama()
+    cache = {"asset_set": "smollm2-kjv", "part1_layers": 1, "norm_minus_one": False,
+             "model_name": "tiny llama", "corpus_name": "random ids"}
+    root = _write_cache(tmp_path / "cache", cfg, model, cache, part1_layers=1)
+    argv = ["--assets", str(root), "--steps", "1", "--eval-every", "1", "--batch", "2", "--seq-len", "16",
+            "--val-seqs", "2", "--setups", "lora-bf16", "--device", "cpu", "--out", str(tmp_path / "run")]
+    results = convergence.main(argv + ["--asset-set", "smollm2-kjv"])
+    assert "error" not in results["lora-bf16"] and results["lora-bf16"]["step"] == [0, 1]
+    meta = json.loads((tmp_path / "run.json").read_text())["meta"]
+    assert meta["source"] == "tiny llama (2 layers, vocab cut to 64), random ids" and meta["asset_set"] == "smollm2-kjv"
+    with pytest.raises(SystemExit, match="holds the asset set 'smollm2-kjv'"):
+        convergence.main(argv + ["--asset-set", "gemma3-shakespeare"])
+
+
 def test_missing_cache_and_bad_setups_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="--prepare"):
         assets.load_real(tmp_path)
+    if not (assets.HELDOUT_DIR / "part1" / "config.json").exists():
+        with pytest.raises(FileNotFoundError, match="--prepare --asset-set smollm2-kjv"):
+            assets.load_real(assets.HELDOUT_DIR)
     with pytest.raises(SystemExit, match="matches no setup"):
         convergence.select_setups("qlora-int3")
     assert convergence.select_setups("qlora-nf4*") == ["qlora-nf4", "qlora-nf4+loftq", "qlora-nf4+aa", "qlora-nf4+gptq",
