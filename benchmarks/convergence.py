@@ -26,6 +26,8 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     qlora-fp8+fp8-hybrid      QLoRA with a training recipe (apply_recipe on the PEFT model: the base GEMMs follow
                               the recipe, docs/recipes.md; a 128x128 fp8 base keeps its own W8A8 GEMMs);
     qlora-nvfp4+nvfp4         likewise qlora-mxfp4+nvfp4 and qlora-nf4+fp8-hybrid
+    qlora-fp8+bf16            the fp8 base under the bf16 recipe: weight-only (the weight decoded to bf16, bf16
+                              activations and gradients) instead of the format's own W8A8 1x128 / 128x128 GEMMs
     peft-bnb-nf4              the peer: stock PEFT QLoRA on bitsandbytes NF4 (CUDA + bitsandbytes only)
     full-bf16                 full fine-tune, apply_recipe("bf16"), fp32 masters: the reference of full-*
     full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters (per-tensor delayed scaling)
@@ -72,7 +74,8 @@ ALL_SETUPS = (
     + [f"qlora-{f}+aa" for f in FORMATS]
     + [f"qlora-{f}+gptq" for f in FORMATS]
     + ["qlora-nf4-absmax"]
-    + ["qlora-fp8+fp8-hybrid", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid", "peft-bnb-nf4"]
+    + ["qlora-fp8+fp8-hybrid", "qlora-fp8+bf16", "qlora-nvfp4+nvfp4", "qlora-mxfp4+nvfp4", "qlora-nf4+fp8-hybrid",
+       "peft-bnb-nf4"]
     + ["full-bf16", "full-fp8-hybrid", "full-fp8-blockwise", "full-nvfp4"]
 )
 # full fine-tune setups: (recipe, knobs). The full-nvfp4-* rows ablate one ingredient of NVIDIA's NVFP4 recipe each
