@@ -182,6 +182,8 @@ SETUPS = {
                           "lora"),
     "ours_fp8_fp8_hybrid": ("ours fp8 QLoRA + fp8-hybrid recipe, bf16 adapters",
                             lambda L: ours_qlora(L, "fp8", "fp8-hybrid"), "lora"),
+    "ours_fp8_bf16": ("ours fp8 QLoRA + bf16 recipe (weight-only: the fp8 base decoded to bf16, bf16 activations), "
+                      "bf16 adapters", lambda L: ours_qlora(L, "fp8", "bf16"), "lora"),
     "ours_nf4_fp8_hybrid": ("ours nf4 QLoRA + fp8-hybrid recipe, bf16 adapters",
                             lambda L: ours_qlora(L, "nf4", "fp8-hybrid"), "lora"),
     "ours_nvfp4_nvfp4": ("ours nvfp4 QLoRA + nvfp4 recipe, bf16 adapters (Hopper: exact FP4 operands on bf16 tensor "
@@ -228,6 +230,7 @@ TARGETS = {
     "ours_nf4_fp32_adapters": [("bnb_nf4", 1.5)],
     "ours_nf4_stock_norms": [("peft_bf16", 1.0)],
     "ours_fp8_fp8_hybrid": [("peft_bf16", 1.25)],
+    "ours_fp8_bf16": [("peft_bf16", 1.0), ("ours_fp8", 1.0)],
     "ours_nf4_fp8_hybrid": [("peft_bf16", 1.0)],
     "ours_nvfp4_nvfp4": [("peft_bf16", 0.8), ("ours_nvfp4", 0.8)],
     "ours_nf4_compiled": [("peft_bf16_compiled", 1.0), ("bnb_nf4", 1.5)],
