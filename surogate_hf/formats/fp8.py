@@ -9,11 +9,16 @@
 
 The formulas follow transformers' own fine-grained FP8 quantizer (multiply by 448/amax, store the
 reciprocal), so what we write reads back identically in stock transformers.
+
+The linear over an FP8 weight (`fp8_linear_weight_only`): y = x deq(W)^T with x quantized to E4M3 1x128 tiles (W8A8,
+DeepSeek-V3's and transformers' fine-grained FP8 GEMM), except for weights of fewer than FP8_WEIGHT_ONLY_MAX_PARAMS
+elements, where x stays in its own dtype (weight-only).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -21,6 +26,20 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 FP8_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
+
+# Below this many weight elements the FP8 linear keeps its activations in their own dtype. The W8A8 GEMM is several
+# kernels (the activation's tile quantization, padding to 128, cuBLASLt's block-scaled GEMM, an output slice) whose
+# fixed cost a small GEMM does not cover: on an H200 (CUDA-graph replay, 2048 and 8192 tokens) it ran SmolLM2-135M's
+# 576 / 192 / 1536 linears at 0.24-0.52x and Qwen2.5-0.5B's 896 x 896 at 0.8x of bf16 cuBLAS, and pays from ~4M
+# elements (2048 x 2048: 1.07-1.13x). Decoding the weight to bf16 costs 3 bytes per element on top of bf16's GEMM and
+# drops the activation's quantization error (benchmarks/results/shapes_fp8_dense.md). A rule of the weight's size
+# only, the same for every token count and device.
+FP8_WEIGHT_ONLY_MAX_PARAMS = int(os.environ.get("SUROGATE_HF_FP8_WEIGHT_ONLY_MAX_PARAMS", "2000000"))
+
+
+def fp8_linear_weight_only(n: int, k: int) -> bool:
+    """Whether the linear over an [n, k] FP8 weight keeps x in its own dtype (else x goes to E4M3 1x128 tiles)."""
+    return n * k < FP8_WEIGHT_ONLY_MAX_PARAMS
 
 
 def fp8_dtype(name_or_dtype) -> torch.dtype:

@@ -5,7 +5,9 @@
   BlockWise1x128 x BlockWise128x128 scaling (layout: ../shared/notes/anchors.md).
 - per-tensor (fp8-hybrid recipe): `torch._scaled_mm`.
 Any weight shape: K and N that are not multiples of 128 are zero-padded to them inside the call
-(`fp8_layout.pad_weight`; HF's ceil-div `weight_scale_inv` has the partial blocks' scales). Where no
+(`fp8_layout.pad_weight`; HF's ceil-div `weight_scale_inv` has the partial blocks' scales). Weights too small for
+the block-scaled GEMM to pay are weight-only by the linear's spec (formats.fp8_linear_weight_only): decoded to bf16
+and run through cuBLAS. Where no
 kernel exists (kernels.paths.plan_gemm says which: a GPU before SM90, a non-bf16 activation, blocks
 other than 128x128) the reference math runs, warned once with the why.
 """
@@ -85,6 +87,8 @@ def native_linear_ok(dtype: torch.dtype, n: int, k: int, block_n: int, block_k: 
 
 
 def _reference_linear(x, w, w_scale_inv, block_n, block_k):
+    if F.fp8_linear_weight_only(*w.shape):  # the op's spec (formats.fp8): x stays in its dtype
+        return Fn.linear(x, TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, x.dtype))
     xq, xs = TQ.quantize_fp8_tiles(x, block_k)
     xd = F.dequantize_fp8_tiles(xq, xs, block_k, torch.float32)
     wd = TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
@@ -96,6 +100,8 @@ def fp8_block_linear(x, w, w_scale_inv, block_n, block_k, w_scales_mm=None):
     if plan.path == paths.REFERENCE:
         warn_once("fp8_block_linear", f"surogate::fp8_block_linear runs the fp32 reference GEMM: {plan.reason}")
         return _reference_linear(x, w, w_scale_inv, block_n, block_k)
+    if plan.path == paths.DENSE:  # a small weight (formats.fp8_linear_weight_only): decoded to x's dtype, cuBLAS
+        return Fn.linear(x, TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, x.dtype))
     n, k = w.shape
     ws = w_scales_mm if w_scales_mm is not None else mm_scales(w_scale_inv)
     a2 = pad_columns(x.reshape(-1, k), plan.pad_k)
@@ -111,10 +117,14 @@ def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=No
     if plan.path == paths.REFERENCE:
         warn_once("fp8_block_linear_dgrad",
                   f"surogate::fp8_block_linear_dgrad runs the fp32 reference GEMM: {plan.reason}")
+        if F.fp8_linear_weight_only(*w.shape):
+            return dy @ TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, dy.dtype)
         dq, ds = TQ.quantize_fp8_tiles(dy, block_n)
         dd = F.dequantize_fp8_tiles(dq, ds, block_n, torch.float32)
         wd = TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
         return (dd @ wd).to(dy.dtype)
+    if plan.path == paths.DENSE:
+        return dy @ TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, dy.dtype)
     n, k = w.shape
     # dx = dy @ W: the reduction runs over W's rows, so the GEMM takes W^T [K, N] (blocks transpose
     # with it); one fp8 transpose of the weight per call (1 byte/param), no dense copy.

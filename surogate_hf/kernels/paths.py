@@ -17,7 +17,9 @@ Paths:
                        with at most 64 bf16 tokens on SM90+ runs the extension's few-token kernel instead
                        (csrc/fp4/few_token_gemm.cu, see few_token_kernel)
   dense_decode_cublas  nvfp4 / mxfp4 / nf4 with many tokens: the weight decoded once into a transient dense
-                       buffer (exact reference decode, masked tails) and cuBLAS
+                       buffer (exact reference decode, masked tails) and cuBLAS; also every fp8 128x128-block
+                       weight of fewer than formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements, at any token count (the
+                       fp8 linear's spec keeps x in bf16 there: formats.fp8_linear_weight_only)
   reference            the fp32 / dequantize reference math: only where no kernel exists (no CUDA device,
                        a GPU or dtype the kernels do not support)
 """
@@ -29,6 +31,8 @@ import os
 from typing import NamedTuple
 
 import torch
+
+from ..formats.fp8 import fp8_linear_weight_only
 
 FP8_BLOCK = "fp8_block_cublaslt"
 FUSED = "fused_dequant_gemm"
@@ -157,6 +161,8 @@ def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: 
         if not blockwise_scaled_mm:
             return GemmPath(REFERENCE, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm "
                                        "(block-scaled FP8 needs torch >= 2.10)")
+        if fp8_linear_weight_only(n, k) and triton:
+            return GemmPath(DENSE, "")
         pad_n, pad_k = fp8_pads(n, k)
         return GemmPath(FP8_BLOCK, "", pad_k=pad_k, pad_n=pad_n)
     # nvfp4 / mxfp4 / nf4: Triton kernels

@@ -137,16 +137,16 @@ def decoded_linear(x: Tensor, fmt: Format, t: dict[str, Tensor], n: int, k: int)
     return checkpoint(_decoded_linear, x, fmt, n, k, tuple(t), *t.values(), use_reentrant=False)
 
 
-def traced_decode_applies(x: Tensor, fmt: Format, k: int) -> bool:
-    """Inside torch.compile, with as many tokens as the eager CUDA kernels' dense route takes
-    (paths.DENSE_MIN_TOKENS), for a format whose GEMM is a decode plus a dense GEMM."""
+def traced_decode_applies(x: Tensor, fmt: Format, n: int, k: int) -> bool:
+    """Inside torch.compile, where the eager CUDA kernels take the dense route (Format.decodes_in_gemm: the weight-only
+    formats from paths.DENSE_MIN_TOKENS tokens, a small fp8 weight at any count), for a format with a traced decode."""
     return (torch.compiler.is_compiling() and type(fmt).dequantize_traced is not Format.dequantize_traced
-            and x.numel() >= _paths.DENSE_MIN_TOKENS * k)
+            and fmt.decodes_in_gemm(x, n, k))
 
 
 def quantized_linear(x: Tensor, fmt: Format, t: dict[str, Tensor], n: int, k: int) -> Tensor:
     keys = tuple(t)
-    if traced_decode_applies(x, fmt, k):
+    if traced_decode_applies(x, fmt, n, k):
         return decoded_linear(x, fmt, t, n, k)
     if torch.is_grad_enabled() and x.requires_grad:
         return QuantLinearFunction.apply(x, fmt, n, k, keys, *t.values())

@@ -390,7 +390,8 @@ def test_shapes_table_quantize_bits(fmt, nk):
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "nf4"])
 def test_shapes_table_gemms(fmt, nk):
     """Forward and dgrad of every linear shape of the table at odd token counts: the fast path (no warning),
-    against the reference dequantize + fp32 matmul (fp8: of the 1x128-tile-quantized activation)."""
+    against the reference dequantize + fp32 matmul (fp8 from formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements on: of the
+    1x128-tile-quantized activation; below, weight-only like the other formats)."""
     k, n = nk
     fwd, bwd, args, wref = _quantized(fmt, _weight(n, k))
     for m in ODD_TOKENS:
@@ -404,11 +405,13 @@ def test_shapes_table_gemms(fmt, nk):
         plan = paths.plan_for(fmt, x, n, k)  # what the ops just decided (warnings are once per reason)
         assert plan.fast, f"{fmt} [{n}, {k}] M={m}: {plan}"
         assert y.shape == (m, n) and dx.shape == (m, k) and y.dtype == dx.dtype == torch.bfloat16
-        if fmt == "fp8":
+        if fmt == "fp8" and not F.fp8_linear_weight_only(n, k):
+            assert plan.path == paths.FP8_BLOCK
             xq, xs = F.quantize_fp8_tiles(x, 128)
             dq, ds = F.quantize_fp8_tiles(dy, 128)
             xr, dyr = F.dequantize_fp8_tiles(xq, xs, 128, torch.float32), F.dequantize_fp8_tiles(dq, ds, 128, torch.float32)
         else:
+            assert fmt != "fp8" or plan.path == paths.DENSE
             xr, dyr = x.float(), dy.float()
         yr, dxr = xr @ wref.t(), dyr @ wref
         assert sqnr(y, yr) > 40, f"{fmt} [{n}, {k}] M={m} forward SQNR {sqnr(y, yr):.1f} dB"
@@ -674,10 +677,10 @@ def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():
 
     _built_extension()
     torch._dynamo.reset()
-    lin = torch.nn.Linear(512, 384, bias=False, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(2048, 1024, bias=False, dtype=torch.bfloat16)  # W8A8 (formats.fp8_linear_weight_only)
     m = FP8Linear.from_linear(lin).to(DEV)
-    x = _rand((3, 37, 512), torch.bfloat16, seed=1, spread=False).to(DEV)
-    dy = _rand((3, 37, 384), torch.bfloat16, seed=2, spread=False).to(DEV)
+    x = _rand((3, 37, 2048), torch.bfloat16, seed=1, spread=False).to(DEV)
+    dy = _rand((3, 37, 1024), torch.bfloat16, seed=2, spread=False).to(DEV)
     outs = {}
     for mode, fn in (("eager", m), ("compiled", torch.compile(m, fullgraph=True))):
         xg = x.clone().requires_grad_(True)

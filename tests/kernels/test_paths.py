@@ -21,12 +21,27 @@ def test_every_shapes_table_linear_is_planned_fast_on_sm90(fmt):
         for m in TOKENS:
             plan = P.plan_gemm(fmt, m, k, n, torch.bfloat16, SM90, blockwise_scaled_mm=True)
             assert plan.fast, f"{model} {proj} [{n}, {k}] {fmt} M={m}: {plan.path} ({plan.reason})"
-            if fmt == "fp8":
+            if fmt == "fp8" and F.fp8_linear_weight_only(n, k):
+                assert plan.path == P.DENSE  # a small weight: decoded to bf16, cuBLAS
+            elif fmt == "fp8":
                 assert plan.path == P.FP8_BLOCK
                 assert (k + plan.pad_k) % 128 == 0 and (n + plan.pad_n) % 128 == 0
                 assert plan.pad_k < 128 and plan.pad_n < 128
             else:
                 assert plan.path == (P.DENSE if m >= P.DENSE_MIN_TOKENS else P.FUSED)
+
+
+def test_fp8_small_weights_take_the_dense_route_at_every_token_count():
+    """The fp8 rule looks at the weight's size only (so a compiled graph's choice never depends on M): SmolLM2's and
+    Qwen2.5-0.5B's projections decode to bf16, the 2048- and 4096-wide ones keep the W8A8 block GEMM."""
+    plan = lambda m, k, n: P.plan_gemm("fp8", m, k, n, torch.bfloat16, SM90, blockwise_scaled_mm=True).path  # noqa: E731
+    for m in TOKENS:
+        for k, n in ((576, 576), (576, 192), (1536, 576), (896, 896), (896, 128), (2880, 512)):
+            assert plan(m, k, n) == P.DENSE, (m, k, n)
+        for k, n in ((2048, 2048), (896, 4864), (4096, 1024), (4096, 14336)):
+            assert plan(m, k, n) == P.FP8_BLOCK, (m, k, n)
+    # dense needs the Triton decode; without Triton a small fp8 weight keeps the block GEMM (torch's scaled_mm)
+    assert P.plan_gemm("fp8", 8, 576, 576, torch.bfloat16, SM90, blockwise_scaled_mm=True, triton=False).path == P.FP8_BLOCK
 
 
 @pytest.mark.parametrize("fmt", P.FORMATS)

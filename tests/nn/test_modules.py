@@ -118,8 +118,12 @@ def test_fp8_variants_per_tensor_ue8m0_and_partial_blocks():
         assert sqnr_db(lin.weight, mod.dequantize()) > 28
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_forward_backward_through_the_ops(fmt):
+@pytest.mark.parametrize("fmt", [*FORMATS, "fp8-w8a8"])
+def test_forward_backward_through_the_ops(fmt, monkeypatch):
+    if fmt == "fp8-w8a8":  # this small layer is weight-only by fp8's spec; at threshold 0 every fp8 layer is W8A8
+        monkeypatch.setattr(F.fp8, "FP8_WEIGHT_ONLY_MAX_PARAMS", 0)
+    w8a8 = fmt == "fp8-w8a8"
+    fmt = fmt.removesuffix("-w8a8")
     lin = _dense()
     m = LINEAR_CLASSES[fmt].from_linear(lin)
     x = torch.randn(3, 5, 512, dtype=torch.bfloat16, requires_grad=True)
@@ -130,8 +134,9 @@ def test_forward_backward_through_the_ops(fmt):
     assert not any(p.requires_grad for p in m.parameters())
     assert sqnr_db(lin(x.detach()), y.detach()) > LAYER_SQNR_FLOOR[fmt]
     wd = m.dequantize()
-    if fmt in WEIGHT_ONLY:
-        # weight-only formats: exactly a dense layer holding the dequantized weight
+    if not w8a8:
+        # weight-only formats (and fp8 below formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements): exactly a dense layer
+        # holding the dequantized weight
         x2 = x.detach().clone().requires_grad_(True)
         y2 = nn.functional.linear(x2, wd) + m.bias  # the ops take no bias: added after, as forward does
         (y2 * dy).sum().backward()

@@ -17,7 +17,7 @@ def _layer(fmt: str, n: int = 96, k: int = 256) -> nn.Module:
     return L.LINEAR_CLASSES[fmt].from_linear(nn.Linear(k, n, bias=False, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "fp8"])  # fp8: a weight-only (small) weight
 def test_compiled_many_token_linear_decodes_in_graph_and_saves_no_dense_weight(fmt):
     torch._dynamo.reset()
     q = _layer(fmt)
@@ -44,11 +44,30 @@ def test_compiled_many_token_linear_decodes_in_graph_and_saves_no_dense_weight(f
 
 
 def test_the_traced_decode_is_the_format_decode():
-    for fmt in ("nvfp4", "mxfp4", "nf4"):
+    for fmt in ("nvfp4", "mxfp4", "nf4", "fp8"):
         q = _layer(fmt)
         t = q._tensors()
         assert torch.equal(q.fmt.dequantize_traced(t, 96, 256, torch.bfloat16), q.dequantize(torch.bfloat16)), fmt
-    assert _layer("fp8").fmt.dequantize_traced({}, 96, 256, torch.bfloat16) is None  # fp8 keeps its W8A8 GEMM
+
+
+def test_fp8_decodes_in_the_graph_exactly_where_its_linear_is_weight_only(monkeypatch):
+    """fp8's traced decode follows the linear's spec (formats.fp8_linear_weight_only), at every token count: a small
+    weight decodes in the graph even for a few tokens, a weight at or above the threshold keeps the W8A8 op."""
+    from surogate_hf import formats as F
+
+    q = _layer("fp8")
+    few = torch.randn(8, 256, dtype=torch.bfloat16)
+    assert q.fmt.decodes_in_gemm(few, 96, 256) and not q.fmt.decodes_in_gemm(few, 2048, 1024)
+    calls = []
+    real = q.fmt.linear
+    monkeypatch.setattr(q.fmt, "linear", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    torch.compile(q, backend="eager", fullgraph=True)(few)
+    assert not calls  # decoded in the graph
+    monkeypatch.setattr(F.fp8, "FP8_WEIGHT_ONLY_MAX_PARAMS", 96 * 256)  # the same layer now at the threshold
+    torch._dynamo.reset()
+    torch.compile(q, backend="eager", fullgraph=True)(few)
+    assert calls  # the W8A8 op
 
 
 def test_few_tokens_keep_the_custom_op(monkeypatch):

@@ -124,8 +124,13 @@ class Format:
     def dequantize_traced(self, t: dict[str, Tensor], n: int, k: int, dtype: torch.dtype) -> Tensor | None:
         """The dense weight from the formats/ reference decode in plain torch ops (no custom op), so that a
         compiled graph fuses it into one kernel; bit-identical to `dequantize`. None: the format has no such
-        route (its GEMM is more than a decode, e.g. fp8's activation quantization)."""
+        route."""
         return None
+
+    def decodes_in_gemm(self, x: Tensor, n: int, k: int) -> bool:
+        """Whether this format's GEMM of activation x over an [n, k] weight is a decode plus a dense GEMM (where a
+        compiled graph takes dequantize_traced): the weight-only formats from paths.DENSE_MIN_TOKENS tokens on."""
+        return x.numel() >= _paths.DENSE_MIN_TOKENS * k
 
     def linear(self, x: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
         raise NotImplementedError

@@ -119,13 +119,22 @@ class FP8Format(Format):
         bn, bk, s = self._blocks(t, n, k)
         return ops.dequantize_fp8_blocks(t[""], s, bn, bk, dtype)
 
+    def dequantize_traced(self, t, n, k, dtype):
+        bn, bk, s = self._blocks(t, n, k)
+        return F.dequantize_fp8_blocks(t[""], s, (bn, bk), dtype)
+
+    def decodes_in_gemm(self, x, n, k):
+        # only a weight-only linear (formats.fp8_linear_weight_only) is a decode plus a GEMM; the W8A8 one also
+        # quantizes x, at every token count
+        return F.fp8_linear_weight_only(n, k)
+
     def linear(self, x, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
         if x.is_cuda:  # torch.compile graphs: the extension's C++ op when it applies
             y = _cuda.fp8_block_linear_native(x, t[""], s, bn, bk, False)
             if y is not None:
                 return y
-        # activations always use 1x128 tiles (or 1xK) as in the fine-grained recipe
+        # x in 1x128 tiles (or 1xK) as in the fine-grained recipe, or weight-only for a small weight (the op's spec)
         return ops.fp8_block_linear(x, t[""], s, bn, bk)
 
     def dgrad(self, dy, t, n, k):
