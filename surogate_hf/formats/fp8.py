@@ -10,9 +10,10 @@
 The formulas follow transformers' own fine-grained FP8 quantizer (multiply by 448/amax, store the
 reciprocal), so what we write reads back identically in stock transformers.
 
-The linear over an FP8 weight (`fp8_linear_weight_only`): y = x deq(W)^T with x quantized to E4M3 1x128 tiles (W8A8,
-DeepSeek-V3's and transformers' fine-grained FP8 GEMM), except for weights of fewer than FP8_WEIGHT_ONLY_MAX_PARAMS
-elements, where x stays in its own dtype (weight-only).
+The fp8 base linear (a frozen 128x128-block weight of a quantized model): y = x deq(W)^T with x quantized to E4M3
+1x128 tiles (W8A8, DeepSeek-V3's and transformers' fine-grained FP8 GEMM), except for weights of fewer than
+FP8_WEIGHT_ONLY_MAX_PARAMS elements, where x stays in its own dtype (weight-only: `fp8_linear_weight_only`). The fp8
+training recipes ask for FP8 compute and always quantize x.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ FP8_WEIGHT_ONLY_MAX_PARAMS = int(os.environ.get("SUROGATE_HF_FP8_WEIGHT_ONLY_MAX
 
 
 def fp8_linear_weight_only(n: int, k: int) -> bool:
-    """Whether the linear over an [n, k] FP8 weight keeps x in its own dtype (else x goes to E4M3 1x128 tiles)."""
+    """Whether the fp8 base linear over an [n, k] 128x128-block weight keeps x in its own dtype (else x goes to E4M3
+    1x128 tiles)."""
     return n * k < FP8_WEIGHT_ONLY_MAX_PARAMS
 
 

@@ -5,9 +5,8 @@
   BlockWise1x128 x BlockWise128x128 scaling (layout: ../shared/notes/anchors.md).
 - per-tensor (fp8-hybrid recipe): `torch._scaled_mm`.
 Any weight shape: K and N that are not multiples of 128 are zero-padded to them inside the call
-(`fp8_layout.pad_weight`; HF's ceil-div `weight_scale_inv` has the partial blocks' scales). Weights too small for
-the block-scaled GEMM to pay are weight-only by the linear's spec (formats.fp8_linear_weight_only): decoded to bf16
-and run through cuBLAS. Where no
+(`fp8_layout.pad_weight`; HF's ceil-div `weight_scale_inv` has the partial blocks' scales). The fp8 base linear of a
+small weight is weight-only instead (formats.fp8_linear_weight_only): `dense_linear`, a decode and cuBLAS. Where no
 kernel exists (kernels.paths.plan_gemm says which: a GPU before SM90, a non-bf16 activation, blocks
 other than 128x128) the reference math runs, warned once with the why.
 """
@@ -30,7 +29,7 @@ _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 def _plan(a: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, block_n: int, block_k: int) -> paths.GemmPath:
     n, k = w.shape
-    plan = paths.plan_for("fp8", a, n, k, block_size=(block_n, block_k))
+    plan = paths.plan_for("fp8", a, n, k, block_size=(block_n, block_k), fp8_weight_only=False)  # these ops are W8A8
     if plan.path == paths.FP8_BLOCK and tuple(w_scale_inv.shape) != (-(-n // 128), -(-k // 128)):
         raise ValueError(f"fp8 weight_scale_inv has shape {tuple(w_scale_inv.shape)}, expected "
                          f"{(-(-n // 128), -(-k // 128))} (ceil-div 128x128 blocks) for a weight of shape {(n, k)}")
@@ -82,13 +81,12 @@ def _block_gemm(a2: torch.Tensor, w: torch.Tensor, ws_mm: torch.Tensor, transpos
 def native_linear_ok(dtype: torch.dtype, n: int, k: int, block_n: int, block_k: int, device_index: int) -> bool:
     """Whether the extension's `surogate::ext_fp8_block_gemm` kernel takes this linear (after padding to 128, which
     the caller does); its schema and fake are surogate_hf.ops.ext's."""
-    plan = paths.plan_gemm("fp8", 1, k, n, dtype, paths.device_capability(device_index), block_size=(block_n, block_k))
+    plan = paths.plan_gemm("fp8", 1, k, n, dtype, paths.device_capability(device_index), block_size=(block_n, block_k),
+                           fp8_weight_only=False)
     return plan.path == paths.FP8_BLOCK and _native() is not None
 
 
 def _reference_linear(x, w, w_scale_inv, block_n, block_k):
-    if F.fp8_linear_weight_only(*w.shape):  # the op's spec (formats.fp8): x stays in its dtype
-        return Fn.linear(x, TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, x.dtype))
     xq, xs = TQ.quantize_fp8_tiles(x, block_k)
     xd = F.dequantize_fp8_tiles(xq, xs, block_k, torch.float32)
     wd = TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
@@ -100,8 +98,6 @@ def fp8_block_linear(x, w, w_scale_inv, block_n, block_k, w_scales_mm=None):
     if plan.path == paths.REFERENCE:
         warn_once("fp8_block_linear", f"surogate::fp8_block_linear runs the fp32 reference GEMM: {plan.reason}")
         return _reference_linear(x, w, w_scale_inv, block_n, block_k)
-    if plan.path == paths.DENSE:  # a small weight (formats.fp8_linear_weight_only): decoded to x's dtype, cuBLAS
-        return Fn.linear(x, TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, x.dtype))
     n, k = w.shape
     ws = w_scales_mm if w_scales_mm is not None else mm_scales(w_scale_inv)
     a2 = pad_columns(x.reshape(-1, k), plan.pad_k)
@@ -117,14 +113,10 @@ def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=No
     if plan.path == paths.REFERENCE:
         warn_once("fp8_block_linear_dgrad",
                   f"surogate::fp8_block_linear_dgrad runs the fp32 reference GEMM: {plan.reason}")
-        if F.fp8_linear_weight_only(*w.shape):
-            return dy @ TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, dy.dtype)
         dq, ds = TQ.quantize_fp8_tiles(dy, block_n)
         dd = F.dequantize_fp8_tiles(dq, ds, block_n, torch.float32)
         wd = TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
         return (dd @ wd).to(dy.dtype)
-    if plan.path == paths.DENSE:
-        return dy @ TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, dy.dtype)
     n, k = w.shape
     # dx = dy @ W: the reduction runs over W's rows, so the GEMM takes W^T [K, N] (blocks transpose
     # with it); one fp8 transpose of the weight per call (1 byte/param), no dense copy.
@@ -134,6 +126,15 @@ def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=No
     if plan.pad_k:
         dx = dx[:, :k].contiguous()
     return dx if dy.dim() == 2 else dx.reshape(*dy.shape[:-1], k)
+
+
+def dense_linear(x, w, w_scale_inv, block_n, block_k):
+    """x @ deq(W)^T, the fp8 base linear of a weight-only (small) weight: decoded to x's dtype, then cuBLAS."""
+    return Fn.linear(x, TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, x.dtype))
+
+
+def dense_linear_dgrad(dy, w, w_scale_inv, block_n, block_k):
+    return dy @ TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, dy.dtype)
 
 
 def _planned_fwd(x, w, w_scale_inv, block_n, block_k, ws_mm, wts_mm):

@@ -17,9 +17,9 @@ Paths:
                        with at most 64 bf16 tokens on SM90+ runs the extension's few-token kernel instead
                        (csrc/fp4/few_token_gemm.cu, see few_token_kernel)
   dense_decode_cublas  nvfp4 / mxfp4 / nf4 with many tokens: the weight decoded once into a transient dense
-                       buffer (exact reference decode, masked tails) and cuBLAS; also every fp8 128x128-block
-                       weight of fewer than formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements, at any token count (the
-                       fp8 linear's spec keeps x in bf16 there: formats.fp8_linear_weight_only)
+                       buffer (exact reference decode, masked tails) and cuBLAS; also the fp8 base linear
+                       of a 128x128-block weight of fewer than formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements, at any
+                       token count (weight-only by the format's rule: formats.fp8_linear_weight_only)
   reference            the fp32 / dequantize reference math: only where no kernel exists (no CUDA device,
                        a GPU or dtype the kernels do not support)
 """
@@ -132,13 +132,16 @@ def fp8_pads(n: int, k: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=8192)
 def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: tuple[int, int] | None, *,
               block_size: tuple[int, int] | None = (128, 128), nf4_block: int = 64, triton: bool = True,
-              blockwise_scaled_mm: bool | None = None, dense_min_tokens: int | None = None) -> GemmPath:
+              blockwise_scaled_mm: bool | None = None, dense_min_tokens: int | None = None,
+              fp8_weight_only: bool = True) -> GemmPath:
     """The path of y = x W^T (and of its input gradient dy W, which takes the same one) for x [m, k] in
     `dtype`, W [n, k] of format `fmt` on a CUDA device of compute capability `capability` (None: no CUDA
     device). block_size: the fp8 weight blocks (None = one per-tensor scale); nf4_block: NF4 block size;
     triton: whether Triton is importable; blockwise_scaled_mm: whether torch has the block-scaled
     `torch.nn.functional.scaled_mm` (default: this torch). Raises ValueError for a weight the format cannot
-    hold. Cached: the kernels call it on every GEMM."""
+    hold. fp8_weight_only: whether a small 128x128-block fp8 weight takes the weight-only dense route (the fp8 base
+    linear's rule, formats.fp8_linear_weight_only); the W8A8 ops themselves (surogate::fp8_block_linear, which the
+    fp8 recipes call) pass False. Cached: the kernels call it on every GEMM."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
     problem = shape_problem(fmt, n, k, nf4_block)
@@ -161,7 +164,7 @@ def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: 
         if not blockwise_scaled_mm:
             return GemmPath(REFERENCE, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm "
                                        "(block-scaled FP8 needs torch >= 2.10)")
-        if fp8_linear_weight_only(n, k) and triton:
+        if fp8_weight_only and fp8_linear_weight_only(n, k) and triton:
             return GemmPath(DENSE, "")
         pad_n, pad_k = fp8_pads(n, k)
         return GemmPath(FP8_BLOCK, "", pad_k=pad_k, pad_n=pad_n)

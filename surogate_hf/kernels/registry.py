@@ -249,6 +249,12 @@ def plan_fp8(w, w_scale_inv, block_n, block_k):
     return _fp8().plan_block_linear(w, w_scale_inv, block_n, block_k)
 
 
+def plan_fp8_weight_only(w, w_scale_inv, block_n, block_k):
+    """The fp8 base linear of a small 128x128-block weight (formats.fp8_linear_weight_only): decode + cuBLAS."""
+    g = _fp8()
+    return g.dense_linear, g.dense_linear_dgrad, (w, w_scale_inv, block_n, block_k)
+
+
 def plan_nvfp4(packed, block_scale, global_scale):
     return nvfp4_linear, nvfp4_linear_dgrad, (packed, block_scale, global_scale)
 

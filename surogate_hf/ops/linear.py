@@ -30,8 +30,6 @@ def _fake_linear(x: Tensor, out_features: int) -> Tensor:
 @torch.library.custom_op(f"{NS}::fp8_block_linear", mutates_args=())
 @fresh_outputs
 def fp8_block_linear(x: Tensor, w: Tensor, w_scale_inv: Tensor, block_n: int, block_k: int) -> Tensor:
-    if F.fp8_linear_weight_only(*w.shape):  # a small weight: x stays in its dtype (formats.fp8)
-        return Fn.linear(x, F.dequantize_fp8_blocks(w, w_scale_inv, (block_n, block_k), x.dtype))
     xq, xs = F.quantize_fp8_tiles(x, block_k)
     xd = F.dequantize_fp8_tiles(xq, xs, block_k, torch.float32)
     wd = F.dequantize_fp8_blocks(w, w_scale_inv, (block_n, block_k), torch.float32)
@@ -46,8 +44,6 @@ def _(x, w, w_scale_inv, block_n, block_k):
 @torch.library.custom_op(f"{NS}::fp8_block_linear_dgrad", mutates_args=())
 @fresh_outputs
 def fp8_block_linear_dgrad(dy: Tensor, w: Tensor, w_scale_inv: Tensor, block_n: int, block_k: int) -> Tensor:
-    if F.fp8_linear_weight_only(*w.shape):
-        return dy @ F.dequantize_fp8_blocks(w, w_scale_inv, (block_n, block_k), dy.dtype)
     dq, ds = F.quantize_fp8_tiles(dy, block_n)
     dd = F.dequantize_fp8_tiles(dq, ds, block_n, torch.float32)
     wd = F.dequantize_fp8_blocks(w, w_scale_inv, (block_n, block_k), torch.float32)

@@ -7,11 +7,11 @@ forward asks it first. Per recipe:
 
 | recipe | base forward y = x W^T | base dgrad dx = dy W |
 |---|---|---|
-| none | the format's own GEMM (weight-only decode in the GEMM; fp8 bases: W8A8 1x128 / 128x128) | same |
+| none | the format's own GEMM (weight-only decode in the GEMM; fp8 bases: W8A8 1x128 / 128x128, weight-only below 2M elements, formats.fp8_linear_weight_only) | same |
 | bf16 (matmul_dtype bf16/fp32) | weight-only: the weight decoded to the matmul dtype, fp32 accumulation | the same in gradient_dtype |
 | fp8-hybrid, fp8_scaling delayed | E4M3 x (its state row) x E4M3 W (the decoded weight, its own row) | E5M2 dy x E4M3 W^T |
 | fp8-hybrid, fp8_scaling blockwise | x 1x128 tiles x W 128x128 blocks of the decoded weight | dy 1x128 tiles x W |
-| either FP8 scaling, on a 128x128 fp8 base | the format's own W8A8 GEMM: x 1x128 E4M3 tiles x the stored blocks | dy 1x128 E4M3 tiles x W |
+| either FP8 scaling, on a 128x128 fp8 base | the W8A8 GEMM: x 1x128 E4M3 tiles x the stored blocks (the format's own linear from 2M elements on; below, where that is weight-only, the same W8A8 op called by the recipe) | dy 1x128 E4M3 tiles x W |
 | nvfp4 | x NVFP4 1x16 (RNE) x W NVFP4 (the decoded weight, 1x16 along K; fp4_weight_blocks="2d": 16x16 tiles) | dy NVFP4 1x16 (stochastic rounding) x W (1x16 along N; 2d: the tiles transposed) |
 
 The bf16 recipe keeps the format's own weight-only GEMM where it already is that (nvfp4 / mxfp4 / nf4 bases with
@@ -128,6 +128,20 @@ class _Fp8Blockwise:
         return torch.ops.surogate.fp8_block_linear_dgrad(dy2d, wq, ws, *fp8_blockwise.BLOCK)
 
 
+class _Fp8Stored:
+    """Either FP8 scaling on a small 128x128 fp8 base, whose own linear is weight-only (formats.fp8_linear_weight_only):
+    the recipe asks for FP8 compute, so its stored blocks go through the W8A8 block GEMM (x and dy in 1x128 E4M3
+    tiles), as the larger fp8 bases' own linear does. args = (codes, scale_inv)."""
+
+    @staticmethod
+    def forward(x2d, decode, args):
+        return torch.ops.surogate.fp8_block_linear(x2d, *args, *fp8_blockwise.BLOCK)
+
+    @staticmethod
+    def dgrad(dy2d, decode, args):
+        return torch.ops.surogate.fp8_block_linear_dgrad(dy2d, *args, *fp8_blockwise.BLOCK)
+
+
 class _Nvfp4:
     """nvfp4 recipe: FP4 x (1x16, RNE) x W (16x16 tiles of the decoded weight, or 1x16 along K with
     fp4_weight_blocks="1d"); dgrad FP4 dy (1x16, stochastic rounding with the seed in args, or RNE) x the same tiles
@@ -150,7 +164,7 @@ class _Nvfp4:
         return nvfp4_gemm(dyv, wv, dyg, wg, None, dy2d.dtype)
 
 
-_GEMMS = {"float": _Float, "fp8": _Fp8Delayed, "blockwise": _Fp8Blockwise, "nvfp4": _Nvfp4}
+_GEMMS = {"float": _Float, "fp8": _Fp8Delayed, "blockwise": _Fp8Blockwise, "fp8_stored": _Fp8Stored, "nvfp4": _Nvfp4}
 
 
 def base_gemm_kind(base, cfg: RecipeConfig) -> str:
@@ -165,8 +179,8 @@ def base_gemm_kind(base, cfg: RecipeConfig) -> str:
         return "nvfp4"
     if cfg.uses_fp8():
         native = base.quant_format == "fp8" and getattr(base.fmt, "block_size", None) == fp8_blockwise.BLOCK
-        if native:
-            return "native"
+        if native:  # (a small one's own linear is weight-only: the recipe's FP8 compute calls the W8A8 op itself)
+            return "fp8_stored" if base.fmt.weight_only(base.out_features, base.in_features) else "native"
         return "blockwise" if cfg.fp8_scaling == "blockwise" else "fp8"
     own = base.quant_format != "fp8" and cfg.resolved_matmul_dtype() == cfg.resolved_gradient_dtype() == "bf16"
     return "native" if own else "float"
@@ -247,6 +261,8 @@ class BaseRecipeGemm:
             args = self.float_spec
         elif self.kind == "blockwise":
             args = ()
+        elif self.kind == "fp8_stored":
+            args = (tensors[""], tensors["_scale_inv"])
         elif self.kind == "nvfp4":
             sr = not self.cfg.no_fp4_stochastic_rounding
             seed = 0

@@ -390,8 +390,8 @@ def test_shapes_table_quantize_bits(fmt, nk):
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "nf4"])
 def test_shapes_table_gemms(fmt, nk):
     """Forward and dgrad of every linear shape of the table at odd token counts: the fast path (no warning),
-    against the reference dequantize + fp32 matmul (fp8 from formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements on: of the
-    1x128-tile-quantized activation; below, weight-only like the other formats)."""
+    against the reference dequantize + fp32 matmul (fp8: of the 1x128-tile-quantized activation: these are the W8A8
+    ops, which the fp8 base linear runs from formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements and the fp8 recipes always)."""
     k, n = nk
     fwd, bwd, args, wref = _quantized(fmt, _weight(n, k))
     for m in ODD_TOKENS:
@@ -402,20 +402,46 @@ def test_shapes_table_gemms(fmt, nk):
             y, dx = fwd(x, *args), bwd(dy, *args)
         slow = [str(w.message) for w in seen if "surogate::" in str(w.message)]
         assert not slow, f"{fmt} [{n}, {k}] M={m} left the fast path: {slow}"
-        plan = paths.plan_for(fmt, x, n, k)  # what the ops just decided (warnings are once per reason)
+        plan = paths.plan_for(fmt, x, n, k, fp8_weight_only=False)  # what the ops just decided (warnings: once)
         assert plan.fast, f"{fmt} [{n}, {k}] M={m}: {plan}"
         assert y.shape == (m, n) and dx.shape == (m, k) and y.dtype == dx.dtype == torch.bfloat16
-        if fmt == "fp8" and not F.fp8_linear_weight_only(n, k):
-            assert plan.path == paths.FP8_BLOCK
+        if fmt == "fp8":
             xq, xs = F.quantize_fp8_tiles(x, 128)
             dq, ds = F.quantize_fp8_tiles(dy, 128)
             xr, dyr = F.dequantize_fp8_tiles(xq, xs, 128, torch.float32), F.dequantize_fp8_tiles(dq, ds, 128, torch.float32)
         else:
-            assert fmt != "fp8" or plan.path == paths.DENSE
             xr, dyr = x.float(), dy.float()
         yr, dxr = xr @ wref.t(), dyr @ wref
         assert sqnr(y, yr) > 40, f"{fmt} [{n}, {k}] M={m} forward SQNR {sqnr(y, yr):.1f} dB"
         assert sqnr(dx, dxr) > 40, f"{fmt} [{n}, {k}] M={m} dgrad SQNR {sqnr(dx, dxr):.1f} dB"
+
+
+@pytest.mark.parametrize("nk", [nk for nk in SHAPES_NK if F.fp8_linear_weight_only(nk[1], nk[0])],
+                         ids=lambda nk: f"{nk[0]}to{nk[1]}")
+def test_small_fp8_base_linears_are_weight_only(nk):
+    """The fp8 base linear of a weight below formats.FP8_WEIGHT_ONLY_MAX_PARAMS (SmolLM2's, Qwen2.5-0.5B's, Gemma-3-1B's
+    projections) is x @ deq(W)^T with x in bf16: the dense route (decode + cuBLAS), forward and input gradient, with
+    the bits of the CPU module (the same decode, a bf16 GEMM)."""
+    from surogate_hf.nn import FP8Linear
+
+    k, n = nk
+    lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(_weight(n, k))
+    cpu = FP8Linear.from_linear(lin)
+    gpu = FP8Linear.from_linear(lin).to(DEV)
+    for m in ODD_TOKENS:
+        assert gpu.gemm_path(m).path == paths.DENSE
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False)
+        dy = _rand((m, n), torch.bfloat16, seed=m + 1, spread=False)
+        xg = x.to(DEV).requires_grad_(True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            y = gpu(xg)
+            y.backward(dy.to(DEV))
+        assert not [str(w.message) for w in seen if "surogate" in str(w.message)]
+        wd = cpu.dequantize(torch.bfloat16).float()
+        assert sqnr(y, x.float() @ wd.t()) > 40 and sqnr(xg.grad, dy.float() @ wd) > 40
 
 
 FEW_TOKENS = (1, 5, 16, 17, 33, 64)

@@ -49,18 +49,20 @@ def _inputs(k=256, n=160):
     return torch.randn(3, 7, k, generator=g).bfloat16(), torch.randn(3, 7, n, generator=g).bfloat16()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_bf16_recipe_is_weight_only(fmt):
-    model, base = _base(fmt)
+@pytest.mark.parametrize("fmt", [*FORMATS, "fp8-w8a8"])
+def test_bf16_recipe_is_weight_only(fmt, monkeypatch):
+    if fmt == "fp8-w8a8":  # every fp8 base W8A8 (this small one is weight-only by formats.fp8_linear_weight_only)
+        monkeypatch.setattr(F.fp8, "FP8_WEIGHT_ONLY_MAX_PARAMS", 0)
+    model, base = _base(fmt.removesuffix("-w8a8"))
     x, dy = _inputs()
     before = _run(base, x, dy)
     R.apply_recipe(model, "bf16", model_dtype="bf16")
     y, dx = _run(base, x, dy)
     w = base.dequantize(torch.bfloat16)
-    if fmt == "fp8":  # W8A8 before; weight-only (bf16 activations) under the bf16 recipe
+    if fmt.startswith("fp8"):  # weight-only (bf16 activations) under the bf16 recipe; a W8A8 base differed before
         assert base.recipe_gemm.kind == "float"
         assert torch.equal(y, Fn.linear(x, w)) and torch.equal(dx, Fn.linear(dy, w.t()))
-        assert not torch.equal(y, before[0])
+        assert torch.equal(y, before[0]) == (fmt == "fp8")
     else:  # the format's own GEMM already is weight-only in bf16
         assert base.recipe_gemm.kind == "native"
         assert torch.equal(y, before[0]) and torch.equal(dx, before[1])
@@ -106,18 +108,26 @@ def test_fp8_blockwise_on_a_non_fp8_base(fmt):
     assert torch.equal(dx, torch.ops.surogate.fp8_block_linear_dgrad(dy, wq, ws, 128, 128))
 
 
+@pytest.mark.parametrize("small", [False, True])
 @pytest.mark.parametrize("scaling", ["delayed", "blockwise"])
-def test_fp8_recipes_keep_a_128x128_fp8_base_on_its_own_gemm(scaling):
-    """Its weight already is E4M3 in 128x128 blocks: no second quantization of it, its own W8A8 kernels, and no rows
-    of the delayed-scaling state."""
+def test_fp8_recipes_keep_a_128x128_fp8_base_on_its_own_gemm(scaling, small, monkeypatch):
+    """Its weight already is E4M3 in 128x128 blocks: no second quantization of it, the W8A8 block GEMM on its stored
+    blocks, and no rows of the delayed-scaling state. A base from 2M elements on runs its own linear, which is that
+    GEMM; a smaller one's own linear is weight-only (formats.fp8_linear_weight_only), so the recipe, which asks for
+    FP8 compute, calls the W8A8 op on the stored blocks itself."""
+    if not small:
+        monkeypatch.setattr(F.fp8, "FP8_WEIGHT_ONLY_MAX_PARAMS", 0)
     model, base = _base("fp8")
     x, dy = _inputs()
     before = _run(base, x, dy)
     R.apply_recipe(model, "fp8-hybrid", model_dtype="bf16", fp8_scaling=scaling)
-    assert base.recipe_gemm.kind == "native"
+    assert base.recipe_gemm.kind == ("fp8_stored" if small else "native")
     assert getattr(model, "surogate_fp8_state", None) is None and not hasattr(base, "fp8_rows")
     after = _run(base, x, dy)
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    q, s = base._tensors().values()
+    assert torch.equal(after[0], torch.ops.surogate.fp8_block_linear(x, q, s, 128, 128))
+    assert torch.equal(after[1], torch.ops.surogate.fp8_block_linear_dgrad(dy, q, s, 128, 128))
+    assert torch.equal(before[0], after[0]) != small and torch.equal(before[1], after[1]) != small
 
 
 @pytest.mark.parametrize("blocks", ["1d", "2d"])

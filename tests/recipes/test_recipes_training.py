@@ -311,7 +311,8 @@ def test_lora_adapters_keep_their_dtype_under_a_recipe_by_default():
     attn = pm.base_model.model.model.layers[0].self_attn
     a, b = attn.q_proj.lora_A["default"], attn.q_proj.lora_B["default"]
     assert type(a) is nn.Linear and type(b) is nn.Linear and a.weight.dtype == torch.float32
-    assert attn.q_proj.get_base_layer().recipe_gemm.kind == "native"  # a 128x128 fp8 base: its own W8A8 GEMMs
+    # a small 128x128 fp8 base: the W8A8 op on its stored blocks (its own linear is weight-only)
+    assert attn.q_proj.get_base_layer().recipe_gemm.kind == "fp8_stored"
     assert isinstance(attn.k_proj, R.RecipeLinear)
     # rows of the flat state: the dense linears only (2 layers x 5 dense x 3 roles; no adapters, no fp8 bases)
     assert pm.surogate_fp8_state.amax_history.shape[0] == 2 * 5 * 3

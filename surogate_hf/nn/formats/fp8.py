@@ -119,26 +119,34 @@ class FP8Format(Format):
         bn, bk, s = self._blocks(t, n, k)
         return ops.dequantize_fp8_blocks(t[""], s, bn, bk, dtype)
 
+    def weight_only(self, n, k) -> bool:
+        """A small 128x128-block weight: the linear keeps x in its dtype (formats.fp8_linear_weight_only). Other
+        block sizes and per-tensor scales keep the W8A8 math (they run the reference path on CUDA anyway)."""
+        return self.block_size == (128, 128) and F.fp8_linear_weight_only(n, k)
+
     def dequantize_traced(self, t, n, k, dtype):
         bn, bk, s = self._blocks(t, n, k)
         return F.dequantize_fp8_blocks(t[""], s, (bn, bk), dtype)
 
     def decodes_in_gemm(self, x, n, k):
-        # only a weight-only linear (formats.fp8_linear_weight_only) is a decode plus a GEMM; the W8A8 one also
-        # quantizes x, at every token count
-        return F.fp8_linear_weight_only(n, k)
+        # only a weight-only linear is a decode plus a GEMM; the W8A8 one also quantizes x, at every token count
+        return self.weight_only(n, k)
 
     def linear(self, x, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
+        if self.weight_only(n, k):
+            return torch.nn.functional.linear(x, ops.dequantize_fp8_blocks(t[""], s, bn, bk, x.dtype))
         if x.is_cuda:  # torch.compile graphs: the extension's C++ op when it applies
             y = _cuda.fp8_block_linear_native(x, t[""], s, bn, bk, False)
             if y is not None:
                 return y
-        # x in 1x128 tiles (or 1xK) as in the fine-grained recipe, or weight-only for a small weight (the op's spec)
+        # x in 1x128 tiles (or 1xK) as in the fine-grained recipe
         return ops.fp8_block_linear(x, t[""], s, bn, bk)
 
     def dgrad(self, dy, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
+        if self.weight_only(n, k):
+            return dy @ ops.dequantize_fp8_blocks(t[""], s, bn, bk, dy.dtype)
         if dy.is_cuda:
             dx = _cuda.fp8_block_linear_native(dy, t[""], s, bn, bk, True)
             if dx is not None:
@@ -147,6 +155,8 @@ class FP8Format(Format):
 
     def cuda_plan(self, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
+        if self.weight_only(n, k):
+            return _cuda.plan_fp8_weight_only(t[""], s, bn, bk)
         return _cuda.plan_fp8(t[""], s, bn, bk)
 
     def bytes_per_param(self):
