@@ -128,13 +128,24 @@ def fp8_block_linear_dgrad(dy, w, w_scale_inv, block_n, block_k, wt_scales_mm=No
     return dx if dy.dim() == 2 else dx.reshape(*dy.shape[:-1], k)
 
 
+def _dense_weight(op, a, w, w_scale_inv, block_n, block_k):
+    """The decoded weight of a weight-only fp8 base linear in a's dtype: the Triton decode where paths.plan_gemm plans
+    the dense route, else (a GPU or dtype it does not take) the reference decode, said once."""
+    n, k = w.shape
+    plan = paths.plan_for("fp8", a, n, k, block_size=(block_n, block_k))
+    if plan.path == paths.DENSE:
+        return TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, a.dtype)
+    warn_once(op, f"surogate_hf: the weight-only fp8 linear decodes its weight with the reference ops: {plan.reason}")
+    return F.dequantize_fp8_blocks(w, w_scale_inv, (block_n, block_k), a.dtype)
+
+
 def dense_linear(x, w, w_scale_inv, block_n, block_k):
     """x @ deq(W)^T, the fp8 base linear of a weight-only (small) weight: decoded to x's dtype, then cuBLAS."""
-    return Fn.linear(x, TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, x.dtype))
+    return Fn.linear(x, _dense_weight("fp8_dense_linear", x, w, w_scale_inv, block_n, block_k))
 
 
 def dense_linear_dgrad(dy, w, w_scale_inv, block_n, block_k):
-    return dy @ TQ.dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, dy.dtype)
+    return dy @ _dense_weight("fp8_dense_linear_dgrad", dy, w, w_scale_inv, block_n, block_k)
 
 
 def _planned_fwd(x, w, w_scale_inv, block_n, block_k, ws_mm, wts_mm):

@@ -156,6 +156,16 @@ def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: 
         if block_size is None or tuple(block_size) != (128, 128):
             what = "per-tensor scaling" if block_size is None else f"block size {block_size[0]}x{block_size[1]}"
             return GemmPath(REFERENCE, f"{what} (cuBLASLt block scaling is 128x128)")
+        if fp8_weight_only and fp8_linear_weight_only(n, k):
+            # the fp8 base linear of a small weight is weight-only: the Triton decode (fp8e4nv loads: SM89+), cuBLAS
+            if not triton:
+                return GemmPath(REFERENCE, "triton is not installed (pip install triton)")
+            if dtype not in _WEIGHT_ONLY_DTYPES:
+                return GemmPath(REFERENCE, f"activation dtype {dtype} (needs bf16, fp16 or fp32)")
+            if cap < (8, 9):
+                return GemmPath(REFERENCE, f"the Triton fp8 decode needs compute capability >= 8.9, this GPU has "
+                                           f"{cap[0]}.{cap[1]}")
+            return GemmPath(DENSE, "")
         if dtype != torch.bfloat16:
             return GemmPath(REFERENCE, f"activation dtype {dtype} (block-scaled scaled_mm writes bf16)")
         if cap < (9, 0):
@@ -164,8 +174,6 @@ def plan_gemm(fmt: str, m: int, k: int, n: int, dtype: torch.dtype, capability: 
         if not blockwise_scaled_mm:
             return GemmPath(REFERENCE, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm "
                                        "(block-scaled FP8 needs torch >= 2.10)")
-        if fp8_weight_only and fp8_linear_weight_only(n, k) and triton:
-            return GemmPath(DENSE, "")
         pad_n, pad_k = fp8_pads(n, k)
         return GemmPath(FP8_BLOCK, "", pad_k=pad_k, pad_n=pad_n)
     # nvfp4 / mxfp4 / nf4: Triton kernels

@@ -40,8 +40,15 @@ def test_fp8_small_weights_take_the_dense_route_at_every_token_count():
             assert plan(m, k, n) == P.DENSE, (m, k, n)
         for k, n in ((2048, 2048), (896, 4864), (4096, 1024), (4096, 14336)):
             assert plan(m, k, n) == P.FP8_BLOCK, (m, k, n)
-    # dense needs the Triton decode; without Triton a small fp8 weight keeps the block GEMM (torch's scaled_mm)
-    assert P.plan_gemm("fp8", 8, 576, 576, torch.bfloat16, SM90, blockwise_scaled_mm=True, triton=False).path == P.FP8_BLOCK
+    # the weight-only route takes more than the W8A8 one (fp16 / fp32 activations, SM89) and needs the Triton decode
+    assert plan(8, 576, 576) == P.DENSE
+    assert P.plan_gemm("fp8", 8, 576, 576, torch.float16, SM90).path == P.DENSE
+    assert P.plan_gemm("fp8", 8, 576, 576, torch.bfloat16, (8, 9), blockwise_scaled_mm=False).path == P.DENSE
+    assert "8.9" in P.plan_gemm("fp8", 8, 576, 576, torch.bfloat16, (8, 0)).reason
+    assert "triton" in P.plan_gemm("fp8", 8, 576, 576, torch.bfloat16, SM90, triton=False).reason
+    # the W8A8 ops ask for their own path: the block GEMM at any size
+    assert P.plan_gemm("fp8", 8, 576, 576, torch.bfloat16, SM90, blockwise_scaled_mm=True,
+                       fp8_weight_only=False).path == P.FP8_BLOCK
 
 
 @pytest.mark.parametrize("fmt", P.FORMATS)
@@ -66,13 +73,14 @@ def test_modules_ask_the_same_function():
 
 def test_reference_only_where_no_kernel_exists():
     bf16 = torch.bfloat16
+    # fp8: a weight from 2M elements on (W8A8; a smaller one is weight-only, see the test above)
     assert P.plan_gemm("nvfp4", 7, 576, 192, bf16, None).reason.startswith("no CUDA device")
-    why = P.plan_gemm("fp8", 7, 576, 192, bf16, (8, 0), blockwise_scaled_mm=True).reason
+    why = P.plan_gemm("fp8", 7, 2048, 1024, bf16, (8, 0), blockwise_scaled_mm=True).reason
     assert "9.0" in why and "8.0" in why
-    assert "dtype" in P.plan_gemm("fp8", 7, 576, 192, torch.float16, SM90, blockwise_scaled_mm=True).reason
-    assert "scaled_mm" in P.plan_gemm("fp8", 7, 576, 192, bf16, SM90, blockwise_scaled_mm=False).reason
-    assert "64x64" in P.plan_gemm("fp8", 7, 576, 192, bf16, SM90, block_size=(64, 64), blockwise_scaled_mm=True).reason
-    assert "per-tensor" in P.plan_gemm("fp8", 7, 576, 192, bf16, SM90, block_size=None).reason
+    assert "dtype" in P.plan_gemm("fp8", 7, 2048, 1024, torch.float16, SM90, blockwise_scaled_mm=True).reason
+    assert "scaled_mm" in P.plan_gemm("fp8", 7, 2048, 1024, bf16, SM90, blockwise_scaled_mm=False).reason
+    assert "64x64" in P.plan_gemm("fp8", 7, 2048, 1024, bf16, SM90, block_size=(64, 64), blockwise_scaled_mm=True).reason
+    assert "per-tensor" in P.plan_gemm("fp8", 7, 2048, 1024, bf16, SM90, block_size=None).reason
     assert "triton" in P.plan_gemm("mxfp4", 7, 576, 192, bf16, SM90, triton=False).reason
     assert "float64" in P.plan_gemm("nf4", 7, 576, 192, torch.float64, SM90).reason
     assert "7.5" in P.plan_gemm("mxfp4", 7, 576, 192, bf16, (7, 5)).reason
