@@ -231,3 +231,42 @@ def test_mostly_small_fp8_linears_warn_with_the_knob_to_use():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*fp8_skip_small_linears=True")
         R.apply_recipe(LlamaForCausalLM(cfg), "fp8-hybrid", fp8_skip_small_linears=True)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("scaling", ["delayed", "blockwise"])
+def test_fp8_lm_head_puts_the_output_projection_in_fp8(tied, scaling):
+    """fp8_lm_head=True makes lm_head an FP8 RecipeLinear over the same Parameter (a tied embedding stays tied, the
+    state_dict keys do not change) with rows of its own in the delayed-scaling state; it trains, the embedding of a
+    tied model gets the output projection's gradient; off by default; FP8 matmuls only."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import surogate_hf.recipes as R
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=96, max_position_embeddings=64, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg)
+    keys = list(ref.state_dict())
+    plain = R.apply_recipe(LlamaForCausalLM(cfg), "fp8-hybrid", fp8_scaling=scaling)
+    assert type(plain.lm_head) is torch.nn.Linear  # off by default
+    m = LlamaForCausalLM(cfg)
+    m.load_state_dict(ref.state_dict())
+    m = R.apply_recipe(m, "fp8-hybrid", fp8_lm_head=True, fp8_scaling=scaling, master_dtype="fp32")
+    assert isinstance(m.lm_head, R.RecipeLinear) and m.lm_head.quantize
+    assert (m.lm_head.weight is m.model.embed_tokens.weight) == tied
+    assert [k for k in m.state_dict() if not k.startswith("surogate_fp8_state.")] == keys
+    assert list(m.state_dict()) == list(plain.state_dict())  # (the recipe state of either: amax histories, scales)
+    if scaling == "delayed":  # 2 layers x 7 linears + lm_head, 3 rows each
+        assert m.surogate_fp8_state.amax_history.shape[0] == (2 * 7 + 1) * 3
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = m(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and m.lm_head.weight.grad is not None and m.lm_head.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+    assert abs(loss.item() - ref_loss.item()) < 0.05 * ref_loss.item()
+    for recipe, knobs, match in (("nvfp4", {}, "FP8 recipe knob"), ("bf16", {}, "needs FP8 matmuls")):
+        with pytest.raises(ValueError, match=match):
+            RecipeConfig.from_recipe_name(recipe, fp8_lm_head=True, **knobs)
+    assert RecipeConfig.from_dict(RecipeConfig.from_recipe_name("fp8-hybrid", fp8_lm_head=True).to_dict()).fp8_lm_head
