@@ -209,8 +209,6 @@ SETUPS = {
     "full_nvfp4": ("full fine-tune ours nvfp4 recipe, eager (Hopper: exact FP4 operands on bf16 tensor cores)",
                    lambda L: full(L, "nvfp4"), "full"),
     "full_fp8_compiled": ("full fine-tune ours fp8-hybrid, compiled layers", lambda L: full(L, "fp8-hybrid", True), "full"),
-    "full_fp8_compiled_lm_head": ("full fine-tune ours fp8-hybrid, fp8_lm_head=True (opt-in), compiled layers",
-                                  lambda L: full(L, "fp8-hybrid", True, knobs={"fp8_lm_head": True}), "full"),
     "full_nvfp4_compiled": ("full fine-tune ours nvfp4 recipe, compiled layers (Hopper: exact FP4 operands on bf16 "
                             "tensor cores)", lambda L: full(L, "nvfp4", True), "full"),
     "full_fp8_skip_small": ("full fine-tune ours fp8-hybrid, fp8_skip_small_linears (small projections in bf16), eager",
@@ -244,7 +242,6 @@ TARGETS = {
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_nvfp4_compiled": [("full_bf16_compiled", 0.8), ("full_nvfp4", 1.0)],
     "full_fp8_compiled": [("full_bf16_compiled", 1.15), ("full_torchao_compiled", 1.10), ("full_bf16", 1.15)],
-    "full_fp8_compiled_lm_head": [("full_bf16_compiled", 1.15), ("full_torchao_compiled", 1.10), ("full_fp8_compiled", 1.0)],
     "full_fp8_blockwise": [("full_bf16", 1.15), ("full_fp8", 1.0)],
     "full_fp8_blockwise_compiled": [("full_bf16_compiled", 1.15), ("full_fp8_compiled", 1.0)],
 }

@@ -33,7 +33,6 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-fp8-hybrid           apply_recipe("fp8-hybrid"), fp32 masters (per-tensor delayed scaling)
     full-fp8-blockwise        apply_recipe("fp8-hybrid", fp8_scaling="blockwise"): DeepSeek-V3's 1x128 / 128x128 tiles
     full-fp8-{margin1,bf16grad}   fp8-hybrid with margin 1; E4M3 forward GEMMs with bf16 backward GEMMs (ablation)
-    full-fp8-lmhead           fp8-hybrid with fp8_lm_head=True: the (tied) output projection in FP8 too
     full-nvfp4                apply_recipe("nvfp4"), fp32 masters (by default the first block and the last two
                               stay in bf16: recipes.config.NVFP4_BF16_ENDS)
     full-nvfp4-{no46,nosr,norht,allfp4}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
@@ -88,7 +87,6 @@ FULL_SETUPS = {
     "full-fp8-blockwise": ("fp8-hybrid", {"fp8_scaling": "blockwise"}),
     "full-fp8-margin1": ("fp8-hybrid", {"margin": 1}),
     "full-fp8-bf16grad": ("bf16", {"matmul_dtype": "e4m3", "gradient_dtype": "bf16"}),
-    "full-fp8-lmhead": ("fp8-hybrid", {"fp8_lm_head": True}),
     "full-nvfp4": ("nvfp4", {}),
     "full-nvfp4-no46": ("nvfp4", {"four_over_six": False}),
     "full-nvfp4-nosr": ("nvfp4", {"no_fp4_stochastic_rounding": True}),

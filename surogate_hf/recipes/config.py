@@ -37,7 +37,7 @@ _DTYPE_ALIASES = {
 }
 # Knobs that only mean something under one recipe: passing them to another is a mistake, not a no-op.
 _FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", "fp8_fast_accum", "fp8_scaling",
-              "fp8_skip_small_linears", "fp8_lm_head")
+              "fp8_skip_small_linears")
 # fp8_skip_small_linears: a linear stays in model_dtype when in_features <= 1024 and out_features <= 4096
 FP8_SMALL_LINEAR = (1024, 4096)
 _DELAYED_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
@@ -94,11 +94,6 @@ class RecipeConfig:
     # (FP8_SMALL_LINEAR; torchao's tensorwise auto-filter thresholds, from H100 measurements). On a 576-wide model
     # every projection but down_proj stays in model_dtype
     fp8_skip_small_linears: bool = False
-    # the output projection (lm_head, tied or not) gets the FP8 GEMMs too. Off by default, as in Transformer Engine's
-    # and torchao's recipes and DeepSeek-V3 (the output head stays in higher precision). At the Qwen3-1.7B shape its
-    # vocabulary-wide GEMM is ~11% of a compiled step: FP8 takes its fwd+bwd from 22.0 to 14.5 ms (H200, 8192 tokens);
-    # the quality cost is in docs/recipes.md
-    fp8_lm_head: bool = False
     # nvfp4
     four_over_six: bool = True
     four_over_six_rule: str = "mse"
@@ -175,12 +170,9 @@ class RecipeConfig:
                         f"{knob} is a delayed-scaling knob; fp8_scaling='blockwise' scales every tile by its own "
                         "amax (no history), drop it"
                     )
-        for knob in ("fp8_fast_accum", "fused_norms", "quantize_lora_adapters", "fp8_skip_small_linears", "fp8_lm_head"):
+        for knob in ("fp8_fast_accum", "fused_norms", "quantize_lora_adapters", "fp8_skip_small_linears"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
-        if self.fp8_lm_head and not self.uses_fp8():
-            raise ValueError(f"fp8_lm_head=True needs FP8 matmuls (matmul_dtype='e4m3'); recipe={self.recipe!r} runs its "
-                             f"matmuls in {self.resolved_matmul_dtype()}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
         if self.fp4_weight_blocks not in FP4_WEIGHT_BLOCKS:

@@ -399,7 +399,7 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     same hook, and the same module selection, as SurogateConfig's quantizer: nn.convert.module_plan).
 
     Plain nn.Linear layers inside the transformer blocks get the recipe; embeddings, the attention core and lm_head
-    (lm_head too with fp8_lm_head=True; and `modules_to_not_convert`, and the first / last `skip_quant_*_layers` blocks; nvfp4 by default keeps ~16% of
+    (and `modules_to_not_convert`, and the first / last `skip_quant_*_layers` blocks; nvfp4 by default keeps ~16% of
     the blocks, config.NVFP4_BF16_ENDS) stay in model_dtype. With
     fused_norms (default) recognised transformers RMSNorms become recipes.norm.FusedRMSNorm (same weight and key,
     same formula, fused kernels, FP8 hand-off). Quantized QLoRA bases (nn.linear.QuantizedLinear) keep their
@@ -455,11 +455,6 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
         if cfg.fp8_skip_small_linears and cfg.uses_fp8() else (lambda m: False)
     targets = [(name, m, why is None and m is not out_emb and not small(m)) for name, m, why in plan
                if cfg.quantize_lora_adapters or not _is_lora_adapter(name)]
-    if cfg.fp8_lm_head:  # the output projection too (it is outside the decoder layers module_plan walks)
-        if type(out_emb) is not nn.Linear:
-            raise ValueError(f"fp8_lm_head=True: the model's output embedding (get_output_embeddings()) is "
-                             f"{type(out_emb).__name__}, not a plain nn.Linear")
-        targets.append((next(n for n, m in model.named_modules() if m is out_emb), out_emb, True))
     if cfg.uses_fp8() and not cfg.fp8_skip_small_linears:
         advice = small_fp8_linears_advice([(m.in_features, m.out_features) for _, m, q in targets if q])
         if advice:
