@@ -160,6 +160,9 @@ class SurogateLoraLinear(lora_layer.Linear):
         active = [name for name in self.active_adapters if name in self.lora_A]
         lead = x.shape[:-1]
         x2d = carry_handoff(x, x.reshape(-1, x.shape[-1]))  # a recipe's FP8 base still finds its norm's cast
+        fused = self._decoded_fused(x2d, active, args, kwargs)
+        if fused is not None:
+            return fused if x.dim() == 2 else fused.view(*lead, fused.shape[-1])
         result = self.base_layer(x2d, *args, **kwargs)
         # compute in the activation dtype: masters are cast per call (differentiably), never x upcast to fp32
         cd = x.dtype
@@ -173,6 +176,26 @@ class SurogateLoraLinear(lora_layer.Linear):
                 result = result + h * self.scaling[name]
             result = result.to(out_dtype)
         return result if x.dim() == 2 else result.view(*lead, result.shape[-1])
+
+    def _decoded_fused(self, x2d, active, args, kwargs):
+        """The base GEMM and the one active adapter in one call of the extension's C++ op (surogate::ext_decoded_linear:
+        the weight's decode, the GEMMs and the adapter's epilogue, and all of the backward, with no Python per layer
+        in the backward), where the quantized base takes its decode + GEMM route for x; None otherwise. The math is
+        this layer's unfused path's (same aten calls), except that the input gradient adds the adapter's term inside
+        one addmm instead of the autograd engine's separate add."""
+        base = self.get_base_layer()
+        if (len(active) != 1 or args or kwargs or not self._quantized_base or not self._fusable(active[0])
+                or base._forward_hooks or base._forward_pre_hooks):  # hooks on the base would be skipped
+            return None
+        route = base.decoded_route(x2d)
+        if route is None:
+            return None
+        name = active[0]
+        dropout = self.lora_dropout[name]
+        x_lora = None if isinstance(dropout, nn.Identity) else dropout(x2d)
+        op, w, s, g, levels, fmt, n, k, block = route
+        return op(x2d, x_lora, w, s, g, levels, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                  float(self.scaling[name]), fmt, n, k, block)
 
     def _fusable(self, name: str) -> bool:
         a, b = self.lora_A[name], self.lora_B[name]

@@ -244,28 +244,57 @@ def nf4_linear_dgrad(dy, packed, absmax, code, block_size, out_features, in_feat
 # ---------------------------------------------------------------- GEMM plans (module hot path)
 # A frozen layer's CUDA forward / dgrad with their arguments prepared once: nn.QuantizedLinear calls
 # these directly on CUDA (outside torch.compile), skipping the custom-op dispatch on every call. They
-# are the very functions registered for the ops, so the numerics are the ops'.
+# are the very functions registered for the ops, so the numerics are the ops'. The fourth item of each plan is the
+# weight's operands for the extension's C++ decode + GEMM op (surogate::ext_decoded_linear), or None where that op
+# cannot take them: see decode_operands.
+def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
+    """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
+    ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
+    operands they would refuse; None when they do not fit (another layout or device)."""
+    from ..ops.ext import DECODE_FORMATS
+
+    fmt = DECODE_FORMATS.index(fmt_name)
+    four_bit = fmt_name != "fp8"
+    scale_count = {"nvfp4": n * k // 16, "mxfp4": n * k // 32, "nf4": n * k // max(block, 1),
+                   "fp8": -(-n // block) * -(-k // block)}[fmt_name]
+    dev = w.device
+    ok = (w.is_cuda and w.is_contiguous() and w.element_size() == 1 and w.numel() == (n * k // 2 if four_bit else n * k)
+          and scales.device == dev and scales.is_contiguous() and scales.numel() == scale_count
+          and scales.element_size() == (4 if fmt_name in ("nf4", "fp8") else 1)
+          and (fmt_name != "nvfp4" or (gscale is not None and gscale.device == dev and gscale.dtype == torch.float32
+                                       and gscale.numel() == 1))
+          and (fmt_name != "nf4" or (levels is not None and levels.device == dev and levels.is_contiguous()
+                                     and levels.dtype == torch.float32 and levels.numel() == 16)))
+    return (w, scales, gscale, levels, fmt, n, k, block) if ok else None
+
+
 def plan_fp8(w, w_scale_inv, block_n, block_k):
-    return _fp8().plan_block_linear(w, w_scale_inv, block_n, block_k)
+    return (*_fp8().plan_block_linear(w, w_scale_inv, block_n, block_k), None)  # W8A8: no decode route
 
 
 def plan_fp8_weight_only(w, w_scale_inv, block_n, block_k):
     """The fp8 base linear of a small 128x128-block weight (formats.fp8_linear_weight_only): decode + cuBLAS."""
     g = _fp8()
-    return g.dense_linear, g.dense_linear_dgrad, (w, w_scale_inv, block_n, block_k)
+    n, k = w.shape
+    return (g.dense_linear, g.dense_linear_dgrad, (w, w_scale_inv, block_n, block_k),
+            decode_operands("fp8", w, w_scale_inv, None, None, n, k, block_n) if block_n == block_k else None)
 
 
 def plan_nvfp4(packed, block_scale, global_scale):
-    return nvfp4_linear, nvfp4_linear_dgrad, (packed, block_scale, global_scale)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    return (nvfp4_linear, nvfp4_linear_dgrad, (packed, block_scale, global_scale),
+            decode_operands("nvfp4", packed, block_scale, global_scale, None, n, k, 16))
 
 
 def plan_mxfp4(packed, scales):
-    return mxfp4_linear, mxfp4_linear_dgrad, (packed, scales)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    return mxfp4_linear, mxfp4_linear_dgrad, (packed, scales), decode_operands("mxfp4", packed, scales, None, None, n, k, 32)
 
 
 def plan_nf4(packed, absmax, code, block_size, out_features, in_features):
     args = (packed, absmax.float().contiguous(), code.float().contiguous(), block_size, out_features, in_features)
-    return nf4_linear, nf4_linear_dgrad, args
+    return (nf4_linear, nf4_linear_dgrad, args,
+            decode_operands("nf4", packed, args[1], None, args[2], out_features, in_features, block_size))
 
 
 def _fp8_native_ok(dtype, n, k, block_n, block_k, device_index) -> bool:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import paths as _paths
+from ..ops._warn import warn_once
 from . import slots as S
 from .formats import FORMAT_CLASSES, FP8Format, Format, MXFP4Format, NF4Format, NVFP4Format, make_format
 from .formats.base import QUANTIZE_CHUNK_ELEMENTS, _row_chunks  # noqa: F401  (their home: nn/formats/base.py)
@@ -64,7 +65,7 @@ class GemmPlan:
     (loading, `.to(device)`) or writing into one in place rebuilds it. Sources are held weakly so a
     plan never keeps replaced buffers alive."""
 
-    __slots__ = ("refs", "versions", "fwd", "dgrad", "args")
+    __slots__ = ("refs", "versions", "fwd", "dgrad", "args", "decoded")
 
     def valid_for(self, sources: tuple[Tensor, ...]) -> bool:
         refs = self.refs
@@ -84,7 +85,7 @@ def gemm_plan(cache: dict, key, sources: tuple[Tensor, ...], build) -> GemmPlan:
     plan = GemmPlan()
     plan.refs = tuple(weakref.ref(s) for s in sources)
     plan.versions = tuple(s._version for s in sources)
-    plan.fwd, plan.dgrad, plan.args = build()
+    plan.fwd, plan.dgrad, plan.args, plan.decoded = build()
     cache[key] = plan
     return plan
 
@@ -112,6 +113,27 @@ class PlannedLinearFunction(torch.autograd.Function):
             plan = ctx.plan
             dx = plan.dgrad(dy.contiguous(), *plan.args)
         return dx, None
+
+
+_DECODED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_decoded_linear_op = None  # the extension's surogate::ext_decoded_linear once looked up, False without the extension
+
+
+def decoded_linear_op():
+    """surogate::ext_decoded_linear (the decode + GEMM route, forward and backward in C++) when the CUDA extension is
+    loaded, else None: the route then runs the Python plan with the Triton decode, and says so once."""
+    global _decoded_linear_op
+    if _decoded_linear_op is None:
+        from ..kernels import ext
+
+        if ext.load(build=False) is not None:
+            _decoded_linear_op = torch.ops.surogate.ext_decoded_linear.default
+        else:
+            _decoded_linear_op = False
+            warn_once("decoded_linear_ext", "surogate_hf: quantized linears on the decode + GEMM route run it from Python "
+                      "with a Triton decode (about 2x the host time per layer of the extension's C++ op, which decides "
+                      f"small models' step time); the CUDA extension is {ext.status()[1]}")
+    return _decoded_linear_op or None
 
 
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
@@ -274,7 +296,24 @@ class QuantizedLinear(nn.Linear):
         n, k = self.out_features, self.in_features
         return gemm_plan(cache, None, self._slot_sources(), lambda: self.fmt.cuda_plan(self._tensors(), n, k))
 
+    def decoded_route(self, x: Tensor):
+        """(op, w, scales, gscale, levels, fmt, n, k, block) when this layer's GEMM of x is the extension's C++ decode +
+        GEMM op (surogate::ext_decoded_linear: CUDA x outside torch.compile, no training recipe on this base, the format's
+        decode route for x's token count, the extension loaded), else None. SurogateLoraLinear fuses its adapter into
+        the same call."""
+        if (not use_cuda_plan(x) or x.dtype not in _DECODED_DTYPES or self.__dict__.get("recipe_gemm") is not None
+                or not self.fmt.decodes_in_gemm(x, self.out_features, self.in_features)
+                or (self.bias is not None and self.bias.requires_grad)):  # the op treats the bias as frozen
+            return None
+        decoded = self._cuda_plan().decoded
+        op = decoded_linear_op() if decoded is not None else None
+        return None if op is None else (op, *decoded)
+
     def forward(self, x: Tensor) -> Tensor:
+        route = self.decoded_route(x)
+        if route is not None:
+            op, w, s, g, levels, fmt, n, k, block = route
+            return op(x, None, w, s, g, levels, self.bias, None, None, 1.0, fmt, n, k, block)
         # a training recipe's GEMMs for this frozen base (recipes.qlora.BaseRecipeGemm, set by apply_recipe); None:
         # the format's own GEMM is the recipe's
         recipe_gemm = self.__dict__.get("recipe_gemm")

@@ -63,6 +63,10 @@ _lib.define("ext_nvfp4_qdq(Tensor x, Tensor? amax, Tensor? signs, int axis, bool
 _lib.define("ext_nvfp4_gemm(Tensor a, Tensor b, Tensor ga, Tensor gb, Tensor? bias, ScalarType out_dtype) -> Tensor")
 _lib.define("ext_few_token_gemm(Tensor x, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, "
             "int nf4_block) -> Tensor")
+_lib.define("ext_dequantize(Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, int block, "
+            "ScalarType dtype) -> Tensor")
+_lib.define("ext_decoded_linear(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
+            "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block) -> Tensor")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
 
@@ -249,6 +253,118 @@ def _(x, w, scales, gscale, levels, fmt, n, k, nf4_block):
     return x.new_empty((x.shape[0], n))
 
 
+DECODE_FORMATS = ("nvfp4", "mxfp4", "nf4", "fp8")  # the int `fmt` of ext_dequantize / ext_decoded_linear indexes this
+
+
+def decode_reference(w: Tensor, scales: Tensor, gscale: Tensor | None, levels: Tensor | None, fmt: int, n: int, k: int,
+                     block: int, dtype: torch.dtype) -> Tensor:
+    """The dense [n, k] weight in dtype, by the formats' reference dequantization (fmt indexes DECODE_FORMATS):
+    nvfp4 w uint8 [n, k/2], scales E4M3 [n, k/16] (or their bytes), gscale the decode global; mxfp4 scales E8M0
+    [n, k/32]; nf4 w bitsandbytes-packed, scales the fp32 absmax of each `block` elements, levels its 16 values;
+    fp8 w E4M3 [n, k] (or its bytes), scales the fp32 scale_inv of block x block tiles."""
+    if fmt == 0:
+        s = scales if scales.dtype == torch.float8_e4m3fn else scales.view(torch.float8_e4m3fn)
+        return F.dequantize_nvfp4(w.reshape(n, k // 2), s.reshape(n, k // 16), gscale, dtype)
+    if fmt == 1:
+        return F.dequantize_mxfp4(w.reshape(n, k // 2), scales.reshape(n, k // 32), dtype)
+    if fmt == 2:
+        from ..formats.nf4 import dequantize_nf4_raw
+
+        return dequantize_nf4_raw(w, scales, levels, block, (n, k), dtype)
+    if fmt == 3:
+        q = w if w.dtype == torch.float8_e4m3fn else w.view(torch.float8_e4m3fn)
+        return F.dequantize_fp8_blocks(q.reshape(n, k), scales.reshape(-(-n // block), -(-k // block)), (block, block),
+                                       dtype)
+    raise ValueError(f"fmt must index {DECODE_FORMATS}, got {fmt}")
+
+
+@torch.library.impl(f"{NS}::ext_dequantize", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_dequantize(w: Tensor, scales: Tensor, gscale: Tensor | None, levels: Tensor | None, fmt: int, n: int, k: int,
+                    block: int, dtype: torch.dtype) -> Tensor:
+    """decode_reference; the CUDA kernel (csrc/weight_only/decode.cu) is bit-identical to it."""
+    return decode_reference(w, scales, gscale, levels, fmt, n, k, block, dtype).contiguous()
+
+
+@torch.library.register_fake(f"{NS}::ext_dequantize", lib=_lib)
+def _(w, scales, gscale, levels, fmt, n, k, block, dtype):
+    return w.new_empty((n, k), dtype=dtype)
+
+
+def _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling):
+    y = x2 @ wd.t()
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    h = None
+    if lora_a is not None:
+        h = xl2 @ lora_a.to(x2.dtype).t()
+        y = torch.addmm(y, h, lora_b.to(x2.dtype).t(), alpha=scaling)
+    return y, h
+
+
+@torch.library.impl(f"{NS}::ext_decoded_linear", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_decoded_linear(x: Tensor, x_lora: Tensor | None, w: Tensor, scales: Tensor, gscale: Tensor | None,
+                        levels: Tensor | None, bias: Tensor | None, lora_a: Tensor | None, lora_b: Tensor | None,
+                        scaling: float, fmt: int, n: int, k: int, block: int) -> Tensor:
+    """y = x deq(W)^T, then + bias (rounded in x's dtype), then, with an adapter, addmm(y, h, B^T, alpha=scaling) for
+    h = x_lora A^T (x_lora None: x itself); A and B cast to x's dtype. The weight is decode_reference's. Gradients flow
+    to x, x_lora, lora_a and lora_b (cast to their dtypes); the weight operands and bias are frozen. The C++ kernels
+    (csrc/weight_only/decoded_linear.cpp, forward and backward) run the same aten calls on the CUDA decode."""
+    if (lora_a is None) != (lora_b is None) or x.shape[-1] != k:
+        raise ValueError(f"ext_decoded_linear: x [..., {k}] and lora_a / lora_b together expected, got x "
+                         f"{tuple(x.shape)}, lora_a {lora_a is not None}, lora_b {lora_b is not None}")
+    wd = decode_reference(w, scales, gscale, levels, fmt, n, k, block, x.dtype)
+    x2 = x.reshape(-1, k)
+    xl2 = x2 if x_lora is None else x_lora.reshape(-1, k)
+    y, _ = _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@torch.library.register_fake(f"{NS}::ext_decoded_linear", lib=_lib)
+def _(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _decoded_linear_setup(ctx, inputs, output):
+    x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block = inputs
+    ctx.save_for_backward(x, x_lora, lora_a, lora_b)
+    ctx.weight = (w, scales, gscale, levels, fmt, n, k, block)
+    ctx.scaling = scaling
+
+
+def _decoded_linear_backward(ctx, dy):
+    """The reference backward (CPU, or CUDA without the extension), the math of the C++ one."""
+    x, x_lora, lora_a, lora_b = ctx.saved_tensors
+    w, scales, gscale, levels, fmt, n, k, block = ctx.weight
+    s, dt = ctx.scaling, dy.dtype
+    dy2 = dy.reshape(-1, n)
+    want_x, want_xl, want_a, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[7], \
+        ctx.needs_input_grad[8]
+    dx = dxl = da = db = dh = None
+    if lora_a is not None:
+        xl2 = (x if x_lora is None else x_lora).reshape(-1, k)
+        dh = (dy2 @ lora_b.to(dt)) * s
+        if want_a:
+            da = (dh.t() @ xl2).to(lora_a.dtype)
+        if want_b:
+            db = ((dy2.t() @ (xl2 @ lora_a.to(dt).t())) * s).to(lora_b.dtype)
+        if want_xl and x_lora is not None:
+            dxl = (dh @ lora_a.to(dt)).reshape(x_lora.shape)
+    if want_x:
+        d = dy2 @ decode_reference(w, scales, gscale, levels, fmt, n, k, block, dt)
+        if lora_a is not None and x_lora is None:
+            d = torch.addmm(d, dh, lora_a.to(dt))
+        dx = d.reshape(x.shape)
+    return dx, dxl, None, None, None, None, None, da, db, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{NS}::ext_decoded_linear", _decoded_linear_backward,
+                                setup_context=_decoded_linear_setup, lib=_lib)
+
+
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
 ext_fp8_cast_transpose_amax = torch.ops.surogate.ext_fp8_cast_transpose_amax.default
 ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
@@ -258,3 +374,5 @@ ext_nvfp4_amax = torch.ops.surogate.ext_nvfp4_amax.default
 ext_nvfp4_qdq = torch.ops.surogate.ext_nvfp4_qdq.default
 ext_nvfp4_gemm = torch.ops.surogate.ext_nvfp4_gemm.default
 ext_few_token_gemm = torch.ops.surogate.ext_few_token_gemm.default
+ext_dequantize = torch.ops.surogate.ext_dequantize.default
+ext_decoded_linear = torch.ops.surogate.ext_decoded_linear.default

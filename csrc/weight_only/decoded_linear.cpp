@@ -1,0 +1,215 @@
+// The decode + cuBLAS route of a frozen quantized linear as dispatcher ops with their autograd in C++:
+//
+//   surogate::ext_dequantize(w, scales, gscale?, levels?, fmt, n, k, block, dtype) -> W [n, k]
+//   surogate::ext_decoded_linear(x, x_lora?, w, scales, gscale?, levels?, bias?, lora_a?, lora_b?, scaling, fmt, n, k,
+//                                block) -> y = x deq(W)^T (+ bias) (+ scaling * (x_lora A^T) B^T)
+//
+// Why C++: at a small model's widths a layer's GEMMs take a few microseconds, so the step is bound by the host work per
+// layer. As a Python autograd.Function with a Triton decode, one frozen quantized linear (plus its LoRA adapter) cost
+// several times the host time of PEFT's bf16 lora.Linear per forward + backward. Here one dispatcher call does the
+// decode, the GEMMs and the adapter in the forward, and the backward runs without Python (or the GIL) at all.
+// The weight is decoded again for the input gradient, never kept: QLoRA's memory stays the packed weight.
+// Math (the Python reference, surogate_hf/ops/ext.py, states it too):
+//   forward   y = mm(x, W^T); y += bias; h = mm(x_lora, A^T); y = addmm(y, h, B^T, alpha=scaling)
+//   backward  dh = mm(dy, B) * scaling; dx = mm(dy, W) (+ mm(dh, A), summed into dx when x_lora is x);
+//             dA = mm(dh^T, x_lora); dB = mm(dy^T, h) * scaling, each cast to its parameter's dtype
+// A and B are cast to x's dtype (the adapters' masters may be fp32), as the Python LoRA path does.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+namespace surogate {
+void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
+                          const float* gscale, const float* levels, void* out, int out_dtype, int64_t n, int64_t k,
+                          int block, cudaStream_t stream);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+int out_dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: TORCH_CHECK(false, "ext_dequantize: dtype must be fp32, bf16 or fp16, got ", t);
+  }
+  return -1;
+}
+
+// The caller (surogate_hf.nn.linear, building a layer's plan) validated the operands once; these checks guard misuse.
+at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                             const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                             at::ScalarType dtype) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "ext_dequantize: fmt must be 0 (nvfp4), 1 (mxfp4), 2 (nf4) or 3 (fp8)");
+  TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 && w.numel() == (fmt == 3 ? n * k : n * k / 2),
+              "ext_dequantize: w must be contiguous one-byte CUDA data of the weight's size");
+  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.element_size() == (fmt >= 2 ? 4 : 1),
+              "ext_dequantize: scales must be contiguous (fp32 for nf4 / fp8, one byte for nvfp4 / mxfp4)");
+  TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->is_cuda() && gscale->scalar_type() == at::kFloat &&
+                           gscale->numel() == 1),
+              "ext_dequantize: nvfp4 needs its fp32 decode global on the GPU");
+  TORCH_CHECK(fmt != 2 || (levels.has_value() && levels->is_cuda() && levels->is_contiguous() &&
+                           levels->scalar_type() == at::kFloat && levels->numel() == 16 && block >= 1),
+              "ext_dequantize: nf4 needs its 16 fp32 levels and a block size");
+  const int code = out_dtype_code(dtype);
+  const at::cuda::CUDAGuard guard(w.device());
+  auto out = at::empty({n, k}, w.options().dtype(dtype));
+  const bool u8_scales = fmt <= 1;
+  surogate::launch_decode_weight(
+      (int)fmt, reinterpret_cast<const uint8_t*>(w.data_ptr()),
+      u8_scales ? reinterpret_cast<const uint8_t*>(scales.data_ptr()) : nullptr,
+      u8_scales ? nullptr : reinterpret_cast<const float*>(scales.data_ptr()),
+      fmt == 0 ? gscale->data_ptr<float>() : nullptr, fmt == 2 ? levels->data_ptr<float>() : nullptr, out.data_ptr(),
+      code, n, k, (int)block, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+c10::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; }
+
+struct Operands {
+  at::Tensor w, scales, gscale, levels;
+  int64_t fmt, n, k, block;
+  at::Tensor decode(at::ScalarType dtype) const {
+    return dequantize_weight(w, scales, opt(gscale), opt(levels), fmt, n, k, block, dtype);
+  }
+};
+
+// y [M, n] for x2 [M, k]; h (the adapter's [M, r] intermediate, needed by the backward) is set when lora_a is defined
+at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operands& op, const at::Tensor& bias,
+                      const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
+  const auto dt = x2.scalar_type();
+  at::Tensor y = at::mm(x2, op.decode(dt).t());
+  if (bias.defined()) y.add_(bias.to(dt));
+  if (lora_a.defined()) {
+    at::Tensor h = at::mm(xl2, lora_a.to(dt).t());
+    y.addmm_(h, lora_b.to(dt).t(), 1.0, scaling);
+    if (h_out) *h_out = h;
+  }
+  return y;
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  auto s = x.sizes().vec();
+  s.back() = n;
+  return s;
+}
+
+const at::Tensor& or_undef(const c10::optional<at::Tensor>& t) {
+  static const at::Tensor undefined;
+  return t.has_value() ? *t : undefined;
+}
+
+// Optional tensors go in as c10::optional: an absent one is no autograd input (no edge), so needs_input_grad indexes
+// only the present ones (x first, then x_lora, lora_a, lora_b where given).
+class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& x_lora,
+                            const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
+                            const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                            const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias,
+                            double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+    const at::cuda::CUDAGuard guard(x.device());
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // no graph is recorded in here: skip the autograd kernels
+    const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+    const bool lora = lora_a.has_value();
+    const at::Tensor x2 = x.reshape({-1, k});
+    const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
+    at::Tensor h;
+    at::Tensor y = forward_2d(x2, xl2, op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling, &h);
+    // the frozen operands are module-owned (never versioned by training): kept as plain references, like the
+    // Python plan path's; the activations go through save_for_backward (activation checkpointing sees them)
+    ctx->save_for_backward({lora ? xl2 : at::Tensor(), h, or_undef(lora_a), or_undef(lora_b)});
+    auto& d = ctx->saved_data;
+    d["w"] = w;
+    d["scales"] = scales;
+    if (gscale.has_value()) d["gscale"] = *gscale;
+    if (levels.has_value()) d["levels"] = *levels;
+    d["fmt"] = fmt;
+    d["n"] = n;
+    d["k"] = k;
+    d["block"] = block;
+    d["scaling"] = scaling;
+    d["x_shape"] = x.sizes().vec();
+    int64_t edge = 1;  // x is edge 0
+    d["edge_xl"] = x_lora.has_value() ? edge++ : int64_t(-1);
+    if (x_lora.has_value()) d["xl_shape"] = x_lora->sizes().vec();
+    d["edge_a"] = lora ? edge++ : int64_t(-1);
+    d["edge_b"] = lora_b.has_value() ? edge++ : int64_t(-1);
+    return at::_unsafe_view(y, out_shape(x, n));  // a fresh output, not a view of an intermediate
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(14);  // x, x_lora, lora_a, lora_b, then the frozen weight operands and the constants: none
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &xl2 = saved[0], &h = saved[1], &lora_a = saved[2], &lora_b = saved[3];
+    const auto& d = ctx->saved_data;
+    auto get = [&](const char* key) { auto it = d.find(key); return it == d.end() ? at::Tensor() : it->second.toTensor(); };
+    const Operands op{get("w"), get("scales"), get("gscale"), get("levels"), d.at("fmt").toInt(), d.at("n").toInt(),
+                      d.at("k").toInt(), d.at("block").toInt()};
+    const double scaling = d.at("scaling").toDouble();
+    auto wants = [&](const char* key) {
+      const int64_t e = d.at(key).toInt();
+      return e >= 0 && ctx->needs_input_grad(e);
+    };
+    const bool separate_xl = d.at("edge_xl").toInt() >= 0;
+    const bool want_x = ctx->needs_input_grad(0), want_xl = wants("edge_xl");
+    const bool want_a = wants("edge_a"), want_b = wants("edge_b");
+    const bool lora = lora_a.defined();
+    const at::cuda::CUDAGuard guard(dy.device());
+    const auto dt = dy.scalar_type();
+    const at::Tensor dy2 = dy.reshape({-1, op.n});
+
+    at::Tensor dh;
+    if (lora && (want_a || (want_x && !separate_xl) || want_xl)) dh = at::mm(dy2, lora_b.to(dt)).mul_(scaling);
+    if (want_x) {
+      at::Tensor dx = at::mm(dy2, op.decode(dt));
+      if (lora && !separate_xl) dx.addmm_(dh, lora_a.to(dt));
+      out[0] = at::_unsafe_view(dx, d.at("x_shape").toIntVector());
+    }
+    if (lora && want_xl) out[1] = at::_unsafe_view(at::mm(dh, lora_a.to(dt)), d.at("xl_shape").toIntVector());
+    if (lora && want_a) out[2] = at::mm(dh.t(), xl2).to(lora_a.scalar_type());
+    if (lora && want_b) out[3] = at::mm(dy2.t(), h).mul_(scaling).to(lora_b.scalar_type());
+    return out;
+  }
+};
+
+// AutogradCUDA: the whole forward and backward in C++
+at::Tensor decoded_linear_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w,
+                                   const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                                   const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias,
+                                   const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
+                                   double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear: lora_a and lora_b go together");
+  return DecodedLinear::apply(x, x_lora, lora_a, lora_b, w, scales, gscale, levels, bias, scaling, fmt, n, k, block);
+}
+
+// CUDA (below autograd: no-grad and inference-mode calls): the forward alone
+at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w,
+                               const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                               const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias,
+                               const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
+                               double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+  const at::cuda::CUDAGuard guard(x.device());
+  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+  const at::Tensor x2 = x.reshape({-1, k});
+  const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
+  return at::_unsafe_view(
+      forward_2d(x2, xl2, op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling, nullptr),
+      out_shape(x, n));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
+  m.impl("ext_dequantize", &dequantize_weight);
+  m.impl("ext_decoded_linear", &decoded_linear_cuda);
+}
+
+TORCH_LIBRARY_IMPL(surogate, AutogradCUDA, m) { m.impl("ext_decoded_linear", &decoded_linear_autograd); }
