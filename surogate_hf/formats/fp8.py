@@ -28,14 +28,16 @@ E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 FP8_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 
-# Below this many weight elements the FP8 linear keeps its activations in their own dtype. The W8A8 GEMM is several
-# kernels (the activation's tile quantization, padding to 128, cuBLASLt's block-scaled GEMM, an output slice) whose
-# fixed cost a small GEMM does not cover: on an H200 (CUDA-graph replay, 2048 and 8192 tokens) it ran SmolLM2-135M's
-# 576 / 192 / 1536 linears at 0.24-0.52x and Qwen2.5-0.5B's 896 x 896 at 0.8x of bf16 cuBLAS, and pays from ~4M
-# elements (2048 x 2048: 1.07-1.13x). Decoding the weight to bf16 costs 3 bytes per element on top of bf16's GEMM and
-# drops the activation's quantization error (benchmarks/results/shapes_fp8_dense.md). A rule of the weight's size
-# only, the same for every token count and device.
-FP8_WEIGHT_ONLY_MAX_PARAMS = int(os.environ.get("SUROGATE_HF_FP8_WEIGHT_ONLY_MAX_PARAMS", "2000000"))
+# Below this many weight elements the FP8 linear keeps its activations in their own dtype (weight-only: the weight
+# decoded to bf16, then cuBLAS; no activation quantization error). Per GEMM (H200, CUDA-graph replay,
+# benchmarks/results/shapes_fp8_dense.md) the W8A8 route (the activation's tile quantization, padding, cuBLASLt's
+# block-scaled GEMM) loses to it below ~4M elements (SmolLM2-135M's linears at 0.24-0.52x of bf16) and pays from there
+# (2048 x 2048: 1.07-1.13x). Whole QLoRA steps, since the weight-only route runs as one C++ op with its backward
+# (surogate::ext_decoded_linear), set the line higher (H200, bench_e2e.py, ratio to PEFT's bf16 LoRA step, all
+# weight-only against this split at 2M): SmolLM2-360M 0.96x vs 0.74x, Qwen2.5-0.5B 1.00x vs 0.94x, Qwen3-1.7B
+# 1.29x vs 1.31x (even), Llama-3.1-8B 1.15x vs 1.40x. So: weight-only below 16M elements (Llama-3.1-8B's 4096 x 4096
+# and up keep W8A8). A rule of the weight's size only, the same for every token count and device.
+FP8_WEIGHT_ONLY_MAX_PARAMS = int(os.environ.get("SUROGATE_HF_FP8_WEIGHT_ONLY_MAX_PARAMS", "16000000"))
 
 
 def fp8_linear_weight_only(n: int, k: int) -> bool:

@@ -33,12 +33,14 @@ def test_every_shapes_table_linear_is_planned_fast_on_sm90(fmt):
 
 def test_fp8_small_weights_take_the_dense_route_at_every_token_count():
     """The fp8 rule looks at the weight's size only (so a compiled graph's choice never depends on M): SmolLM2's and
-    Qwen2.5-0.5B's projections decode to bf16, the 2048- and 4096-wide ones keep the W8A8 block GEMM."""
+    Qwen2.5-0.5B's and Qwen3-1.7B's projections decode to bf16, Llama-3.1-8B's 4096 x 4096 and up keep the W8A8 block
+    GEMM (formats.FP8_WEIGHT_ONLY_MAX_PARAMS)."""
     plan = lambda m, k, n: P.plan_gemm("fp8", m, k, n, torch.bfloat16, SM90, blockwise_scaled_mm=True).path  # noqa: E731
     for m in TOKENS:
-        for k, n in ((576, 576), (576, 192), (1536, 576), (896, 896), (896, 128), (2880, 512)):
+        for k, n in ((576, 576), (576, 192), (1536, 576), (896, 896), (896, 128), (2880, 512), (2048, 2048),
+                     (896, 4864), (4096, 1024), (2048, 6144)):
             assert plan(m, k, n) == P.DENSE, (m, k, n)
-        for k, n in ((2048, 2048), (896, 4864), (4096, 1024), (4096, 14336)):
+        for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 5120)):
             assert plan(m, k, n) == P.FP8_BLOCK, (m, k, n)
     # the weight-only route takes more than the W8A8 one (fp16 / fp32 activations, SM89) and needs the Triton decode
     assert plan(8, 576, 576) == P.DENSE
@@ -73,14 +75,14 @@ def test_modules_ask_the_same_function():
 
 def test_reference_only_where_no_kernel_exists():
     bf16 = torch.bfloat16
-    # fp8: a weight from 2M elements on (W8A8; a smaller one is weight-only, see the test above)
+    # fp8: a weight from formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements on (W8A8; a smaller one is weight-only)
     assert P.plan_gemm("nvfp4", 7, 576, 192, bf16, None).reason.startswith("no CUDA device")
-    why = P.plan_gemm("fp8", 7, 2048, 1024, bf16, (8, 0), blockwise_scaled_mm=True).reason
+    why = P.plan_gemm("fp8", 7, 4096, 4096, bf16, (8, 0), blockwise_scaled_mm=True).reason
     assert "9.0" in why and "8.0" in why
-    assert "dtype" in P.plan_gemm("fp8", 7, 2048, 1024, torch.float16, SM90, blockwise_scaled_mm=True).reason
-    assert "scaled_mm" in P.plan_gemm("fp8", 7, 2048, 1024, bf16, SM90, blockwise_scaled_mm=False).reason
-    assert "64x64" in P.plan_gemm("fp8", 7, 2048, 1024, bf16, SM90, block_size=(64, 64), blockwise_scaled_mm=True).reason
-    assert "per-tensor" in P.plan_gemm("fp8", 7, 2048, 1024, bf16, SM90, block_size=None).reason
+    assert "dtype" in P.plan_gemm("fp8", 7, 4096, 4096, torch.float16, SM90, blockwise_scaled_mm=True).reason
+    assert "scaled_mm" in P.plan_gemm("fp8", 7, 4096, 4096, bf16, SM90, blockwise_scaled_mm=False).reason
+    assert "64x64" in P.plan_gemm("fp8", 7, 4096, 4096, bf16, SM90, block_size=(64, 64), blockwise_scaled_mm=True).reason
+    assert "per-tensor" in P.plan_gemm("fp8", 7, 4096, 4096, bf16, SM90, block_size=None).reason
     assert "triton" in P.plan_gemm("mxfp4", 7, 576, 192, bf16, SM90, triton=False).reason
     assert "float64" in P.plan_gemm("nf4", 7, 576, 192, torch.float64, SM90).reason
     assert "7.5" in P.plan_gemm("mxfp4", 7, 576, 192, bf16, (7, 5)).reason

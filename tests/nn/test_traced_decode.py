@@ -57,7 +57,7 @@ def test_fp8_decodes_in_the_graph_exactly_where_its_linear_is_weight_only(monkey
 
     q = _layer("fp8")
     few = torch.randn(8, 256, dtype=torch.bfloat16)
-    assert q.fmt.decodes_in_gemm(few, 96, 256) and not q.fmt.decodes_in_gemm(few, 2048, 1024)
+    assert q.fmt.decodes_in_gemm(few, 96, 256) and not q.fmt.decodes_in_gemm(few, 4096, 4096)
     calls = []
     real = q.fmt.linear
     monkeypatch.setattr(q.fmt, "linear", lambda *a: calls.append(1) or real(*a))

@@ -23,6 +23,14 @@ def _cases():
     p4, st = F.quantize_nf4(w)
     absmax, code = F.nf4_absmax(st), F.nf4_code()
     dy = torch.randn(6, 160, generator=g, dtype=torch.bfloat16)
+    # the decode + GEMM route's operands (ops.ext.DECODE_FORMATS order), one-byte codes and scales as uint8
+    dec = {"nvfp4": (nv[0], nv[1].view(torch.uint8), nv[2], None, 0, 16), "mxfp4": (mp, ms, None, None, 1, 32),
+           "nf4": (p4, absmax.float(), None, code.float(), 2, 64), "fp8": (wq.view(torch.uint8), ws, None, None, 3, 128)}
+
+    def grad(t):
+        return t.clone().requires_grad_(True)
+
+    lora_a, lora_b = torch.randn(8, 256, generator=g) * 0.1, torch.randn(160, 8, generator=g) * 0.1
     return [
         ("quantize_fp8_tensorwise", O.quantize_fp8_tensorwise, (x, torch.tensor(3.0), F.E4M3), ALL),
         ("quantize_fp8_tensorwise_e5m2", O.quantize_fp8_tensorwise, (x, torch.tensor(3.0), F.E5M2), ALL),
@@ -75,6 +83,16 @@ def _cases():
         ("ext_few_token_gemm_nvfp4", O.ext_few_token_gemm, (x, nv[0], nv[1], nv[2], None, 0, 160, 256, 64), NO_SCHEMA),
         ("ext_few_token_gemm_mxfp4", O.ext_few_token_gemm, (x, mp, ms, None, None, 1, 160, 256, 64), ALL),
         ("ext_few_token_gemm_nf4", O.ext_few_token_gemm, (x, p4, absmax, None, code, 2, 160, 256, 64), ALL),
+        *[(f"ext_dequantize_{f}", O.ext_dequantize, (*d[:4], d[4], 160, 256, d[5], torch.bfloat16), ALL)
+          for f, d in dec.items()],
+        ("ext_decoded_linear_base", O.ext_decoded_linear,
+         (grad(x), None, *dec["nf4"][:4], None, None, None, 1.0, 2, 160, 256, 64), ALL),
+        ("ext_decoded_linear_lora", O.ext_decoded_linear,
+         (grad(x.reshape(2, 3, 256)), None, *dec["nvfp4"][:4], torch.randn(160, dtype=torch.bfloat16), grad(lora_a),
+          grad(lora_b), 2.0, 0, 160, 256, 16), ALL),
+        ("ext_decoded_linear_lora_dropout", O.ext_decoded_linear,
+         (grad(x), grad(x * 0.5), *dec["fp8"][:4], None, grad(lora_a.bfloat16()), grad(lora_b.bfloat16()), 0.5, 3,
+          160, 256, 128), ALL),
         ("ext_fp8_block_gemm", O.ext_fp8_block_gemm, (x, wq[:128], mm_scales(ws[:1]), False, RECIPE_1X128, RECIPE_128X128),
          NO_SCHEMA),
         ("ext_fp8_block_gemm_dgrad", O.ext_fp8_block_gemm,
