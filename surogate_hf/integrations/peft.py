@@ -185,8 +185,8 @@ class SurogateLoraLinear(lora_layer.Linear):
         one addmm instead of the autograd engine's separate add."""
         base = self.get_base_layer()
         if (len(active) != 1 or args or kwargs or not self._quantized_base or not self._fusable(active[0])
-                or base._forward_hooks or base._forward_pre_hooks):  # hooks on the base would be skipped
-            return None
+                or base._forward_hooks or base._forward_pre_hooks or "forward" in base.__dict__):
+            return None  # (hooks on the base, or accelerate's forward wrapper, would be skipped)
         route = base.decoded_route(x2d)
         if route is None:
             return None

@@ -5,7 +5,7 @@ The references below define the numerics; GPU kernels register under the same na
   (backward) are quantized to E4M3 in 1x128 tiles along the GEMM's reduction dim, products
   accumulate in fp32, the output is in x's dtype. This is DeepSeek-V3's fine-grained recipe and what
   `torch.nn.functional.scaled_mm` runs block-scaled on Hopper. The fp8 base linear (nn FP8Format) takes
-  these ops from 2M weight elements on and the fp8 recipes always; a smaller base is weight-only
+  these ops from 16M weight elements on and the fp8 recipes always; a smaller base is weight-only
   (formats.fp8_linear_weight_only: dequantize_fp8_blocks, then a plain linear).
 - nvfp4, mxfp4, nf4: weight-only. The weight is decoded to x's dtype and multiplied with fp32
   accumulation (Hopper has no FP4 tensor cores: the kernels decode in registers, never into a dense

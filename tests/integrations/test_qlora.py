@@ -233,7 +233,7 @@ def test_merge_unmerge_and_merge_and_unload(tiny_dir, batch, fmt):
     err, err_q = rel(out, want), rel(out, ref)
     print(f"{fmt}: merge_and_unload max rel err {err:.2e} vs dense+adapter, {err_q:.2e} vs unmerged quantized")
     assert err <= 1e-5
-    # weight-only bases (every format here: this tiny model's fp8 weights are below 2M elements, so weight-only):
+    # weight-only bases (every format here: this tiny model's fp8 weights are below the weight-only threshold):
     # the unmerged quantized model computes the same product up to fp32 rounding. A W8A8 fp8 base would also round
     # activations to e4m3 (1x128 tiles), which no dense merge reproduces.
     assert err_q <= 1e-5

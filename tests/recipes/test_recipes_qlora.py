@@ -112,7 +112,7 @@ def test_fp8_blockwise_on_a_non_fp8_base(fmt):
 @pytest.mark.parametrize("scaling", ["delayed", "blockwise"])
 def test_fp8_recipes_keep_a_128x128_fp8_base_on_its_own_gemm(scaling, small, monkeypatch):
     """Its weight already is E4M3 in 128x128 blocks: no second quantization of it, the W8A8 block GEMM on its stored
-    blocks, and no rows of the delayed-scaling state. A base from 2M elements on runs its own linear, which is that
+    blocks, and no rows of the delayed-scaling state. A base from formats.FP8_WEIGHT_ONLY_MAX_PARAMS elements on runs its own linear, which is that
     GEMM; a smaller one's own linear is weight-only (formats.fp8_linear_weight_only), so the recipe, which asks for
     FP8 compute, calls the W8A8 op on the stored blocks itself."""
     if not small:
