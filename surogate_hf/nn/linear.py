@@ -296,6 +296,14 @@ class QuantizedLinear(nn.Linear):
         n, k = self.out_features, self.in_features
         return gemm_plan(cache, None, self._slot_sources(), lambda: self.fmt.cuda_plan(self._tensors(), n, k))
 
+    def _w8a8_plan(self) -> GemmPlan:
+        """FP8Format.w8a8_cuda_plan of this layer, cached like _cuda_plan (fp8 128x128-block bases only)."""
+        cache = self.__dict__.get("_gemm_plans")
+        if cache is None:
+            cache = self.__dict__["_gemm_plans"] = {}
+        n, k = self.out_features, self.in_features
+        return gemm_plan(cache, "w8a8", self._slot_sources(), lambda: self.fmt.w8a8_cuda_plan(self._tensors(), n, k))
+
     def decoded_route(self, x: Tensor):
         """(op, w, scales, gscale, levels, fmt, n, k, block) when this layer's GEMM of x is the extension's C++ decode +
         GEMM op (surogate::ext_decoded_linear: CUDA x outside torch.compile, no training recipe on this base, the format's

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import formats as F
+from ..nn.linear import planned_linear, use_cuda_plan
 from ..ops import linear as _linear_ops  # noqa: F401  (fp8_block_linear, fp8_block_linear_dgrad)
 from ..ops import quant as _quant_ops  # noqa: F401  (quantize_nvfp4)
 from ..ops import recipe as _recipe_ops  # fp8_scaled_mm, nvfp4_mm; below_autograd
@@ -262,6 +263,8 @@ class BaseRecipeGemm:
         elif self.kind == "blockwise":
             args = ()
         elif self.kind == "fp8_stored":
+            if use_cuda_plan(x):  # eager CUDA: the base's W8A8 plan, the kernels a larger fp8 base's own linear runs
+                return planned_linear(x, base._w8a8_plan())
             args = (tensors[""], tensors["_scale_inv"])
         elif self.kind == "nvfp4":
             sr = not self.cfg.no_fp4_stochastic_rounding
