@@ -250,7 +250,8 @@ def nf4_linear_dgrad(dy, packed, absmax, code, block_size, out_features, in_feat
 def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
     ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
-    operands they would refuse; None when they do not fit (another layout or device)."""
+    operands they would refuse (the route also checks that x is on w's device); None when they do not fit (another
+    layout, operands on different devices)."""
     from ..ops.ext import DECODE_FORMATS
 
     fmt = DECODE_FORMATS.index(fmt_name)
@@ -258,7 +259,7 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     scale_count = {"nvfp4": n * k // 16, "mxfp4": n * k // 32, "nf4": n * k // max(block, 1),
                    "fp8": -(-n // block) * -(-k // block)}[fmt_name]
     dev = w.device
-    ok = (w.is_cuda and w.is_contiguous() and w.element_size() == 1 and w.numel() == (n * k // 2 if four_bit else n * k)
+    ok = (w.is_contiguous() and w.element_size() == 1 and w.numel() == (n * k // 2 if four_bit else n * k)
           and scales.device == dev and scales.is_contiguous() and scales.numel() == scale_count
           and scales.element_size() == (4 if fmt_name in ("nf4", "fp8") else 1)
           and (fmt_name != "nvfp4" or (gscale is not None and gscale.device == dev and gscale.dtype == torch.float32

@@ -314,7 +314,7 @@ class QuantizedLinear(nn.Linear):
                 or (self.bias is not None and self.bias.requires_grad)):  # the op treats the bias as frozen
             return None
         decoded = self._cuda_plan().decoded
-        op = decoded_linear_op() if decoded is not None else None
+        op = decoded_linear_op() if decoded is not None and decoded[0].device == x.device else None
         return None if op is None else (op, *decoded)
 
     def forward(self, x: Tensor) -> Tensor:

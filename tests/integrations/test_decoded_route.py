@@ -1,0 +1,134 @@
+"""The decode + GEMM route's wiring on the CPU (the CUDA kernels are checked in tests/kernels/test_gpu_decoded_linear.py):
+the operands each format's plan hands surogate::ext_decoded_linear, and SurogateLoraLinear's fused call (base GEMM and
+adapter in one op) against its unfused path, with the ops' reference kernels and their Python autograd standing in for
+the C++ ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from surogate_hf.kernels.registry import decode_operands
+from surogate_hf.nn import linear as L
+
+FORMATS = ("nvfp4", "mxfp4", "nf4", "fp8")
+
+
+def _layer(fmt, n=192, k=576, bias=False):
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.mul_(3.0)
+        if bias:
+            lin.bias.normal_()
+    return L.LINEAR_CLASSES[fmt].from_linear(lin).requires_grad_(False)
+
+
+def _operands(layer):
+    n, k = layer.out_features, layer.in_features
+    if layer.quant_format == "fp8":  # (its plan needs Triton; the operands are the stored blocks)
+        t = layer._tensors()
+        return decode_operands("fp8", t[""], t["_scale_inv"], None, None, n, k, 128)
+    return layer.fmt.cuda_plan(layer._tensors(), n, k)[3]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_plan_operands_decode_to_the_layers_weight(fmt):
+    """Each format's plan gives the op operands whose decode is the layer's own dequantize(), bit for bit, and a
+    forward that matches the layer's (bias included)."""
+    layer = _layer(fmt, bias=True)
+    ops = _operands(layer)
+    assert ops is not None and ops[4] == FORMATS.index(fmt)
+    w, s, g, lv, code, n, k, block = ops
+    dense = torch.ops.surogate.ext_dequantize(w, s, g, lv, code, n, k, block, torch.bfloat16)
+    assert torch.equal(dense.view(torch.int16), layer.dequantize(torch.bfloat16).view(torch.int16))
+    x = torch.randn(3, 5, 576, dtype=torch.bfloat16)
+    y = torch.ops.surogate.ext_decoded_linear(x, None, w, s, g, lv, layer.bias, None, None, 1.0, code, n, k, block)
+    torch.testing.assert_close(y, layer(x), rtol=2e-2, atol=2e-2)
+
+
+def test_operands_that_do_not_fit_are_refused():
+    layer = _layer("nvfp4")
+    t = layer._tensors()
+    assert decode_operands("nvfp4", t[""], t["_scale"], None, None, 192, 576, 16) is None  # no decode global
+    assert decode_operands("nvfp4", t[""][:, ::2], t["_scale"], t["_scale_2"], None, 192, 576, 16) is None
+    assert decode_operands("nvfp4", t[""], t["_scale"][:-1], t["_scale_2"], None, 192, 576, 16) is None
+
+
+def _peft_model(fmt, dropout, bias):
+    from peft import LoraConfig, get_peft_model
+
+    from surogate_hf.integrations.peft import install_peft_dispatch, set_lora_dtype
+
+    install_peft_dispatch()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj = _layer(fmt, 384, 256, bias)
+            self.down_proj = _layer(fmt, 256, 384)
+
+        def forward(self, x):
+            return self.down_proj(torch.nn.functional.silu(self.up_proj(x)))
+
+    torch.manual_seed(1)
+    model = get_peft_model(Block(), LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, init_lora_weights="gaussian",
+                                               target_modules=["up_proj", "down_proj"]))
+    set_lora_dtype(model, torch.float32)
+    return model
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dropout,bias", [(0.0, False), (0.0, True), (0.2, False)])
+def test_fused_lora_call_matches_the_unfused_path(fmt, dropout, bias, monkeypatch):
+    """SurogateLoraLinear hands its base GEMM and adapter to one ext_decoded_linear call where the base takes the
+    decode route (forced here on CPU): the same loss and gradients as its unfused path (base layer, then the adapter's
+    addmm), dropout's mask included."""
+    x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
+    results = []
+    for fused in (False, True):
+        model = _peft_model(fmt, dropout, bias)
+        calls = []
+        if fused:
+            def route(self, x2d):
+                calls.append(1)
+                return (torch.ops.surogate.ext_decoded_linear.default, *_operands(self))
+
+            monkeypatch.setattr(L.QuantizedLinear, "decoded_route", route)
+        torch.manual_seed(5)  # the dropout draws
+        xg = x.clone().requires_grad_(True)
+        loss = model(xg).float().square().mean()
+        loss.backward()
+        if fused:
+            assert len(calls) == 2  # both layers took the fused call
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        assert grads and all(g.dtype == torch.float32 for g in grads.values())
+        results.append((loss.detach(), xg.grad, grads))
+    (l0, dx0, g0), (l1, dx1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(dx1.float(), dx0.float(), rtol=3e-2, atol=3e-3)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=3e-2, atol=3e-3, msg=name)
+
+
+def test_the_fused_call_is_skipped_where_it_would_change_behaviour(monkeypatch):
+    """A forward hook on the base layer keeps that layer unfused (the hook runs once, through the base's own call), and
+    the output is the unpatched model's."""
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    ref = _peft_model("nf4", 0.0, False)(x)
+    model = _peft_model("nf4", 0.0, False)
+    fused = []
+    real = L.QuantizedLinear.decoded_route
+
+    def route(self, x2d):
+        fused.append(self is model.base_model.model.down_proj.get_base_layer())
+        return (torch.ops.surogate.ext_decoded_linear.default, *_operands(self))
+
+    monkeypatch.setattr(L.QuantizedLinear, "decoded_route", route)
+    seen = []
+    model.base_model.model.up_proj.get_base_layer().register_forward_hook(lambda *a: seen.append(1))
+    torch.testing.assert_close(model(x), ref, rtol=2e-2, atol=2e-2)
+    assert seen == [1]
+    assert fused == [False, True]  # up_proj: its base's own forward (hook and all); down_proj: the fused call
+    monkeypatch.setattr(L.QuantizedLinear, "decoded_route", real)
