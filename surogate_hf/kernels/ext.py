@@ -36,6 +36,11 @@ def _built_library() -> Path:
     return build_dir() / f"{NAME}.so"
 
 
+def loaded() -> bool:
+    """Whether the extension is loaded in this process (an attribute read: callers on a hot path may ask per call)."""
+    return _module is not None
+
+
 def status() -> tuple[bool, str]:
     """(loaded, reason) without building anything."""
     if _module is not None:

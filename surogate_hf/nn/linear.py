@@ -121,9 +121,10 @@ _decoded_linear_op = None  # the extension's surogate::ext_decoded_linear once l
 
 def decoded_linear_op():
     """surogate::ext_decoded_linear (the decode + GEMM route, forward and backward in C++) when the CUDA extension is
-    loaded, else None: the route then runs the Python plan with the Triton decode, and says so once."""
+    loaded, else None: the route then runs the Python plan with the Triton decode, and says so once. (An extension
+    loaded later in the process, e.g. built by a test, is picked up: ext.status() then reads loaded.)"""
     global _decoded_linear_op
-    if _decoded_linear_op is None:
+    if _decoded_linear_op is None or (_decoded_linear_op is False and _ext_loaded()):
         from ..kernels import ext
 
         if ext.load(build=False) is not None:
@@ -131,9 +132,15 @@ def decoded_linear_op():
         else:
             _decoded_linear_op = False
             warn_once("decoded_linear_ext", "surogate_hf: quantized linears on the decode + GEMM route run it from Python "
-                      "with a Triton decode (about 2x the host time per layer of the extension's C++ op, which decides "
+                      "with a Triton decode (several times the host time per layer of the extension's C++ op, which decides "
                       f"small models' step time); the CUDA extension is {ext.status()[1]}")
     return _decoded_linear_op or None
+
+
+def _ext_loaded() -> bool:
+    from ..kernels import ext
+
+    return ext.loaded()
 
 
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
