@@ -49,7 +49,7 @@ def _timed(fn, iters: int, device: str) -> float:
 
 
 def _reference_plan(m: L.QuantizedLinear):
-    """(fwd, dgrad, args) over the ops' reference functions (CPU stand-in for the CUDA plan)."""
+    """(fwd, dgrad, args, None) over the ops' reference functions (CPU stand-in for the CUDA plan; no C++ decode route)."""
     t, n, k, fmt = m._tensors(), m.out_features, m.in_features, m.fmt
     if fmt.name == "fp8":
         bn, bk, s = fmt._blocks(t, n, k)
@@ -61,7 +61,7 @@ def _reference_plan(m: L.QuantizedLinear):
     else:
         args = (t[""], fmt._absmax(t, n, k), t["_quant_map"], fmt.block_size, n, k)
     name = {"fp8": "fp8_block_linear"}.get(fmt.name, f"{fmt.name}_linear")
-    return getattr(OL, name)._init_fn, getattr(OL, name + "_dgrad")._init_fn, args
+    return getattr(OL, name)._init_fn, getattr(OL, name + "_dgrad")._init_fn, args, None
 
 
 def measure(device: str, iters: int, tokens: int, width: int, dtype) -> list[list]:
