@@ -78,7 +78,8 @@ class GemmPlan:
 
 
 def gemm_plan(cache: dict, key, sources: tuple[Tensor, ...], build) -> GemmPlan:
-    """cache[key] if still valid for `sources`, else a new plan from build() -> (fwd, dgrad, args)."""
+    """cache[key] if still valid for `sources`, else a new plan from build() -> (fwd, dgrad, args, decoded): decoded,
+    the weight's operands of the C++ decode + GEMM op (kernels.registry.decode_operands), or None."""
     plan = cache.get(key)
     if plan is not None and plan.valid_for(sources):
         return plan

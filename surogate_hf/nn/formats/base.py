@@ -139,8 +139,9 @@ class Format:
         raise NotImplementedError
 
     def cuda_plan(self, t: dict[str, Tensor], n: int, k: int):
-        """(forward, dgrad, args) of the registered CUDA implementations with the GEMM's arguments
-        prepared once (see `GemmPlan`): forward(x, *args), dgrad(dy, *args)."""
+        """(forward, dgrad, args, decoded) of the registered CUDA implementations with the GEMM's arguments
+        prepared once (see `GemmPlan`): forward(x, *args), dgrad(dy, *args); decoded: the weight's operands of the
+        extension's decode + GEMM op (kernels.registry.decode_operands), or None where the format has no such route."""
         raise NotImplementedError
 
     def bytes_per_param(self) -> float:
