@@ -132,3 +132,24 @@ def test_the_fused_call_is_skipped_where_it_would_change_behaviour(monkeypatch):
     assert seen == [1]
     assert fused == [False, True]  # up_proj: its base's own forward (hook and all); down_proj: the fused call
     monkeypatch.setattr(L.QuantizedLinear, "decoded_route", real)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_fused_call_under_activation_checkpointing(reentrant, monkeypatch):
+    """The fused call inside a checkpointed region (recomputed in the backward, non-reentrant or reentrant) gives the
+    gradients of the same model without checkpointing, and gradients accumulate over two micro-batches."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(L.QuantizedLinear, "decoded_route",
+                        lambda self, x2d: (torch.ops.surogate.ext_decoded_linear.default, *_operands(self)))
+    xs = [torch.randn(2, 5, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i)) for i in (7, 8)]
+    grads = []
+    for ckpt in (False, True):
+        model = _peft_model("mxfp4", 0.0, True)
+        for x in xs:  # two micro-batches, one optimizer step's worth
+            xg = x.clone().requires_grad_(True)
+            y = checkpoint(model, xg, use_reentrant=reentrant) if ckpt else model(xg)
+            y.float().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)
