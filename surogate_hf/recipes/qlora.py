@@ -11,7 +11,7 @@ forward asks it first. Per recipe:
 | bf16 (matmul_dtype bf16/fp32) | weight-only: the weight decoded to the matmul dtype, fp32 accumulation | the same in gradient_dtype |
 | fp8-hybrid, fp8_scaling delayed | E4M3 x (its state row) x E4M3 W (the decoded weight, its own row) | E5M2 dy x E4M3 W^T |
 | fp8-hybrid, fp8_scaling blockwise | x 1x128 tiles x W 128x128 blocks of the decoded weight | dy 1x128 tiles x W |
-| either FP8 scaling, on a 128x128 fp8 base | the W8A8 GEMM: x 1x128 E4M3 tiles x the stored blocks (the format's own linear from 16M elements on; below, where that is weight-only, the same W8A8 op called by the recipe) | dy 1x128 E4M3 tiles x W |
+| either FP8 scaling, on a 128x128 fp8 base | the W8A8 GEMM: x 1x128 E4M3 tiles x the stored blocks (the format's own linear from 16M elements on; below, where that is weight-only, the recipe runs the same W8A8 kernels: the base's cached W8A8 plan on CUDA, the op on CPU and under compile) | dy 1x128 E4M3 tiles x W |
 | nvfp4 | x NVFP4 1x16 (RNE) x W NVFP4 (the decoded weight, 1x16 along K; fp4_weight_blocks="2d": 16x16 tiles) | dy NVFP4 1x16 (stochastic rounding) x W (1x16 along N; 2d: the tiles transposed) |
 
 The bf16 recipe keeps the format's own weight-only GEMM where it already is that (nvfp4 / mxfp4 / nf4 bases with
