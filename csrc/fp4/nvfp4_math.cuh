@@ -84,6 +84,12 @@ SG_HD float e4m3_value(uint8_t b) {
   if (e == 0) return float_of(sign | bits_of(mul((float)m, 0.001953125f)));  // m * 2^-9, exact
   return float_of(sign | ((e + 120) << 23) | (m << 20));
 }
+// E2M1 code (sign in bit 3) -> fp32, exact (formats.e2m1.E2M1_VALUES): 0, .5, 1, 1.5, 2, 3, 4, 6; code 8 is -0
+SG_HD float e2m1_value(uint32_t code) {
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const uint32_t mag = e ? (((e + 126u) << 23) | (m << 22)) : (m ? 0x3F000000u : 0u);
+  return float_of(mag | ((code & 8u) << 28));
+}
 // non-negative fp32 (or NaN), already clamped to <= 448 -> E4M3 byte, saturating round-to-nearest-even
 SG_HD uint8_t e4m3_rne(float v) { return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
 

@@ -1,5 +1,7 @@
 """The NVFP4 block math of the csrc kernels (csrc/fp4/nvfp4_math.cuh), built for the host with nvcc and checked bit
-for bit against the reference (surogate::nvfp4_amax / nvfp4_qdq, formats.nvfp4.qdq_nvfp4) with no GPU.
+for bit against the reference (surogate::nvfp4_amax / nvfp4_qdq, formats.nvfp4.qdq_nvfp4) with no GPU; likewise the
+dense decode's element math (csrc/weight_only/decode_math.cuh, harness tests/kernels/host/decode_host.cu) against the
+formats' reference decode (ops.ext.decode_reference).
 
 The harness (tests/kernels/host/nvfp4_qdq_host.cu) walks the blocks the way the kernels do and calls the same
 __host__ __device__ functions; the GPU tests check the kernels themselves (tests/kernels/test_gpu_kernels.py).
@@ -122,3 +124,63 @@ def test_e2m1_rounding_matches_the_reference_at_every_threshold(harness):
     sr = F.e2m1_decode(F.e2m1_encode_stochastic(y, u))
     assert torch.equal(got[0].view(torch.int32), rne.view(torch.int32))
     assert torch.equal(got[1].view(torch.int32), sr.view(torch.int32))
+
+
+DECODE_HARNESS = Path(__file__).parent / "host" / "decode_host.cu"
+
+
+@pytest.fixture(scope="module")
+def decode_harness(tmp_path_factory):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit (nvcc): the host build of the csrc decode math needs one")
+    exe = tmp_path_factory.mktemp("csrc_host") / "decode_host"
+    res = subprocess.run([nvcc, "-std=c++17", "-O2", "-o", str(exe), str(DECODE_HARNESS)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return exe
+
+
+def _decode_operands(fmt, n, k):
+    """(w, scales, gscale, levels, code, block) of a random [n, k] weight by the format's reference quantizer, with
+    every scale byte value mixed in for the one-byte-scale formats (E8M0 0: the subnormal 2^-127; 255: NaN)."""
+    from surogate_hf.ops.ext import DECODE_FORMATS
+
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 2)
+    code = DECODE_FORMATS.index(fmt)
+    if fmt == "nvfp4":
+        packed, s, gs = F.quantize_nvfp4(w)
+        s = s.view(torch.uint8).clone()
+        s.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: s.numel()]
+        s[(s & 0x7F) == 0x7F] = 0x38  # (E4M3 NaN is no scale a quantizer writes)
+        return packed, s, gs.float().reshape(()), None, code, 16
+    if fmt == "mxfp4":
+        packed, s = F.quantize_mxfp4(w)
+        s = s.clone()
+        s.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: s.numel()]
+        return packed, s, None, None, code, 32
+    if fmt == "nf4":
+        packed, state = F.quantize_nf4(w.to(torch.bfloat16), 64, True)
+        return packed, F.nf4_absmax(state).float().contiguous(), None, state.code.float().contiguous(), code, 64
+    q, s = F.quantize_fp8_blocks(w, (128, 128))
+    return q.view(torch.uint8), s.float().contiguous(), None, None, code, 128
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "fp8"])
+@pytest.mark.parametrize("n, k", [(192, 576), (130, 320), (257, 192)])
+def test_decode_element_math_matches_reference(decode_harness, fmt, n, k):
+    """Every element of the dense decode (partial FP8 blocks, ragged shapes, every E4M3 / E8M0 scale byte) equals
+    ops.ext.decode_reference in fp32, bit for bit (NaN where the reference has NaN)."""
+    from surogate_hf.ops.ext import decode_reference
+
+    w, s, gs, lv, code, block = _decode_operands(fmt, n, k)
+    wb, sb = w.contiguous().view(torch.uint8).numpy().tobytes(), s.contiguous().view(torch.uint8).numpy().tobytes()
+    hdr = np.array([code, n, k, block, len(wb), len(sb)], dtype=np.int64)
+    extra = np.float32(gs if gs is not None else 1.0).tobytes() + (
+        lv.numpy() if lv is not None else np.zeros(16, np.float32)).astype(np.float32).tobytes()
+    out = subprocess.run([str(decode_harness)], input=hdr.tobytes() + wb + sb + extra, capture_output=True,
+                         check=True).stdout
+    got = torch.from_numpy(np.frombuffer(out, dtype=np.float32).copy()).reshape(n, k)
+    ref = decode_reference(w, s, gs, lv, code, n, k, block, torch.float32)
+    same = (got.view(torch.int32) == ref.view(torch.int32)) | (got.isnan() & ref.isnan())
+    assert same.all(), f"{fmt} [{n}, {k}]: {int((~same).sum())} elements differ"
