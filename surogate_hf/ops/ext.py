@@ -219,7 +219,7 @@ def _(a, b, ga, gb, bias, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-FEW_TOKEN_FORMATS = ("nvfp4", "mxfp4", "nf4")  # the int `fmt` of ext_few_token_gemm indexes this
+FEW_TOKEN_FORMATS = ("nvfp4", "mxfp4", "nf4")  # the int `fmt` of ext_few_token_gemm indexes this (DECODE_FORMATS' first 3)
 
 
 @torch.library.impl(f"{NS}::ext_few_token_gemm", "CompositeExplicitAutograd", lib=_lib)
@@ -235,17 +235,11 @@ def _ext_few_token_gemm(x: Tensor, w: Tensor, scales: Tensor, gscale: Tensor | N
     The CUDA kernel (csrc/fp4/few_token_gemm.cu, 1 <= M <= 64) differs by fp32 summation order only."""
     if fmt not in (0, 1, 2) or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"ext_few_token_gemm: fmt 0, 1 or 2 and x [M, {k}] expected, got fmt {fmt}, x {tuple(x.shape)}")
-    if fmt == 0:
-        one = torch.ones((), dtype=torch.float32, device=x.device)
-        wd = F.dequantize_nvfp4(w.reshape(n, k // 2), scales.reshape(n, k // 16), one, torch.float32)
-        return ((x.float() @ wd.t()) * gscale.float().reshape(())).to(x.dtype)
-    if fmt == 1:
-        wd = F.dequantize_mxfp4(w.reshape(n, k // 2), scales.reshape(n, k // 32), torch.float32)
-        return (x.float() @ wd.t()).to(x.dtype)
-    from ..formats.nf4 import dequantize_nf4_raw
-
-    wd = dequantize_nf4_raw(w, scales, levels, nf4_block, (n, k), x.dtype).float()
-    return (x.float() @ wd.t()).to(x.dtype)
+    # (FEW_TOKEN_FORMATS indexes like DECODE_FORMATS) NVFP4 decoded without its global, NF4 rounded to x's dtype
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    wd = decode_reference(w, scales, one, levels, fmt, n, k, nf4_block, x.dtype if fmt == 2 else torch.float32).float()
+    y = x.float() @ wd.t()
+    return (y * gscale.float().reshape(()) if fmt == 0 else y).to(x.dtype)
 
 
 @torch.library.register_fake(f"{NS}::ext_few_token_gemm", lib=_lib)
