@@ -123,25 +123,21 @@ _decoded_linear_op = None  # the extension's surogate::ext_decoded_linear once l
 def decoded_linear_op():
     """surogate::ext_decoded_linear (the decode + GEMM route, forward and backward in C++) when the CUDA extension is
     loaded, else None: the route then runs the Python plan with the Triton decode, and says so once. (An extension
-    loaded later in the process, e.g. built by a test, is picked up: ext.status() then reads loaded.)"""
+    loaded later in the process, e.g. built by a test, is picked up.)"""
     global _decoded_linear_op
-    if _decoded_linear_op is None or (_decoded_linear_op is False and _ext_loaded()):
-        from ..kernels import ext
-
-        if ext.load(build=False) is not None:
-            _decoded_linear_op = torch.ops.surogate.ext_decoded_linear.default
-        else:
-            _decoded_linear_op = False
-            warn_once("decoded_linear_ext", "surogate_hf: quantized linears on the decode + GEMM route run it from Python "
-                      "with a Triton decode (several times the host time per layer of the extension's C++ op, which decides "
-                      f"small models' step time); the CUDA extension is {ext.status()[1]}")
-    return _decoded_linear_op or None
-
-
-def _ext_loaded() -> bool:
+    if _decoded_linear_op:
+        return _decoded_linear_op
     from ..kernels import ext
 
-    return ext.loaded()
+    if _decoded_linear_op is None or ext.loaded():
+        if ext.load(build=False) is not None:
+            _decoded_linear_op = torch.ops.surogate.ext_decoded_linear.default
+            return _decoded_linear_op
+        _decoded_linear_op = False
+        warn_once("decoded_linear_ext", "surogate_hf: quantized linears on the decode + GEMM route run it from Python "
+                  "with a Triton decode (several times the host time per layer of the extension's C++ op, which "
+                  f"decides small models' step time); the CUDA extension is {ext.status()[1]}")
+    return None
 
 
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
