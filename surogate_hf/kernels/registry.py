@@ -250,8 +250,8 @@ def nf4_linear_dgrad(dy, packed, absmax, code, block_size, out_features, in_feat
 def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
     ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
-    operands they would refuse (the route also checks that x is on w's device); None when they do not fit (another
-    layout, operands on different devices)."""
+    operands they would refuse (the route also checks that x is on w's device). None, said once with the reason, when
+    they do not fit: the layer then keeps the Python plan (the same math, more host time)."""
     from ..ops.ext import DECODE_FORMATS
 
     fmt = DECODE_FORMATS.index(fmt_name)
@@ -259,14 +259,24 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     scale_count = {"nvfp4": n * k // 16, "mxfp4": n * k // 32, "nf4": n * k // max(block, 1),
                    "fp8": -(-n // block) * -(-k // block)}[fmt_name]
     dev = w.device
-    ok = (w.is_contiguous() and w.element_size() == 1 and w.numel() == (n * k // 2 if four_bit else n * k)
-          and scales.device == dev and scales.is_contiguous() and scales.numel() == scale_count
-          and scales.element_size() == (4 if fmt_name in ("nf4", "fp8") else 1)
-          and (fmt_name != "nvfp4" or (gscale is not None and gscale.device == dev and gscale.dtype == torch.float32
-                                       and gscale.numel() == 1))
-          and (fmt_name != "nf4" or (levels is not None and levels.device == dev and levels.is_contiguous()
-                                     and levels.dtype == torch.float32 and levels.numel() == 16)))
-    return (w, scales, gscale, levels, fmt, n, k, block) if ok else None
+    problems = (
+        (not (w.is_contiguous() and w.element_size() == 1 and w.numel() == (n * k // 2 if four_bit else n * k)),
+         f"codes {tuple(w.shape)} {w.dtype} (contiguous one-byte data of the [{n}, {k}] weight expected)"),
+        (not (scales.device == dev and scales.is_contiguous() and scales.numel() == scale_count
+              and scales.element_size() == (4 if fmt_name in ("nf4", "fp8") else 1)),
+         f"scales {tuple(scales.shape)} {scales.dtype} on {scales.device} ({scale_count} contiguous values on {dev})"),
+        (fmt_name == "nvfp4" and not (gscale is not None and gscale.device == dev and gscale.dtype == torch.float32
+                                      and gscale.numel() == 1), "the decode global (one fp32 value on the codes' device)"),
+        (fmt_name == "nf4" and not (levels is not None and levels.device == dev and levels.is_contiguous()
+                                    and levels.dtype == torch.float32 and levels.numel() == 16),
+         "the 16 fp32 levels on the codes' device"),
+    )
+    for bad, what in problems:
+        if bad:
+            warn_once(f"decode_operands:{fmt_name}", f"surogate_hf: a {fmt_name} layer [{n}, {k}] keeps the Python "
+                      f"decode + GEMM plan instead of the extension's C++ op: unexpected {what}")
+            return None
+    return (w, scales, gscale, levels, fmt, n, k, block)
 
 
 def plan_fp8(w, w_scale_inv, block_n, block_k):

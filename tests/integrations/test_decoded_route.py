@@ -49,11 +49,15 @@ def test_plan_operands_decode_to_the_layers_weight(fmt):
 
 
 def test_operands_that_do_not_fit_are_refused():
+    """Operands the C++ op would refuse are refused here, each reason said (the layer keeps the Python plan)."""
     layer = _layer("nvfp4")
     t = layer._tensors()
-    assert decode_operands("nvfp4", t[""], t["_scale"], None, None, 192, 576, 16) is None  # no decode global
-    assert decode_operands("nvfp4", t[""][:, ::2], t["_scale"], t["_scale_2"], None, 192, 576, 16) is None
-    assert decode_operands("nvfp4", t[""], t["_scale"][:-1], t["_scale_2"], None, 192, 576, 16) is None
+    with pytest.warns(RuntimeWarning, match="decode global"):
+        assert decode_operands("nvfp4", t[""], t["_scale"], None, None, 192, 576, 16) is None
+    with pytest.warns(RuntimeWarning, match="codes"):
+        assert decode_operands("nvfp4", t[""][:, ::2], t["_scale"], t["_scale_2"], None, 192, 576, 16) is None
+    with pytest.warns(RuntimeWarning, match="scales"):
+        assert decode_operands("nvfp4", t[""], t["_scale"][:-1], t["_scale_2"], None, 192, 576, 16) is None
 
 
 def _peft_model(fmt, dropout, bias):
