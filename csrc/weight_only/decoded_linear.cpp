@@ -3,6 +3,8 @@
 //   surogate::ext_dequantize(w, scales, gscale?, levels?, fmt, n, k, block, dtype) -> W [n, k]
 //   surogate::ext_decoded_linear(x, x_lora?, w, scales, gscale?, levels?, bias?, lora_a?, lora_b?, scaling, fmt, n, k,
 //                                block) -> y = x deq(W)^T (+ bias) (+ scaling * (x_lora A^T) B^T)
+//   surogate::ext_decoded_linear_fwd / ext_decoded_linear_bwd: the same forward (returning the adapter's h too) and
+//                                backward as two plain ops, for torch.compile graphs (see below)
 //
 // Why C++: at a small model's widths a layer's GEMMs take a few microseconds, so the step is bound by the host work per
 // layer. As a Python autograd.Function with a Triton decode, one frozen quantized linear (plus its LoRA adapter) cost
@@ -93,6 +95,28 @@ at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operand
   return y;
 }
 
+// The backward on 2-D operands: (dx, dx_lora, dA, dB), each undefined where not wanted. dy2 [M, n]; xl2 [M, k] is the
+// adapter's input (x itself unless separate_xl); h = xl2 A^T from the forward. Without separate_xl the adapter's input
+// gradient is summed into dx by the addmm.
+std::array<at::Tensor, 4> backward_2d(const at::Tensor& dy2, const at::Tensor& xl2, const at::Tensor& h,
+                                      const Operands& op, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                                      double scaling, bool separate_xl, bool want_x, bool want_xl, bool want_a,
+                                      bool want_b) {
+  std::array<at::Tensor, 4> out;
+  const bool lora = lora_a.defined();
+  const auto dt = dy2.scalar_type();
+  at::Tensor dh;
+  if (lora && (want_a || (want_x && !separate_xl) || want_xl)) dh = at::mm(dy2, lora_b.to(dt)).mul_(scaling);
+  if (want_x) {
+    out[0] = at::mm(dy2, op.decode(dt));
+    if (lora && !separate_xl) out[0].addmm_(dh, lora_a.to(dt));
+  }
+  if (lora && want_xl) out[1] = at::mm(dh, lora_a.to(dt));
+  if (lora && want_a) out[2] = at::mm(dh.t(), xl2).to(lora_a.scalar_type());
+  if (lora && want_b) out[3] = at::mm(dy2.t(), h).mul_(scaling).to(lora_b.scalar_type());
+  return out;
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   auto s = x.sizes().vec();
   s.back() = n;
@@ -161,21 +185,13 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     const bool separate_xl = d.at("edge_xl").toInt() >= 0;
     const bool want_x = ctx->needs_input_grad(0), want_xl = wants("edge_xl");
     const bool want_a = wants("edge_a"), want_b = wants("edge_b");
-    const bool lora = lora_a.defined();
     const at::cuda::CUDAGuard guard(dy.device());
-    const auto dt = dy.scalar_type();
-    const at::Tensor dy2 = dy.reshape({-1, op.n});
-
-    at::Tensor dh;
-    if (lora && (want_a || (want_x && !separate_xl) || want_xl)) dh = at::mm(dy2, lora_b.to(dt)).mul_(scaling);
-    if (want_x) {
-      at::Tensor dx = at::mm(dy2, op.decode(dt));
-      if (lora && !separate_xl) dx.addmm_(dh, lora_a.to(dt));
-      out[0] = at::_unsafe_view(dx, d.at("x_shape").toIntVector());
-    }
-    if (lora && want_xl) out[1] = at::_unsafe_view(at::mm(dh, lora_a.to(dt)), d.at("xl_shape").toIntVector());
-    if (lora && want_a) out[2] = at::mm(dh.t(), xl2).to(lora_a.scalar_type());
-    if (lora && want_b) out[3] = at::mm(dy2.t(), h).mul_(scaling).to(lora_b.scalar_type());
+    const auto g = backward_2d(dy.reshape({-1, op.n}), xl2, h, op, lora_a, lora_b, scaling, separate_xl, want_x,
+                               want_xl, want_a, want_b);
+    if (g[0].defined()) out[0] = at::_unsafe_view(g[0], d.at("x_shape").toIntVector());
+    if (g[1].defined()) out[1] = at::_unsafe_view(g[1], d.at("xl_shape").toIntVector());
+    out[2] = g[2];
+    out[3] = g[3];
     return out;
   }
 };
@@ -205,11 +221,55 @@ at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tens
       out_shape(x, n));
 }
 
+
+// The two ops of a torch.compile graph. A compiled graph cannot call ext_decoded_linear: AOTAutograd traces the
+// autograd kernel with fake tensors, and the C++ node above launches kernels. So the graph calls the forward (which
+// also returns the adapter's [M, r] intermediate h, saved for the backward; an empty tensor without an adapter) and,
+// through the Python autograd registered for it (surogate_hf/ops/ext.py), the backward: one opaque call each way,
+// the same aten calls as the node's. Gradients that are not wanted come back as empty tensors.
+std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
+    const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w, const at::Tensor& scales,
+    const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& lora_a,
+    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
+  const at::cuda::CUDAGuard guard(x.device());
+  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+  const at::Tensor x2 = x.reshape({-1, k});
+  const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
+  at::Tensor h;
+  at::Tensor y = forward_2d(x2, xl2, op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling, &h);
+  if (!h.defined()) h = at::empty({0}, x.options());
+  return {at::_unsafe_view(y, out_shape(x, n)), h};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cuda(
+    const at::Tensor& dy, const c10::optional<at::Tensor>& x_lora, const c10::optional<at::Tensor>& h,
+    const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+    const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& lora_a,
+    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
+    bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) {
+  const bool lora = lora_a.has_value() && lora_b.has_value();
+  TORCH_CHECK(!lora || (x_lora.has_value() && h.has_value()),
+              "ext_decoded_linear_bwd: an adapter's gradients need its input and h");
+  const at::cuda::CUDAGuard guard(dy.device());
+  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+  const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : at::Tensor();
+  auto g = backward_2d(dy.reshape({-1, n}), xl2, or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
+                       separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora,
+                       want_b && lora);
+  for (auto& t : g)
+    if (!t.defined()) t = at::empty({0}, dy.options());
+  return {g[0], g[1], g[2], g[3]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_dequantize", &dequantize_weight);
   m.impl("ext_decoded_linear", &decoded_linear_cuda);
+  m.impl("ext_decoded_linear_fwd", &decoded_linear_fwd_cuda);
+  m.impl("ext_decoded_linear_bwd", &decoded_linear_bwd_cuda);
 }
 
 TORCH_LIBRARY_IMPL(surogate, AutogradCUDA, m) { m.impl("ext_decoded_linear", &decoded_linear_autograd); }

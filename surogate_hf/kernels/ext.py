@@ -107,4 +107,5 @@ def load(build: bool = False):
 
 
 OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm",
-       "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "dequantize", "decoded_linear")
+       "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "dequantize", "decoded_linear", "decoded_linear_fwd",
+       "decoded_linear_bwd")

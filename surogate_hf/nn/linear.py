@@ -140,6 +140,24 @@ def decoded_linear_op():
     return None
 
 
+def graph_decoded_linear_ready() -> bool:
+    """Whether compiled graphs can call the extension's decode + GEMM ops (it is loaded, or loads without a build).
+    Dynamo evaluates it once at trace time (the marker below) and keeps the answer as a constant."""
+    return decoded_linear_op() is not None
+
+
+graph_decoded_linear_ready._dynamo_marked_constant = True  # torch.compiler.assume_constant_result, spelled out
+
+
+def graph_decoded_linear(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling: float, fmt: int, n: int,
+                         k: int, block: int) -> Tensor:
+    """ext_decoded_linear inside a torch.compile graph: the forward op (y and the adapter's h) with the backward op
+    through its registered autograd, one opaque extern call each way; the same aten calls as the eager op's C++
+    node."""
+    return torch.ops.surogate.ext_decoded_linear_fwd.default(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b,
+                                                              scaling, fmt, n, k, block)[0]
+
+
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return PlannedLinearFunction.apply(x, plan)
@@ -310,16 +328,34 @@ class QuantizedLinear(nn.Linear):
 
     def decoded_route(self, x: Tensor):
         """(op, w, scales, gscale, levels, fmt, n, k, block) when this layer's GEMM of x is the extension's C++ decode +
-        GEMM op (surogate::ext_decoded_linear: CUDA x outside torch.compile, no training recipe on this base, the format's
-        decode route for x's token count, the extension loaded), else None. SurogateLoraLinear fuses its adapter into
-        the same call."""
-        if (not use_cuda_plan(x) or x.dtype not in _DECODED_DTYPES or self.__dict__.get("recipe_gemm") is not None
+        GEMM (CUDA x, no training recipe on this base, the format's decode route for x's token count, a frozen bias,
+        the extension loaded), else None; op(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt,
+        n, k, block) -> y. Eager, op is surogate::ext_decoded_linear (its backward a C++ autograd node); inside
+        torch.compile, graph_decoded_linear (the same kernels as two graph ops, operands from the traced slots).
+        SurogateLoraLinear fuses its adapter into the same call."""
+        if (not x.is_cuda or x.dtype not in _DECODED_DTYPES or self.__dict__.get("recipe_gemm") is not None
                 or not self.fmt.decodes_in_gemm(x, self.out_features, self.in_features)
                 or (self.bias is not None and self.bias.requires_grad)):  # the op treats the bias as frozen
             return None
+        if torch.compiler.is_compiling():
+            operands = self.graph_decode_operands() if graph_decoded_linear_ready() else None
+            return None if operands is None or operands[0].device != x.device else (graph_decoded_linear, *operands)
         decoded = self._cuda_plan().decoded
         op = decoded_linear_op() if decoded is not None and decoded[0].device == x.device else None
         return None if op is None else (op, *decoded)
+
+    def graph_decode_operands(self):
+        """The weight's operands of the decode ops (kernels.registry.decode_operands' tuple) from this layer's slots in
+        torch ops that a compiled graph traces (the eager plan's are cached tensors a graph cannot take); None where
+        the format has no decode route."""
+        n, k = self.out_features, self.in_features
+        args = self.fmt.decode_args(self._tensors(), n, k)
+        if args is None:
+            return None
+        from ..kernels.registry import decode_operands
+
+        w, scales, gscale, levels, block = args
+        return decode_operands(self.fmt.name, w, scales, gscale, levels, n, k, block)
 
     def forward(self, x: Tensor) -> Tensor:
         route = self.decoded_route(x)

@@ -20,6 +20,8 @@ from .quant import (
 from .recipe import delayed_scaling_update, fp8_scaled_mm, fp8_tiles_wgrad, nvfp4_mm, nvfp4_qdq_mm, take_step
 from .ext import (
     ext_decoded_linear,
+    ext_decoded_linear_bwd,
+    ext_decoded_linear_fwd,
     ext_dequantize,
     ext_few_token_gemm,
     ext_fp8_block_gemm,

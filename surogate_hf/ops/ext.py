@@ -67,6 +67,12 @@ _lib.define("ext_dequantize(Tensor w, Tensor scales, Tensor? gscale, Tensor? lev
             "ScalarType dtype) -> Tensor")
 _lib.define("ext_decoded_linear(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
             "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block) -> Tensor")
+_lib.define("ext_decoded_linear_fwd(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
+            "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block) "
+            "-> (Tensor, Tensor)")
+_lib.define("ext_decoded_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor w, Tensor scales, Tensor? gscale, "
+            "Tensor? levels, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
+            "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) -> (Tensor, Tensor, Tensor, Tensor)")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
 
@@ -329,34 +335,127 @@ def _decoded_linear_setup(ctx, inputs, output):
     ctx.scaling = scaling
 
 
-def _decoded_linear_backward(ctx, dy):
-    """The reference backward (CPU, or CUDA without the extension), the math of the C++ one."""
-    x, x_lora, lora_a, lora_b = ctx.saved_tensors
-    w, scales, gscale, levels, fmt, n, k, block = ctx.weight
-    s, dt = ctx.scaling, dy.dtype
-    dy2 = dy.reshape(-1, n)
-    want_x, want_xl, want_a, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[7], \
-        ctx.needs_input_grad[8]
+def _decoded_linear_grads(dy2, xl2, h, w, scales, gscale, levels, lora_a, lora_b, s, fmt, n, k, block, separate_xl,
+                          want_x, want_xl, want_a, want_b):
+    """(dx, dx_lora, dA, dB) on 2-D operands, None where not wanted: the math of the C++ backward (backward_2d).
+    xl2 is the adapter's input (x itself unless separate_xl, when its gradient is summed into dx); h = xl2 A^T (None:
+    recomputed)."""
+    dt = dy2.dtype
     dx = dxl = da = db = dh = None
     if lora_a is not None:
-        xl2 = (x if x_lora is None else x_lora).reshape(-1, k)
         dh = (dy2 @ lora_b.to(dt)) * s
         if want_a:
             da = (dh.t() @ xl2).to(lora_a.dtype)
         if want_b:
-            db = ((dy2.t() @ (xl2 @ lora_a.to(dt).t())) * s).to(lora_b.dtype)
-        if want_xl and x_lora is not None:
-            dxl = (dh @ lora_a.to(dt)).reshape(x_lora.shape)
+            db = ((dy2.t() @ (xl2 @ lora_a.to(dt).t() if h is None else h)) * s).to(lora_b.dtype)
+        if want_xl and separate_xl:
+            dxl = dh @ lora_a.to(dt)
     if want_x:
-        d = dy2 @ decode_reference(w, scales, gscale, levels, fmt, n, k, block, dt)
-        if lora_a is not None and x_lora is None:
-            d = torch.addmm(d, dh, lora_a.to(dt))
-        dx = d.reshape(x.shape)
+        dx = dy2 @ decode_reference(w, scales, gscale, levels, fmt, n, k, block, dt)
+        if lora_a is not None and not separate_xl:
+            dx = torch.addmm(dx, dh, lora_a.to(dt))
+    return dx, dxl, da, db
+
+
+def _decoded_linear_backward(ctx, dy):
+    """The reference backward (CPU, or CUDA without the extension), the math of the C++ one."""
+    x, x_lora, lora_a, lora_b = ctx.saved_tensors
+    w, scales, gscale, levels, fmt, n, k, block = ctx.weight
+    xl2 = (x if x_lora is None else x_lora).reshape(-1, k)
+    want = ctx.needs_input_grad
+    dx, dxl, da, db = _decoded_linear_grads(dy.reshape(-1, n), xl2, None, w, scales, gscale, levels, lora_a, lora_b,
+                                            ctx.scaling, fmt, n, k, block, x_lora is not None, want[0], want[1],
+                                            want[7], want[8])
+    dx = None if dx is None else dx.reshape(x.shape)
+    dxl = None if dxl is None else dxl.reshape(x_lora.shape)
     return dx, dxl, None, None, None, None, None, da, db, None, None, None, None, None
 
 
 torch.library.register_autograd(f"{NS}::ext_decoded_linear", _decoded_linear_backward,
                                 setup_context=_decoded_linear_setup, lib=_lib)
+
+
+# ---- the decode + GEMM route inside torch.compile graphs: ext_decoded_linear_fwd / _bwd, one opaque call each way.
+# (ext_decoded_linear's autograd is a C++ node that launches kernels, which AOTAutograd's tracing with fake tensors
+# cannot run; these two are plain ops, and the autograd below, in Python, is traced into the graph.)
+@torch.library.impl(f"{NS}::ext_decoded_linear_fwd", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_decoded_linear_fwd(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block):
+    """(ext_decoded_linear's y, h): h = x_lora A^T in x's dtype, the adapter's [M, r] intermediate that the backward
+    takes (empty without an adapter)."""
+    if (lora_a is None) != (lora_b is None) or x.shape[-1] != k:
+        raise ValueError(f"ext_decoded_linear_fwd: x [..., {k}] and lora_a / lora_b together expected, got x "
+                         f"{tuple(x.shape)}, lora_a {lora_a is not None}, lora_b {lora_b is not None}")
+    x2 = x.reshape(-1, k)
+    xl2 = x2 if x_lora is None else x_lora.reshape(-1, k)
+    y, h = _decoded_linear_2d(x2, xl2, decode_reference(w, scales, gscale, levels, fmt, n, k, block, x.dtype), bias,
+                              lora_a, lora_b, scaling)
+    return y.reshape(*x.shape[:-1], n), (x.new_empty((0,)) if h is None else h)
+
+
+@torch.library.register_fake(f"{NS}::ext_decoded_linear_fwd", lib=_lib)
+def _(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block):
+    m = x.numel() // x.shape[-1]
+    return x.new_empty((*x.shape[:-1], n)), (x.new_empty((0,)) if lora_a is None else x.new_empty((m, lora_a.shape[0])))
+
+
+def _empty_or(t, like):
+    return like.new_empty((0,)) if t is None else t
+
+
+@torch.library.impl(f"{NS}::ext_decoded_linear_bwd", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_decoded_linear_bwd(dy, x_lora, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt, n, k, block,
+                            separate_xl, want_x, want_xl, want_a, want_b):
+    """(dx, dx_lora, dA, dB) of ext_decoded_linear_fwd on 2-D gradients ([M, k], [M, k], A's and B's shapes and
+    dtypes); an empty tensor (dy's dtype) for each that is not wanted or has no adapter. x_lora: the adapter's input
+    (x itself unless separate_xl, when dx also carries the adapter's input gradient)."""
+    lora = lora_a is not None
+    xl2 = None if x_lora is None else x_lora.reshape(-1, k)
+    grads = _decoded_linear_grads(dy.reshape(-1, n), xl2, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt,
+                                  n, k, block, separate_xl, want_x, want_xl and lora, want_a and lora, want_b and lora)
+    return tuple(_empty_or(g, dy) for g in grads)
+
+
+@torch.library.register_fake(f"{NS}::ext_decoded_linear_bwd", lib=_lib)
+def _(dy, x_lora, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt, n, k, block, separate_xl, want_x,
+      want_xl, want_a, want_b):
+    m, lora = dy.numel() // n, lora_a is not None
+    return (dy.new_empty((m, k) if want_x else (0,)),
+            dy.new_empty((m, k) if want_xl and lora and separate_xl else (0,)),
+            lora_a.new_empty(lora_a.shape) if want_a and lora else dy.new_empty((0,)),
+            lora_b.new_empty(lora_b.shape) if want_b and lora else dy.new_empty((0,)))
+
+
+def _decoded_linear_fwd_setup(ctx, inputs, output):
+    x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block = inputs
+    ctx.mark_non_differentiable(output[1])  # h is the backward's, not the caller's
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x if x_lora is None else x_lora, output[1], w, scales, gscale, levels, lora_a, lora_b)
+    ctx.meta = (x.shape, None if x_lora is None else x_lora.shape, scaling, fmt, n, k, block)
+
+
+def _decoded_linear_fwd_backward(ctx, dy, _dh):
+    xl, h, w, scales, gscale, levels, lora_a, lora_b = ctx.saved_tensors
+    x_shape, xl_shape, scaling, fmt, n, k, block = ctx.meta
+    want = ctx.needs_input_grad
+    none = (None,) * 14
+    if dy is None:
+        return none
+    separate = xl_shape is not None
+    lora = lora_a is not None
+    dx, dxl, da, db = ext_decoded_linear_bwd(
+        dy.contiguous(), xl if lora else None, h if lora else None, w, scales, gscale, levels, lora_a, lora_b, scaling,
+        fmt, n, k, block, separate, want[0], want[1], want[7], want[8])
+    return (dx.reshape(x_shape) if want[0] else None, dxl.reshape(xl_shape) if separate and want[1] and lora else None,
+            None, None, None, None, None, da if want[7] and lora else None, db if want[8] and lora else None,
+            None, None, None, None, None)
+
+
+torch.library.register_autograd(f"{NS}::ext_decoded_linear_fwd", _decoded_linear_fwd_backward,
+                                setup_context=_decoded_linear_fwd_setup, lib=_lib)
 
 
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
@@ -370,3 +469,5 @@ ext_nvfp4_gemm = torch.ops.surogate.ext_nvfp4_gemm.default
 ext_few_token_gemm = torch.ops.surogate.ext_few_token_gemm.default
 ext_dequantize = torch.ops.surogate.ext_dequantize.default
 ext_decoded_linear = torch.ops.surogate.ext_decoded_linear.default
+ext_decoded_linear_fwd = torch.ops.surogate.ext_decoded_linear_fwd.default
+ext_decoded_linear_bwd = torch.ops.surogate.ext_decoded_linear_bwd.default

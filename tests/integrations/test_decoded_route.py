@@ -157,3 +157,89 @@ def test_fused_call_under_activation_checkpointing(reentrant, monkeypatch):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)
+
+
+# ---- inside torch.compile: the same route as the graph ops ext_decoded_linear_fwd / _bwd
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_graph_operands_are_the_plans(fmt):
+    """The operands a compiled graph derives from the slots (Format.decode_args, traced) are the eager plan's."""
+    layer = _layer(fmt, bias=True)
+    got, want = layer.graph_decode_operands(), _operands(layer)
+    assert got is not None and len(got) == len(want)
+    for a, b in zip(got, want):
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        else:
+            assert a == b
+
+
+def _graph_route(self, x2d):
+    return (L.graph_decoded_linear, *self.graph_decode_operands())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dropout,bias", [(0.0, True), (0.2, False)])
+def test_compiled_fused_call_matches_the_eager_op(fmt, dropout, bias, monkeypatch):
+    """A compiled LoRA layer (fullgraph: no graph break) on the graph route, forced onto CPU here, gives the eager C++
+    op's loss and gradients (its reference and Python autograd standing in on CPU), dropout's mask included; the graph
+    holds one forward and one backward op per layer and no decode of its own."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
+    results = []
+    for compiled in (False, True):
+        model = _peft_model(fmt, dropout, bias)
+        if compiled:
+            monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
+            torch._dynamo.reset()  # (every case compiles the same PeftModel.forward)
+            backend = CompileCounterWithBackend("aot_eager")
+            run = torch.compile(model, backend=backend, fullgraph=True)
+        else:
+            monkeypatch.setattr(L.QuantizedLinear, "decoded_route",
+                                lambda self, x2d: (torch.ops.surogate.ext_decoded_linear.default, *_operands(self)))
+            run = model
+        torch.manual_seed(5)
+        xg = x.clone().requires_grad_(True)
+        loss = run(xg).float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), xg.grad, grads))
+    assert backend.frame_count == 1
+    targets = [n.target for n in backend.graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.surogate.ext_decoded_linear_fwd.default) == 2
+    assert torch.ops.surogate.ext_decoded_linear.default not in targets
+    assert not any("dequantize" in str(t) for t in targets)
+    (l0, dx0, g0), (l1, dx1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(dx1.float(), dx0.float(), rtol=3e-2, atol=3e-3)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=3e-2, atol=3e-3, msg=name)
+
+
+def test_compiled_route_under_checkpointing_and_accumulation(monkeypatch):
+    """The graph route inside a compiled, checkpointed region over two accumulated micro-batches: the gradients of the
+    eager op without checkpointing, bit for bit (both sides run the same reference kernels)."""
+    from torch.utils.checkpoint import checkpoint
+
+    xs = [torch.randn(2, 5, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i)) for i in (7, 8)]
+    grads = []
+    for compiled in (False, True):
+        model = _peft_model("nf4", 0.0, True)
+        if compiled:
+            monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
+            torch._dynamo.reset()
+            inner = torch.compile(model, backend="aot_eager", fullgraph=True)
+
+            def run(x):
+                return checkpoint(inner, x, use_reentrant=False)
+        else:
+            monkeypatch.setattr(L.QuantizedLinear, "decoded_route",
+                                lambda self, x2d: (torch.ops.surogate.ext_decoded_linear.default, *_operands(self)))
+            run = model
+        for x in xs:
+            xg = x.clone().requires_grad_(True)
+            run(xg).float().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)

@@ -127,6 +127,12 @@ class Format:
         route."""
         return None
 
+    def decode_args(self, t: dict[str, Tensor], n: int, k: int):
+        """(w, scales, gscale, levels, block): this unit's operands of the extension's decode ops (the layouts
+        ops.ext.decode_reference states), derived from the slots in torch ops that a compiled graph can trace; None
+        where the format has no decode route."""
+        return None
+
     def decodes_in_gemm(self, x: Tensor, n: int, k: int) -> bool:
         """Whether this format's GEMM of activation x over an [n, k] weight is a decode plus a dense GEMM (where a
         compiled graph takes dequantize_traced): the weight-only formats from paths.DENSE_MIN_TOKENS tokens on."""

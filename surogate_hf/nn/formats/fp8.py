@@ -159,6 +159,10 @@ class FP8Format(Format):
             return _cuda.plan_fp8_weight_only(t[""], s, bn, bk)
         return _cuda.plan_fp8(t[""], s, bn, bk)
 
+    def decode_args(self, t, n, k):
+        bn, bk, s = self._blocks(t, n, k)
+        return (t[""], s, None, None, bn) if self.weight_only(n, k) and bn == bk else None
+
     def w8a8_cuda_plan(self, t, n, k):
         """The W8A8 plan (x in 1x128 E4M3 tiles x the stored blocks) whatever the weight's size: what an FP8 recipe runs
         on a base whose own linear is weight-only (recipes.qlora, kind fp8_stored); the same kernels and prepared

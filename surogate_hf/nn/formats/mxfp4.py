@@ -84,6 +84,9 @@ class MXFP4Format(Format):
     def cuda_plan(self, t, n, k):
         return _cuda.plan_mxfp4(*self._canon(t, n, k))
 
+    def decode_args(self, t, n, k):
+        return (*self._canon(t, n, k), None, None, MXFP4_BLOCK)
+
     def bytes_per_param(self):
         return 0.5 + 1.0 / MXFP4_BLOCK
 

@@ -157,6 +157,11 @@ class NF4Format(Format):
         # call (QuantState + dequantize_blockwise + offset add) on every forward and dgrad.
         return _cuda.plan_nf4(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
 
+    def decode_args(self, t, n, k):
+        # de-nesting the absmax is a small kernel of the graph (the eager plan caches it)
+        return (t[""], self._absmax(t, n, k).float().contiguous(), None, t["_quant_map"].float().contiguous(),
+                self.block_size)
+
     def path_options(self):
         return {"nf4_block": self.block_size}
 
