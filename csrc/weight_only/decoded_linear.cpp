@@ -12,9 +12,10 @@
 // decode, the GEMMs and the adapter in the forward, and the backward runs without Python (or the GIL) at all.
 // The weight is decoded again for the input gradient, never kept: QLoRA's memory stays the packed weight.
 // Math (the Python reference, surogate_hf/ops/ext.py, states it too):
-//   forward   y = mm(x, W^T); y += bias; h = mm(x_lora, A^T); y = addmm(y, h, B^T, alpha=scaling)
-//   backward  dh = mm(dy, B) * scaling; dx = mm(dy, W) (+ mm(dh, A), summed into dx when x_lora is x);
-//             dA = mm(dh^T, x_lora); dB = mm(dy^T, h) * scaling, each cast to its parameter's dtype
+//   forward   y = addmm(bias, x, W^T) (mm without a bias); h = mm(x_lora, A^T); y = addmm(y, h, B^T, alpha=scaling)
+//   backward  dh = scaling * mm(dy, B); dx = mm(dy, W) (+ mm(dh, A), summed into dx when x_lora is x);
+//             dA = mm(dh^T, x_lora); dB = scaling * mm(dy^T, h), each cast to its parameter's dtype
+// (scaling is the GEMM's alpha and the bias its epilogue: one kernel each, no separate pass over the output)
 // A and B are cast to x's dtype (the adapters' masters may be fp32), as the Python LoRA path does.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -85,14 +86,20 @@ struct Operands {
 at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operands& op, const at::Tensor& bias,
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
   const auto dt = x2.scalar_type();
-  at::Tensor y = at::mm(x2, op.decode(dt).t());
-  if (bias.defined()) y.add_(bias.to(dt));
+  const at::Tensor wt = op.decode(dt).t();
+  at::Tensor y = bias.defined() ? at::addmm(bias.to(dt), x2, wt) : at::mm(x2, wt);
   if (lora_a.defined()) {
     at::Tensor h = at::mm(xl2, lora_a.to(dt).t());
     y.addmm_(h, lora_b.to(dt).t(), 1.0, scaling);
     if (h_out) *h_out = h;
   }
   return y;
+}
+
+// alpha * (a @ b) as one GEMM (beta 0: the uninitialised output is never read)
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double alpha) {
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+  return at::addmm_out(out, out, a, b, 0.0, alpha);
 }
 
 // The backward on 2-D operands: (dx, dx_lora, dA, dB), each undefined where not wanted. dy2 [M, n]; xl2 [M, k] is the
@@ -106,14 +113,14 @@ std::array<at::Tensor, 4> backward_2d(const at::Tensor& dy2, const at::Tensor& x
   const bool lora = lora_a.defined();
   const auto dt = dy2.scalar_type();
   at::Tensor dh;
-  if (lora && (want_a || (want_x && !separate_xl) || want_xl)) dh = at::mm(dy2, lora_b.to(dt)).mul_(scaling);
+  if (lora && (want_a || (want_x && !separate_xl) || want_xl)) dh = scaled_mm(dy2, lora_b.to(dt), scaling);
   if (want_x) {
     out[0] = at::mm(dy2, op.decode(dt));
     if (lora && !separate_xl) out[0].addmm_(dh, lora_a.to(dt));
   }
   if (lora && want_xl) out[1] = at::mm(dh, lora_a.to(dt));
   if (lora && want_a) out[2] = at::mm(dh.t(), xl2).to(lora_a.scalar_type());
-  if (lora && want_b) out[3] = at::mm(dy2.t(), h).mul_(scaling).to(lora_b.scalar_type());
+  if (lora && want_b) out[3] = scaled_mm(dy2.t(), h, scaling).to(lora_b.scalar_type());
   return out;
 }
 

@@ -293,9 +293,7 @@ def _(w, scales, gscale, levels, fmt, n, k, block, dtype):
 
 
 def _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling):
-    y = x2 @ wd.t()
-    if bias is not None:
-        y = y + bias.to(y.dtype)
+    y = x2 @ wd.t() if bias is None else torch.addmm(bias.to(x2.dtype), x2, wd.t())
     h = None
     if lora_a is not None:
         h = xl2 @ lora_a.to(x2.dtype).t()
@@ -309,9 +307,10 @@ def _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling):
 def _ext_decoded_linear(x: Tensor, x_lora: Tensor | None, w: Tensor, scales: Tensor, gscale: Tensor | None,
                         levels: Tensor | None, bias: Tensor | None, lora_a: Tensor | None, lora_b: Tensor | None,
                         scaling: float, fmt: int, n: int, k: int, block: int) -> Tensor:
-    """y = x deq(W)^T, then + bias (rounded in x's dtype), then, with an adapter, addmm(y, h, B^T, alpha=scaling) for
-    h = x_lora A^T (x_lora None: x itself); A and B cast to x's dtype. The weight is decode_reference's. Gradients flow
-    to x, x_lora, lora_a and lora_b (cast to their dtypes); the weight operands and bias are frozen. The C++ kernels
+    """y = addmm(bias, x, deq(W)^T) (the bias in the GEMM's epilogue; mm without one), then, with an adapter,
+    addmm(y, h, B^T, alpha=scaling) for h = x_lora A^T (x_lora None: x itself); A and B cast to x's dtype. The weight is
+    decode_reference's. Gradients flow to x, x_lora, lora_a and lora_b (cast to their dtypes; the scaling is each
+    adapter GEMM's alpha); the weight operands and bias are frozen. The C++ kernels
     (csrc/weight_only/decoded_linear.cpp, forward and backward) run the same aten calls on the CUDA decode."""
     if (lora_a is None) != (lora_b is None) or x.shape[-1] != k:
         raise ValueError(f"ext_decoded_linear: x [..., {k}] and lora_a / lora_b together expected, got x "
@@ -343,11 +342,12 @@ def _decoded_linear_grads(dy2, xl2, h, w, scales, gscale, levels, lora_a, lora_b
     dt = dy2.dtype
     dx = dxl = da = db = dh = None
     if lora_a is not None:
-        dh = (dy2 @ lora_b.to(dt)) * s
+        dh = torch.addmm(dy2.new_zeros(()), dy2, lora_b.to(dt), beta=0, alpha=s)
         if want_a:
             da = (dh.t() @ xl2).to(lora_a.dtype)
         if want_b:
-            db = ((dy2.t() @ (xl2 @ lora_a.to(dt).t() if h is None else h)) * s).to(lora_b.dtype)
+            h = xl2 @ lora_a.to(dt).t() if h is None else h
+            db = torch.addmm(dy2.new_zeros(()), dy2.t(), h, beta=0, alpha=s).to(lora_b.dtype)
         if want_xl and separate_xl:
             dxl = dh @ lora_a.to(dt)
     if want_x:

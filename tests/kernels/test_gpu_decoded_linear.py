@@ -130,9 +130,7 @@ def test_decoded_linear_forward_and_backward(fmt, case, nk):
     assert y.shape == (2, m // 2, n) and y.dtype == torch.bfloat16 and y._base is None
     with torch.no_grad():
         x2 = x.reshape(-1, k)
-        yr = x2 @ wd.t()
-        if bias is not None:
-            yr = yr + bias
+        yr = x2 @ wd.t() if bias is None else torch.addmm(bias, x2, wd.t())
         if lora:
             h = (x2 if xl is None else xl.reshape(-1, k)) @ a.bfloat16().t()
             yr = torch.addmm(yr, h, b.bfloat16().t(), alpha=scaling)
