@@ -152,11 +152,17 @@ def full(layers, recipe=None, compiled=False, torchao=False, fused_norms_only=Fa
     return model
 
 
-def compiled(build):
+def compiled(build, graph_route=True):
     """The setup with every decoder layer under torch.compile (inductor fuses the norms, RoPE, SwiGLU and the
-    LoRA glue around the GEMMs; our quantized linears run as custom ops inside the compiled graph)."""
+    LoRA glue around the GEMMs; our quantized linears run as custom ops inside the compiled graph). graph_route=False:
+    the quantized bases' decode traced into the graph instead of the extension's decode + GEMM ops
+    (nn.linear.COMPILED_DECODED_ROUTE), for the A/B of the `_traced` setups."""
 
     def make(layers):
+        from surogate_hf.nn import linear as L
+
+        torch._dynamo.reset()  # each setup traces its own graphs (the same layer code would reuse another's)
+        L.COMPILED_DECODED_ROUTE = graph_route
         # one compiled graph serves every layer; raise the recompile limit in case per-layer guards differ
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
         model = build(layers)
@@ -202,6 +208,9 @@ SETUPS = {
                             compiled(lambda L: ours_qlora(L, "nvfp4")), "lora"),
     "ours_mxfp4_compiled": ("ours mxfp4 QLoRA, bf16 adapters, compiled layers",
                             compiled(lambda L: ours_qlora(L, "mxfp4")), "lora"),
+    **{f"ours_{f}_compiled_traced": (f"ours {f} QLoRA, bf16 adapters, compiled layers, decode traced into the graph",
+                                      compiled(lambda L, f=f: ours_qlora(L, f), graph_route=False), "lora")
+       for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_bf16_fused_norms": ("full fine-tune bf16, eager, our FusedRMSNorm only (stock linears)",
                               lambda L: full(L, fused_norms_only=True), "full"),
@@ -238,6 +247,8 @@ TARGETS = {
     "ours_mxfp4": [("peft_bf16", 1.0), ("ours_nvfp4", 1.0)],
     "ours_nvfp4_compiled": [("peft_bf16_compiled", 1.0)],
     "ours_mxfp4_compiled": [("peft_bf16_compiled", 1.0), ("ours_nvfp4_compiled", 1.0)],
+    **{f"ours_{f}_compiled_traced": [("peft_bf16_compiled", 1.0), (f"ours_{f}_compiled", 1.0)]
+       for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_nvfp4_compiled": [("full_bf16_compiled", 0.8), ("full_nvfp4", 1.0)],

@@ -140,10 +140,17 @@ def decoded_linear_op():
     return None
 
 
+# Inside torch.compile: True, the decode + GEMM route as the extension's graph ops (one opaque call each way); False,
+# the decode traced into the graph (decoded_linear below). benchmarks/bench_e2e.py's `_traced` setups measure the two
+# side by side; read at trace time.
+COMPILED_DECODED_ROUTE = True
+
+
 def graph_decoded_linear_ready() -> bool:
-    """Whether compiled graphs can call the extension's decode + GEMM ops (it is loaded, or loads without a build).
-    Dynamo evaluates it once at trace time (the marker below) and keeps the answer as a constant."""
-    return decoded_linear_op() is not None
+    """Whether compiled graphs call the extension's decode + GEMM ops (COMPILED_DECODED_ROUTE, and the extension loaded
+    or loading without a build). Dynamo evaluates it once at trace time (the marker below) and keeps the answer as a
+    constant."""
+    return COMPILED_DECODED_ROUTE and decoded_linear_op() is not None
 
 
 graph_decoded_linear_ready._dynamo_marked_constant = True  # torch.compiler.assume_constant_result, spelled out
