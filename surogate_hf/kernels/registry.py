@@ -247,6 +247,11 @@ def nf4_linear_dgrad(dy, packed, absmax, code, block_size, out_features, in_feat
 # are the very functions registered for the ops, so the numerics are the ops'. The fourth item of each plan is the
 # weight's operands for the extension's C++ decode + GEMM op (surogate::ext_decoded_linear), or None where that op
 # cannot take them: see decode_operands.
+def _warn_at_trace_time(ctx):
+    """comptime hook of decode_operands: its frame's `key` and `msg`, said while dynamo traces."""
+    warn_once(ctx.get_local("key").as_python_constant(), ctx.get_local("msg").as_python_constant())
+
+
 def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
     ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
@@ -273,8 +278,16 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     )
     for bad, what in problems:
         if bad:
-            warn_once(f"decode_operands:{fmt_name}", f"surogate_hf: a {fmt_name} layer [{n}, {k}] keeps the Python "
-                      f"decode + GEMM plan instead of the extension's C++ op: unexpected {what}")
+            key = f"decode_operands:{fmt_name}"
+            msg = (f"surogate_hf: a {fmt_name} layer [{n}, {k}] keeps a slower decode + GEMM path (the Python plan; "
+                   f"under torch.compile the decode traced into the graph) instead of the extension's C++ op: "
+                   f"unexpected {what}")
+            if torch.compiler.is_compiling():  # a warning cannot be traced: said once, at trace time
+                from torch._dynamo.comptime import comptime
+
+                comptime(_warn_at_trace_time)
+            else:
+                warn_once(key, msg)
             return None
     return (w, scales, gscale, levels, fmt, n, k, block)
 

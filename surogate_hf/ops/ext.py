@@ -6,7 +6,8 @@ reference below, which states its numerics (on CUDA tensors it says so once: `wa
 loaded (kernels.ext.load), so the references serve the CPU opcheck tests and a GPU comparison, not a hot path.
 The schemas spell `int` (not SymInt) because the C++ kernels take int64_t. They are declared with torch.library's
 define/impl rather than custom_op so that a call reaches the C++ kernel with no Python autograd wrapper on the
-host path (these ops run inside autograd Functions and compiled graphs, never on tensors that record a graph).
+host path: most run inside autograd Functions and compiled graphs; ext_decoded_linear records its own C++ autograd
+node, and ext_decoded_linear_fwd (its twin for compiled graphs) carries a Python autograd that AOTAutograd traces.
 """
 
 from __future__ import annotations

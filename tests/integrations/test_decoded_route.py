@@ -60,6 +60,22 @@ def test_operands_that_do_not_fit_are_refused():
         assert decode_operands("nvfp4", t[""], t["_scale"][:-1], t["_scale_2"], None, 192, 576, 16) is None
 
 
+def test_operands_refused_inside_compile_are_said_at_trace_time():
+    """Inside a fullgraph compile a refusal neither breaks the graph nor passes silently: the reason is said once while
+    tracing and the caller takes its slower path."""
+    layer = _layer("mxfp4")
+    t = layer._tensors()
+
+    def f(codes, scales):
+        ops = decode_operands("mxfp4", codes, scales, None, None, 192, 576, 32)
+        return codes.float().sum() + (0.0 if ops is None else 1.0)
+
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="traced into the graph.*unexpected scales"):
+        out = torch.compile(f, backend="eager", fullgraph=True)(t[""], t["_scale"].reshape(-1)[:-2])
+    assert out == t[""].float().sum()
+
+
 def _peft_model(fmt, dropout, bias):
     from peft import LoraConfig, get_peft_model
 
