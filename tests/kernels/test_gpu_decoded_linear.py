@@ -153,14 +153,12 @@ def test_decoded_linear_forward_and_backward(fmt, case, nk):
     assert _sqnr(grads[0].reshape(-1, k), dx_ref) > 40, f"{fmt} {case}: input gradient SQNR {_sqnr(grads[0], dx_ref):.1f}"
 
 
-@pytest.mark.parametrize("fmt", DECODE_FORMATS)
-def test_lora_layers_route_through_the_extension(fmt):
-    """A PEFT LoRA layer over a quantized base of a small model's width, on the decode route (1024 tokens; fp8 below its
-    weight-only size): one surogate::ext_decoded_linear call per forward, no warning, and the loss and gradients of the
-    layer's CPU twin (the unfused reference path)."""
+def _two_layer_lora(fmt, down_bias):
+    """A PEFT LoRA model (r=8, gaussian adapters, built on the CPU from seed 0) over two quantized projections of a small
+    model's width: up 576 -> 1536, down 1536 -> 576."""
     from peft import LoraConfig, get_peft_model
 
-    from surogate_hf.integrations.peft import install_peft_dispatch, set_lora_dtype
+    from surogate_hf.integrations.peft import install_peft_dispatch
     from surogate_hf.nn import linear as L
 
     install_peft_dispatch()
@@ -169,19 +167,29 @@ def test_lora_layers_route_through_the_extension(fmt):
         def __init__(self):
             super().__init__()
             self.up_proj = torch.nn.Linear(576, 1536, bias=False, dtype=torch.bfloat16)
-            self.down_proj = torch.nn.Linear(1536, 576, bias=True, dtype=torch.bfloat16)
+            self.down_proj = torch.nn.Linear(1536, 576, bias=down_bias, dtype=torch.bfloat16)
 
         def forward(self, x):
             return self.down_proj(torch.nn.functional.silu(self.up_proj(x)))
 
+    torch.manual_seed(0)
+    model = Two()
+    for name in ("up_proj", "down_proj"):
+        model.set_submodule(name, L.LINEAR_CLASSES[fmt].from_linear(model.get_submodule(name)))
+    model.requires_grad_(False)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["up_proj", "down_proj"],
+                                            init_lora_weights="gaussian"))
+
+
+@pytest.mark.parametrize("fmt", DECODE_FORMATS)
+def test_lora_layers_route_through_the_extension(fmt):
+    """A PEFT LoRA layer over a quantized base of a small model's width, on the decode route (1024 tokens; fp8 below its
+    weight-only size): one surogate::ext_decoded_linear call per forward, no warning, and the loss and gradients of the
+    layer's CPU twin (the unfused reference path)."""
+    from surogate_hf.integrations.peft import set_lora_dtype
+
     def build(device):
-        torch.manual_seed(0)
-        model = Two()
-        for name in ("up_proj", "down_proj"):
-            model.set_submodule(name, L.LINEAR_CLASSES[fmt].from_linear(model.get_submodule(name)))
-        model.requires_grad_(False)
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["up_proj", "down_proj"],
-                                                 init_lora_weights="gaussian"))
+        model = _two_layer_lora(fmt, down_bias=True)
         set_lora_dtype(model, torch.float32)
         return model.to(device)  # built on the CPU: both twins draw the same adapters
 
@@ -271,30 +279,8 @@ def test_graph_ops_are_the_eager_ops_bits(fmt, case):
 def test_compiled_lora_model_takes_the_graph_ops():
     """A PEFT LoRA model over nf4 bases compiled with inductor (fullgraph) runs the graph ops (no traced decode) and
     trains like the eager model on the C++ op: loss and gradients within bf16 summation noise."""
-    from peft import LoraConfig, get_peft_model
-
-    from surogate_hf.integrations.peft import install_peft_dispatch
-    from surogate_hf.nn import linear as L
-
-    install_peft_dispatch()
-
-    class Two(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up_proj = torch.nn.Linear(576, 1536, bias=False, dtype=torch.bfloat16)
-            self.down_proj = torch.nn.Linear(1536, 576, bias=False, dtype=torch.bfloat16)
-
-        def forward(self, x):
-            return self.down_proj(torch.nn.functional.silu(self.up_proj(x)))
-
     def build():
-        torch.manual_seed(0)
-        model = Two()
-        for name in ("up_proj", "down_proj"):
-            model.set_submodule(name, L.LINEAR_CLASSES["nf4"].from_linear(model.get_submodule(name)))
-        model.requires_grad_(False)
-        return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["up_proj", "down_proj"],
-                                                init_lora_weights="gaussian")).to(DEV)
+        return _two_layer_lora("nf4", down_bias=False).to(DEV)
 
     x = torch.randn(2, 512, 576, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
     results = []
