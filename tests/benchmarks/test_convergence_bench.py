@@ -208,6 +208,9 @@ def test_tiny_run_trains_each_kind_of_setup(tmp_path):
         assert r["step"] == [0, 1, 2] and len(r["val"]) == 3 and all(np.isfinite(r["val"]))
         assert r["reference"] == ("full-bf16" if name.startswith("full") else "lora-bf16")
     assert results["lora-bf16"]["gap_pct"] == 0.0
+    f = results["full-fp8-hybrid"]  # a low-precision recipe's weights are also scored under a plain bf16 forward
+    assert np.isfinite(f["final_bf16_forward"]) and "final_bf16_forward" not in results["full-bf16"]
+    assert f["gap_bf16_forward_pct"] == pytest.approx(100 * (f["final_bf16_forward"] / results["full-bf16"]["final"] - 1))
     q = results["qlora-nf4+loftq"]
     assert q["gap_pct"] == pytest.approx(100 * (q["final"] / results["lora-bf16"]["final"] - 1))
     saved = json.loads(out.with_suffix(".json").read_text())
@@ -216,6 +219,26 @@ def test_tiny_run_trains_each_kind_of_setup(tmp_path):
     # fixed data order and seeds: the same setup trained twice gives the same curve
     again = convergence.main(["--tiny", "--steps", "2", "--eval-every", "1", "--setups", "lora-bf16", "--out", str(tmp_path / "b"), "--device", "cpu"])
     assert again["lora-bf16"]["val"] == results["lora-bf16"]["val"]
+
+
+def test_bf16_forward_evaluation_takes_the_trained_weights(tmp_path):
+    """evaluate_in_bf16 scores a recipe model's own weights: a bf16-recipe model (fp32 masters, bf16 compute) scores as
+    under its own forward, and after its weights move, the bf16 forward sees the move."""
+    from types import SimpleNamespace
+
+    config, state, _, val_ids = convergence.tiny_assets(0)
+    ckpt = convergence.write_checkpoint(config, state, tmp_path, 0)
+    vals = convergence.val_batches(val_ids, 32, 2, 4)
+    model, params, _ = convergence.build("full-bf16", ckpt, SimpleNamespace(lr_full=2e-5, seed=0, rank=16), "cpu")
+    own = convergence.evaluate(model, vals, "cpu")
+    assert convergence.evaluate_in_bf16(model, ckpt, vals, "cpu") == pytest.approx(own, rel=2e-3)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    moved = convergence.evaluate(model, vals, "cpu")
+    assert abs(moved - own) > 1e-2
+    assert convergence.evaluate_in_bf16(model, ckpt, vals, "cpu") == pytest.approx(moved, rel=2e-3)
 
 
 def test_jobs_train_setups_in_parallel_processes_with_the_same_numbers(tmp_path):
