@@ -1,6 +1,7 @@
 """The extension's decode + GEMM route (csrc/weight_only/): surogate::ext_dequantize bit for bit against the formats'
 reference decode over the shapes table, surogate::ext_decoded_linear (forward and its C++ backward, with and without
-a LoRA adapter) against the same math in torch, and the modules that route through it.
+a LoRA adapter) against the same math in torch, its two graph ops (ext_decoded_linear_fwd / _bwd, the route inside
+torch.compile) against it bit for bit, and the modules that route through it, eager and compiled.
 GPU only; skipped with the reason without CUDA, Triton or a CUDA toolkit to build the extension."""
 
 from __future__ import annotations
