@@ -35,15 +35,20 @@ def _nvcc() -> str | None:
     return str(cand) if cand.exists() else None
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
+def _build_host(tmp_path_factory, source: Path, what: str) -> Path:
+    """The harness `source` built for the host with nvcc (skipped without a CUDA toolkit)."""
     nvcc = _nvcc()
     if nvcc is None:
-        pytest.skip("no CUDA toolkit (nvcc): the host build of the csrc block math needs one")
-    exe = tmp_path_factory.mktemp("csrc_host") / "nvfp4_qdq_host"
-    res = subprocess.run([nvcc, "-std=c++17", "-O2", "-o", str(exe), str(HARNESS)], capture_output=True, text=True)
+        pytest.skip(f"no CUDA toolkit (nvcc): the host build of the csrc {what} needs one")
+    exe = tmp_path_factory.mktemp("csrc_host") / source.stem
+    res = subprocess.run([nvcc, "-std=c++17", "-O2", "-o", str(exe), str(source)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     return exe
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return _build_host(tmp_path_factory, HARNESS, "block math")
 
 
 def _run(exe, x, axis, fos, rule, sr, seed, signs):
@@ -131,39 +136,23 @@ DECODE_HARNESS = Path(__file__).parent / "host" / "decode_host.cu"
 
 @pytest.fixture(scope="module")
 def decode_harness(tmp_path_factory):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("no CUDA toolkit (nvcc): the host build of the csrc decode math needs one")
-    exe = tmp_path_factory.mktemp("csrc_host") / "decode_host"
-    res = subprocess.run([nvcc, "-std=c++17", "-O2", "-o", str(exe), str(DECODE_HARNESS)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    return exe
+    return _build_host(tmp_path_factory, DECODE_HARNESS, "decode math")
 
 
 def _decode_operands(fmt, n, k):
     """(w, scales, gscale, levels, code, block) of a random [n, k] weight by the format's reference quantizer, with
     every scale byte value mixed in for the one-byte-scale formats (E8M0 0: the subnormal 2^-127; 255: NaN)."""
-    from surogate_hf.ops.ext import DECODE_FORMATS
+    from decode_operands import quantized_operands
 
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 2)
-    code = DECODE_FORMATS.index(fmt)
-    if fmt == "nvfp4":
-        packed, s, gs = F.quantize_nvfp4(w)
-        s = s.view(torch.uint8).clone()
-        s.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: s.numel()]
-        s[(s & 0x7F) == 0x7F] = 0x38  # (E4M3 NaN is no scale a quantizer writes)
-        return packed, s, gs.float().reshape(()), None, code, 16
-    if fmt == "mxfp4":
-        packed, s = F.quantize_mxfp4(w)
+    packed, s, gs, levels, code, block = quantized_operands(w, fmt)
+    if fmt in ("nvfp4", "mxfp4"):
         s = s.clone()
         s.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: s.numel()]
-        return packed, s, None, None, code, 32
-    if fmt == "nf4":
-        packed, state = F.quantize_nf4(w.to(torch.bfloat16), 64, True)
-        return packed, F.nf4_absmax(state).float().contiguous(), None, state.code.float().contiguous(), code, 64
-    q, s = F.quantize_fp8_blocks(w, (128, 128))
-    return q.view(torch.uint8), s.float().contiguous(), None, None, code, 128
+        if fmt == "nvfp4":
+            s[(s & 0x7F) == 0x7F] = 0x38  # (E4M3 NaN is no scale a quantizer writes)
+    return packed, s, gs, levels, code, block
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "fp8"])

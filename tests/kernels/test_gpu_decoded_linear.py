@@ -17,7 +17,6 @@ import torch
 os.environ.setdefault("SUROGATE_HF_AUTOTUNE", "0")
 
 import surogate_hf.kernels as K  # noqa: E402
-from surogate_hf import formats as F  # noqa: E402
 from surogate_hf.kernels import model_shapes as _S  # noqa: E402
 from surogate_hf.ops.ext import DECODE_FORMATS, decode_reference  # noqa: E402
 
@@ -50,19 +49,9 @@ def _sqnr(out, ref) -> float:
 def _operands(fmt, n, k, seed=3):
     """(w, scales, gscale, levels, fmt code, block) of a random [n, k] weight quantized on the CPU by the format's
     reference quantizer (tails and all), as CPU tensors."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
-    code = DECODE_FORMATS.index(fmt)
-    if fmt == "nvfp4":
-        packed, s, g = F.quantize_nvfp4(w)
-        return packed, s.view(torch.uint8), g.float().reshape(()), None, code, 16
-    if fmt == "mxfp4":
-        packed, s = F.quantize_mxfp4(w)
-        return packed, s, None, None, code, 32
-    if fmt == "nf4":
-        packed, state = F.quantize_nf4(w.to(torch.bfloat16), 64, True)
-        return packed, F.nf4_absmax(state).float().contiguous(), None, state.code.float().contiguous(), code, 64
-    q, s = F.quantize_fp8_blocks(w, (128, 128))
-    return q.view(torch.uint8), s.float().contiguous(), None, None, code, 128
+    from decode_operands import quantized_operands
+
+    return quantized_operands(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02, fmt)
 
 
 def _cuda(*ts):
