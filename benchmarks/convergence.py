@@ -40,6 +40,9 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-nvfp4-{w2d,w1d,w1d-allfp4}   weights in 16x16 tiles or in 1x16 blocks along each GEMM's reduction dim
                               (fp4_weight_blocks), the latter also with every block in FP4
     full-nvfp4-absmax         the nvfp4 recipe choosing 4/6 by the block's largest error instead of its squared sum
+    full-nvfp4-tail{10,20}    NVIDIA's precision switch: the last 10% / 20% of the steps run the nvfp4 layers' forward
+                              GEMMs in bf16, dgrad and wgrad staying FP4 (fp4_high_precision_tail, recipes.switch)
+    full-nvfp4-tail20-all     the same with all three GEMMs in bf16 for the last 20%
 
 Output: a table of final validation loss and the gap in % to the reference (for a full fine-tune under a low-precision
 recipe also the same trained weights evaluated with a plain bf16 forward, which separates what training under the
@@ -58,6 +61,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -103,6 +107,10 @@ FULL_SETUPS = {
     # 10% of SmolLM2-135M's 30)
     "full-nvfp4-ends-1-4": ("nvfp4", {"skip_quant_first_layers": 1, "skip_quant_last_layers": 4}),
     "full-nvfp4-ends-2-6": ("nvfp4", {"skip_quant_first_layers": 2, "skip_quant_last_layers": 6}),
+    # the precision switch over the run's last steps, scheduled by recipes.schedule_precision in run_setup's loop
+    "full-nvfp4-tail10": ("nvfp4", {"fp4_high_precision_tail": 0.1}),
+    "full-nvfp4-tail20": ("nvfp4", {"fp4_high_precision_tail": 0.2}),
+    "full-nvfp4-tail20-all": ("nvfp4", {"fp4_high_precision_tail": 0.2, "fp4_high_precision_passes": "all"}),
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 # QLoRA bases other than a format's defaults: name -> (format, SurogateConfig options)
@@ -239,7 +247,9 @@ def build(setup: str, ckpt: Path, args, device: str):
         if setup not in FULL_SETUPS:
             raise ValueError(f"unknown setup {setup!r}")
         recipe, knobs = FULL_SETUPS[setup]
-        surogate_hf.apply_recipe(model, recipe, master_dtype="fp32", **knobs)
+        with warnings.catch_warnings():  # (run_setup schedules fp4_high_precision_tail, as apply_recipe asks)
+            warnings.filterwarnings("ignore", message="apply_recipe: fp4_high_precision_tail")
+            surogate_hf.apply_recipe(model, recipe, master_dtype="fp32", **knobs)
         lr = args.lr_full
     else:
         raise ValueError(f"unknown setup {setup!r}")
@@ -286,7 +296,12 @@ def run_setup(setup: str, ckpt: Path, train_ids, vals, args, device: str) -> dic
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     curve = {"step": [0], "val": [evaluate(model, vals, device)], "train": []}
     model.train()
+    from surogate_hf.recipes import schedule_precision
+
     for step, ids in enumerate(batches(train_ids, args.seq_len, args.batch, args.steps, args.seed)):
+        # the nvfp4 precision switch, where a setup asks for one
+        if schedule_precision(model, step, args.steps) and "precision_switch_step" not in curve:
+            curve["precision_switch_step"] = step
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, lr)
         ids = ids.to(device)

@@ -9,6 +9,9 @@ surogate_hf.recipes.recipe_from_launcher), else the one recorded in the model's 
 writes `config.surogate_recipe`, so a checkpoint trained with a recipe carries it); with neither the
 callback does nothing, i.e. plain training. An explicit recipe always wins.
 
+With the nvfp4 recipe's `fp4_high_precision_tail` knob, `on_step_begin` switches the nvfp4 GEMMs named by
+`fp4_high_precision_passes` to model_dtype for the last share of `max_steps` (recipes.switch), again after a resume.
+
 The recipe is applied in `on_init_end`, which the Trainer calls at the end of __init__ with the
 model, before it builds its optimizer and before accelerator.prepare. Recipe state (amax
 histories, scales, stochastic-rounding counters) are buffers, so Trainer checkpoints carry them
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..recipes import apply_recipe, as_recipe_config, recipe_from_launcher, recorded_recipe
+from ..recipes import apply_recipe, as_recipe_config, recipe_from_launcher, recorded_recipe, schedule_precision
+from ..recipes.linear import PRECISION_SCHEDULER
 
 
 class SurogateRecipeCallback(TrainerCallback):
@@ -49,6 +53,7 @@ class SurogateRecipeCallback(TrainerCallback):
             if wanted != applied:
                 raise ValueError(f"the model already has a different recipe applied ({applied}); the callback asks for {wanted}")
             return
+        model.__dict__[PRECISION_SCHEDULER] = type(self).__name__  # on_step_begin schedules fp4_high_precision_tail
         apply_recipe(model, self.config)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -59,3 +64,9 @@ class SurogateRecipeCallback(TrainerCallback):
                 "SurogateRecipeCallback: the model being trained has no recipe applied (Trainer(model_init=...) "
                 "replaces the model after on_init_end); call surogate_hf.recipes.apply_recipe inside model_init"
             )
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        # the nvfp4 recipe's precision switch (recipes.switch) over the last fp4_high_precision_tail of max_steps;
+        # a resumed run past the switch step switches again here
+        if self.config is not None and self.config.fp4_high_precision_tail and model is not None:
+            schedule_precision(model, state.global_step, state.max_steps)

@@ -42,7 +42,10 @@ _FP8_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax", 
 FP8_SMALL_LINEAR = (1024, 4096)
 _DELAYED_KNOBS = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
 FP8_SCALINGS = ("delayed", "blockwise")
-_FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht", "fp4_weight_blocks")
+_FP4_KNOBS = ("four_over_six", "four_over_six_rule", "no_fp4_stochastic_rounding", "fp4_rht", "fp4_weight_blocks",
+              "fp4_high_precision_tail", "fp4_high_precision_passes")
+# the nvfp4 GEMMs a precision switch (recipes.switch) moves to model_dtype: the forward only, or all three
+HIGH_PRECISION_PASSES = ("forward", "all")
 # "1d" (default): 1x16 blocks along the reduction dim of each GEMM, the forward's W along K and the dgrad's along N (two
 # quantizations of the weight); "2d": 16x16 weight tiles, W and W^T quantize alike (NVIDIA's NVFP4 pretraining
 # recipe). Fine-tuning the convergence benchmark's pretrained model (H100, 200 steps, 2c44c9a): 1d +3.09% to bf16,
@@ -100,6 +103,11 @@ class RecipeConfig:
     no_fp4_stochastic_rounding: bool = False
     fp4_rht: bool = True
     fp4_weight_blocks: str = "1d"
+    # NVIDIA's precision switch: the last `fp4_high_precision_tail` of the run's optimizer steps run the nvfp4 layers'
+    # `fp4_high_precision_passes` GEMMs in model_dtype (recipes.switch; scheduled by SurogateRecipeCallback, or by
+    # recipes.schedule_precision in a training loop of one's own). 0: FP4 to the end
+    fp4_high_precision_tail: float = 0.0
+    fp4_high_precision_passes: str = "forward"
     seed: int = 0
     # swap transformers' RMSNorms for recipes.norm.FusedRMSNorm (one kernel each way; hands its FP8-cast output
     # to the FP8 linears it feeds); same weights, same state_dict keys, same formula
@@ -177,6 +185,15 @@ class RecipeConfig:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
         if self.fp4_weight_blocks not in FP4_WEIGHT_BLOCKS:
             raise ValueError(f"fp4_weight_blocks={self.fp4_weight_blocks!r} is unknown; choose one of {FP4_WEIGHT_BLOCKS}")
+        tail = self.fp4_high_precision_tail
+        if isinstance(tail, bool) or not isinstance(tail, (int, float)) or not 0.0 <= tail < 1.0:
+            raise ValueError(f"fp4_high_precision_tail must be a fraction of the run in [0, 1), got {tail!r}")
+        set_("fp4_high_precision_tail", float(tail))
+        if tail and self.recipe != "nvfp4":
+            raise ValueError(f"fp4_high_precision_tail only applies to recipe='nvfp4', not {self.recipe!r}")
+        if self.fp4_high_precision_passes not in HIGH_PRECISION_PASSES:
+            raise ValueError(f"fp4_high_precision_passes={self.fp4_high_precision_passes!r} is unknown; choose one of "
+                             f"{HIGH_PRECISION_PASSES}")
         if self.four_over_six_rule not in FOUR_OVER_SIX_RULES:
             raise ValueError(f"four_over_six_rule={self.four_over_six_rule!r} is unknown; choose one of {FOUR_OVER_SIX_RULES}")
         for knob in ("skip_quant_first_layers", "skip_quant_last_layers"):

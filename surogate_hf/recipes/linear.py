@@ -46,6 +46,8 @@ from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
 
 FP8_STATE_NAME = "surogate_fp8_state"
+# set on a model (its __dict__) by whatever will call recipes.schedule_precision for it (the Trainer callback)
+PRECISION_SCHEDULER = "_surogate_precision_scheduler"
 
 
 class _FloatLinearFn(torch.autograd.Function):
@@ -101,6 +103,7 @@ class RecipeLinear(nn.Linear):
         self._work, self._work_key, self._checked_devices = None, None, set()
         install_step_hook()  # weight caches are keyed on the optimizer-step generation
         self.fwd_sr_step = -1  # nvfp4, eager: the step of the last training forward (a recompute reuses it)
+        self.fp4_high_precision = None  # nvfp4: the GEMMs a precision switch moved to model_dtype (recipes.switch)
         self._has_sr_step = quantize and config.recipe == "nvfp4"
         self._blockwise = False
         if not quantize:
@@ -180,7 +183,8 @@ class RecipeLinear(nn.Linear):
     def extra_repr(self) -> str:
         mode = f"recipe={self.config.recipe}" if self.quantize else "model dtype (not quantized)"
         engine = ("fp8 blockwise" if self._blockwise else "fp8") if self.engine is None else self.engine.name
-        return f"{super().extra_repr()}, {mode}, engine={engine}"
+        switched = f", {self.fp4_high_precision} GEMMs switched to model dtype" if self.fp4_high_precision else ""
+        return f"{super().extra_repr()}, {mode}, engine={engine}{switched}"
 
     def _weight_key(self, *extra):
         w = self.weight
@@ -279,13 +283,17 @@ class RecipeLinear(nn.Linear):
         if self.engine is None:
             return self._fp8_block_forward(x) if self._blockwise else self._fp8_forward(x)
         if isinstance(self.engine, FloatEngine):
-            spec = (self.engine.dtype, self.engine.bwd.dtype)
-            w = self.weight
-            if spec[0] == spec[1] == w.dtype == x.dtype and (self.bias is None or self.bias.dtype == w.dtype):
-                # every GEMM in the layer's own dtype: that is nn.Linear (its C++ autograd, no Python Function per call)
-                return torch.nn.functional.linear(x, w, self.bias)
-            return _FloatLinearFn.apply(x, w, self.bias, self._work_weight(), spec)
+            return self._float_forward(x, (self.engine.dtype, self.engine.bwd.dtype))
+        if self.fp4_high_precision == "all":
+            return self._float_forward(x, (self.compute_dtype, self.compute_dtype))
         return self._nvfp4_forward(x)
+
+    def _float_forward(self, x: Tensor, spec: tuple) -> Tensor:
+        w = self.weight
+        if spec[0] == spec[1] == w.dtype == x.dtype and (self.bias is None or self.bias.dtype == w.dtype):
+            # every GEMM in the layer's own dtype: that is nn.Linear (its C++ autograd, no Python Function per call)
+            return torch.nn.functional.linear(x, w, self.bias)
+        return _FloatLinearFn.apply(x, w, self.bias, self._work_weight(), spec)
 
     def _nvfp4_forward(self, x: Tensor) -> Tensor:
         """Nvfp4LinearFn with this layer's weight operands (eager: cached per optimizer step) and stochastic-rounding
@@ -296,13 +304,14 @@ class RecipeLinear(nn.Linear):
         grad = torch.is_grad_enabled()
         signs = self.rht_signs if eng.rht else None
         work = self._work_weight()
+        high_forward = self.fp4_high_precision == "forward"
         if torch.compiler.is_compiling():
             seeds = (0, 0)
             if grad:
                 step = take_sr_step(self)
                 if eng.sr:
                     seeds = sr_seeds_traced(eng.seed, self.recipe_index_t, step)
-            return Nvfp4LinearFn.apply(x, self.weight, self.bias, work, None, signs, seeds, spec)
+            return Nvfp4LinearFn.apply(x, self.weight, self.bias, work, None, signs, seeds, spec, high_forward)
         warn_emulation_once("nvfp4_mm", x.device, "the NVFP4 recipe GEMM (no FP4 tensor cores used)")
         mode = _pass_mode()
         if mode == "train" or (mode == "replay" and self.fwd_sr_step < 0):
@@ -312,8 +321,9 @@ class RecipeLinear(nn.Linear):
         step = self.fwd_sr_step
         seeds = (sr_seed(eng.seed, self.recipe_index, step, ROLE_DGRAD),
                  sr_seed(eng.seed, self.recipe_index, step, ROLE_WGRAD)) if eng.sr and step >= 0 else (0, 0)
-        w_ops = eng.weight_ops(self, self.weight if work is None else work, grad and x.requires_grad, spec[4])
-        return Nvfp4LinearFn.apply(x, self.weight, self.bias, work, w_ops, signs, seeds, spec)
+        w_ops = eng.weight_ops(self, self.weight if work is None else work, grad and x.requires_grad, spec[4],
+                               need_fwd=not high_forward)
+        return Nvfp4LinearFn.apply(x, self.weight, self.bias, work, w_ops, signs, seeds, spec, high_forward)
 
 
 def _pass_mode() -> str:
@@ -525,6 +535,13 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
             if any(p.dtype != model_dt and p.is_floating_point() for p in m.parameters(recurse=False)):
                 m.register_forward_hook(_cast_output(model_dt))
     _keep_recipe_state_out_of_ddp(model)
+    if cfg.fp4_high_precision_tail and model.__dict__.get(PRECISION_SCHEDULER) is None:
+        warnings.warn(
+            f"apply_recipe: fp4_high_precision_tail={cfg.fp4_high_precision_tail} switches the nvfp4 GEMMs only when "
+            "something schedules it: SurogateRecipeCallback does with the Trainer; in a training loop of your own call "
+            "surogate_hf.recipes.schedule_precision(model, step, total_steps) before each optimizer step",
+            RuntimeWarning, stacklevel=2,
+        )
     model.surogate_recipe = cfg
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "to_dict"):  # a transformers config: saved as config.json

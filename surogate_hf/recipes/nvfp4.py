@@ -178,12 +178,16 @@ def weight_operand(spec, w, dgrad: bool):
     return transpose_nvfp4_2d(*tiles) if native and dgrad else tiles
 
 
-def weight_operands(spec, w, need_dgrad: bool) -> tuple:
+def weight_operands(spec, w, need_dgrad: bool, need_fwd: bool = True) -> tuple:
     """(forward operand..., dgrad operand...) as one flat tuple of tensors; the dgrad's is the forward's where the same
-    values serve (16x16 tiles on the bf16 path) or where no dgrad runs."""
-    fwd = weight_operand(spec, w, False)
+    values serve (16x16 tiles on the bf16 path) or where no dgrad runs. need_fwd=False (the forward runs in
+    model_dtype, recipes.switch): (dgrad operand...) alone, or () with no dgrad either."""
     _, _, _, weight_1d, native = spec
-    return (*fwd, *(weight_operand(spec, w, True) if need_dgrad and (weight_1d or native) else fwd))
+    separate = weight_1d or native
+    if not need_fwd:
+        return weight_operand(spec, w, separate) if need_dgrad else ()
+    fwd = weight_operand(spec, w, False)
+    return (*fwd, *(weight_operand(spec, w, True) if need_dgrad and separate else fwd))
 
 
 def _mm(spec, a, b, bias, out_dtype, b_is_nk: bool):
@@ -198,21 +202,28 @@ class Nvfp4LinearFn(torch.autograd.Function):
     """y = x W^T + b in the nvfp4 recipe's GEMMs, with only tensors and constants crossing it so dynamo traces it
     whole. w_ops: the weight operands (weight_operands), built once per optimizer step by the caller, or None: made
     here (traced). seeds: the (dgrad, wgrad) stochastic-rounding seeds as ints, or an int64 [2] tensor (traced).
-    spec: (four_over_six, rule, stochastic rounding, 1x16 weight blocks, native FP4 operands)."""
+    spec: (four_over_six, rule, stochastic rounding, 1x16 weight blocks, native FP4 operands). high_forward: the
+    forward GEMM runs in x's dtype on the (work) weight, the dgrad and wgrad in FP4 (recipes.switch); w_ops then
+    holds the dgrad operand alone (weight_operands(need_fwd=False))."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, work, w_ops, signs, seeds, spec):
+    def forward(ctx, x, weight, bias, work, w_ops, signs, seeds, spec, high_forward=False):
         w = weight if work is None else work
         x2d = x.reshape(-1, x.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[:2]
         with below_autograd():
             if w_ops is None:
-                w_ops = weight_operands(spec, w, need_dx)
-            half = len(w_ops) // 2
-            y = _mm(spec, _operand(spec, x2d, 1), w_ops[:half], bias, x.dtype, True)
+                w_ops = weight_operands(spec, w, need_dx, need_fwd=not high_forward)
+            if high_forward:
+                y = torch.nn.functional.linear(x2d, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+                dgrad_ops = w_ops
+            else:
+                half = len(w_ops) // 2
+                y = _mm(spec, _operand(spec, x2d, 1), w_ops[:half], bias, x.dtype, True)
+                dgrad_ops = w_ops[half:]
         traced = isinstance(seeds, torch.Tensor)
         ctx.save_for_backward(x2d if need_dw else None, signs if need_dw else None, seeds if traced else None,
-                              *(w_ops[half:] if need_dx else ()))
+                              *(dgrad_ops if need_dx else ()))
         ctx.int_seeds = None if traced else seeds
         ctx.spec, ctx.x_shape, ctx.w_dtype = spec, x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -243,7 +254,7 @@ class Nvfp4LinearFn(torch.autograd.Function):
                 dw = dw.to(ctx.w_dtype)
         if need_db:
             db = dy2d.float().sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class NVFP4Engine:
@@ -265,15 +276,19 @@ class NVFP4Engine:
     def _quantize_weight(self, w, dgrad: bool, native: bool = False):
         return weight_operand((self.fos, self.rule, self.sr, self.weight_1d, native), w, dgrad)
 
-    def weight_ops(self, owner, w, need_dgrad: bool, native: bool) -> tuple:
-        """weight_operands of `w`, built once per optimizer step (the layer's weight key) in eager mode."""
+    def weight_ops(self, owner, w, need_dgrad: bool, native: bool, need_fwd: bool = True) -> tuple:
+        """weight_operands of `w` (need_fwd=False: the dgrad's alone), built once per optimizer step (the layer's
+        weight key) in eager mode."""
         key = (owner._weight_key(), native)
         cached = getattr(owner, "_nvfp4_w", None)
         if cached is None or cached[0] != key:
             cached = owner._nvfp4_w = [key, None, None]
-        if cached[1] is None:
+        separate = self.weight_1d or native
+        if cached[1] is None and (need_fwd or (need_dgrad and not separate)):
             cached[1] = self._quantize_weight(w, False, native)
-        if need_dgrad and (self.weight_1d or native) and cached[2] is None:
+        if need_dgrad and separate and cached[2] is None:
             cached[2] = self._quantize_weight(w, True, native)
-        dgrad = cached[2] if need_dgrad and (self.weight_1d or native) else cached[1]
-        return (*cached[1], *dgrad)
+        dgrad = (cached[2] if separate else cached[1]) if need_dgrad else None
+        if not need_fwd:
+            return dgrad or ()
+        return (*cached[1], *(dgrad or cached[1]))

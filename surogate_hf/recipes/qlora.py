@@ -147,19 +147,21 @@ class _Nvfp4:
     """nvfp4 recipe: FP4 x (1x16, RNE) x W (16x16 tiles of the decoded weight, or 1x16 along K with
     fp4_weight_blocks="1d"); dgrad FP4 dy (1x16, stochastic rounding with the seed in args, or RNE) x the same tiles
     transposed (or W in 1x16 blocks along N). args = (four_over_six, rule, sr, dgrad seed (an int, or one int64 tensor
-    when traced), 1d weight blocks).
+    when traced), 1d weight blocks, forward in x's dtype (recipes.switch)).
     Operands as recipes.nvfp4 makes them (bf16 e2m1 * s_blk, one GEMM with the globals in its epilogue)."""
 
     @staticmethod
     def forward(x2d, decode, args):
-        fos, rule, _, _, w1d = args
+        fos, rule, _, _, w1d, high_forward = args
+        if high_forward:  # weight-only, as the bf16 recipe's base forward
+            return float_mm(x2d, decode(x2d.dtype), x2d.dtype, x2d.dtype)
         xv, xg = nvfp4_qdq(x2d, 1, fos, rule)
         wv, wg = nvfp4_qdq(decode(torch.float32), 1 if w1d else 2, fos, rule)
         return nvfp4_gemm(xv, wv.t(), xg, wg, None, x2d.dtype)
 
     @staticmethod
     def dgrad(dy2d, decode, args):
-        fos, rule, sr, seed, w1d = args
+        fos, rule, sr, seed, w1d, _ = args
         dyv, dyg = nvfp4_qdq(dy2d, 1, fos, rule, sr, seed)
         wv, wg = nvfp4_qdq(decode(torch.float32), 0 if w1d else 2, fos, rule)
         return nvfp4_gemm(dyv, wv, dyg, wg, None, dy2d.dtype)
@@ -199,6 +201,7 @@ class BaseRecipeGemm:
         self.base, self.cfg, self.index = base, cfg, index
         self.state = state
         self.last_seed = 0  # nvfp4, eager: the dgrad seed of the last training forward (reused by a recompute)
+        self.high_precision = None  # nvfp4: the GEMMs a precision switch moved to model_dtype (recipes.switch)
         self.kind = base_gemm_kind(base, cfg)
         if self.kind == "nvfp4":
             for dim, v in (("in_features", base.in_features), ("out_features", base.out_features)):
@@ -223,7 +226,8 @@ class BaseRecipeGemm:
             self.float_spec = (TORCH_DTYPES[cfg.resolved_matmul_dtype()], TORCH_DTYPES[cfg.resolved_gradient_dtype()])
 
     def __repr__(self) -> str:
-        return f"BaseRecipeGemm(recipe={self.cfg.recipe}, kind={self.kind})"
+        switched = f", {self.high_precision} GEMMs switched to model dtype" if self.high_precision else ""
+        return f"BaseRecipeGemm(recipe={self.cfg.recipe}, kind={self.kind}{switched})"
 
     # ---- an FP8 consumer of the state (fp8 kind): what Fp8ScalingState and recipes.norm.input_handoff read
     _fp8_backward = True  # the dgrad casts dy to E5M2; the frozen base never needs x's transpose
@@ -252,7 +256,7 @@ class BaseRecipeGemm:
             base.fp8_rows_t[0] = row
 
     def __call__(self, x: Tensor) -> Tensor | None:
-        if self.kind == "native":
+        if self.kind == "native" or self.high_precision == "all":  # all: the format's own weight-only GEMMs
             return None
         base = self.base
         n, k = base.out_features, base.in_features
@@ -279,7 +283,8 @@ class BaseRecipeGemm:
                         seed = self.last_seed
                     else:
                         seed = self.last_seed = sr_seed(self.cfg.seed, self.index, take_sr_step(base), ROLE_DGRAD)
-            args = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr, seed, self.cfg.fp4_weight_blocks == "1d")
+            args = (self.cfg.four_over_six, self.cfg.four_over_six_rule, sr, seed, self.cfg.fp4_weight_blocks == "1d",
+                    self.high_precision == "forward")
         else:
             st = self.state
             compiling = torch.compiler.is_compiling()

@@ -221,6 +221,16 @@ def test_tiny_run_trains_each_kind_of_setup(tmp_path):
     assert again["lora-bf16"]["val"] == results["lora-bf16"]["val"]
 
 
+def test_precision_switch_setup_switches_for_its_tail(tmp_path):
+    results = convergence.main(["--tiny", "--steps", "5", "--eval-every", "5", "--setups", "full-nvfp4,full-nvfp4-tail20",
+                                "--out", str(tmp_path / "sw"), "--device", "cpu"])
+    assert results["full-nvfp4-tail20"]["precision_switch_step"] == 4  # the last 20% of 5 steps: step 4
+    assert "precision_switch_step" not in results["full-nvfp4"]
+    # the same 4 FP4 steps, then one step with a bf16 forward: the runs part only there
+    a, b = results["full-nvfp4"]["train"], results["full-nvfp4-tail20"]["train"]
+    assert a[:4] == b[:4] and a[4] != b[4]
+
+
 def test_bf16_forward_evaluation_takes_the_trained_weights(tmp_path):
     """evaluate_in_bf16 scores a recipe model's own weights: a bf16-recipe model (fp32 masters, bf16 compute) scores as
     under its own forward, and after its weights move, the bf16 forward sees the move."""

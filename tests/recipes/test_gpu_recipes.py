@@ -113,6 +113,40 @@ def test_nvfp4_recipe_on_gpu_matches_cpu(compiled):
     assert steps(mg) == steps(mc) == [2] * len(steps(mc))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nvfp4_precision_switch_on_gpu(compiled):
+    """recipes.switch on CUDA (eager: the cached dgrad-only weight operands; compiled: re-traced after the flip):
+    the switched forward is the bf16 GEMM, the FP4 backward the same as unswitched."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"proj": torch.nn.Linear(960, 576)})])})
+    R.apply_recipe(model.cuda(), "nvfp4", model_dtype="bf16", master_dtype="fp32")
+    layer = model["layers"][0]["proj"]
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 77, 960, generator=g).bfloat16().cuda()
+    dy = torch.randn(3, 77, 576, generator=g).bfloat16().cuda()
+
+    def step():
+        with torch.no_grad():
+            layer.fp4_sr_step.zero_()
+        layer.weight.grad = None
+        xg = x.clone().requires_grad_()
+        y = fn(xg)
+        y.backward(dy)
+        return y.detach(), xg.grad, layer.weight.grad.clone()
+
+    fp4 = step()
+    R.switch_to_high_precision(model)
+    y, dx, dw = step()
+    w = layer.weight.detach().bfloat16()
+    tol = dict(rtol=1.6e-2, atol=1e-2) if compiled else dict(rtol=0, atol=0)  # (inductor may add the bias apart)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, layer.bias.detach().bfloat16()), **tol)
+    assert torch.equal(dx, fp4[1]) and torch.equal(dw, fp4[2])
+    R.switch_to_high_precision(model, None)
+    assert all(torch.equal(a, b) for a, b in zip(step(), fp4))
+
+
 @pytest.mark.parametrize("rows, dim", [(1, 576), (333, 960), (4096, 2048), (77, 2880), (8192 * 16, 128), (50, 4096)])
 @pytest.mark.parametrize("formula", ["llama", "gemma"])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])

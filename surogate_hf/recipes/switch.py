@@ -1,0 +1,84 @@
+"""The nvfp4 recipe's precision switch: the last stretch of a run with some GEMMs in model_dtype.
+
+NVIDIA's NVFP4 pretraining report (arXiv 2509.25149, "switching to higher precision") narrows the loss gap left at
+the end of an NVFP4 run by moving the last part of training to BF16, and finds the forward pass's quantization
+carries most of that gap. The recipe offers the same switch for every nvfp4 GEMM of a model (its RecipeLinears and
+the base GEMMs of a quantized QLoRA model, recipes.qlora):
+
+- passes="forward": y = x W^T runs in model_dtype on the (work) weight; dgrad and wgrad stay FP4 (stochastic
+  rounding, RHT), so most of the FP4 backward's speed stays;
+- passes="all": the layer computes as the bf16 recipe does (a quantized base: its format's own weight-only GEMMs).
+
+The switch is a plain attribute of each layer, not model state: a resumed run switches again from its step (what
+the Trainer callback does), and torch.compile recompiles once when it flips. Scheduling it:
+
+- the knobs fp4_high_precision_tail (the last fraction of the optimizer steps) and fp4_high_precision_passes;
+- SurogateRecipeCallback applies them from the Trainer's max_steps;
+- a training loop of one's own calls schedule_precision(model, step, total_steps) before each step, or
+  switch_to_high_precision(model) when it chooses.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from .config import HIGH_PRECISION_PASSES
+from .linear import RecipeLinear
+from .nvfp4 import NVFP4Engine
+from .qlora import BaseRecipeGemm
+
+
+def _nvfp4_layers(model: nn.Module) -> list:
+    """The RecipeLinears and BaseRecipeGemms of `model` that run nvfp4 GEMMs."""
+    found = []
+    for m in model.modules():
+        if isinstance(m, RecipeLinear) and isinstance(m.engine, NVFP4Engine):
+            found.append(m)
+        gemm = m.__dict__.get("recipe_gemm")
+        if isinstance(gemm, BaseRecipeGemm) and gemm.kind == "nvfp4":
+            found.append(gemm)
+    return found
+
+
+def switch_to_high_precision(model: nn.Module, passes: str | None = "forward") -> int:
+    """Run the `passes` ("forward" or "all") GEMMs of every nvfp4 layer of `model` in model_dtype from now on;
+    passes=None switches back to FP4. Returns the number of layers switched; a model without nvfp4 GEMMs is an
+    error (nothing would change)."""
+    if passes is not None and passes not in HIGH_PRECISION_PASSES:
+        raise ValueError(f"switch_to_high_precision: passes={passes!r} is unknown; choose one of {HIGH_PRECISION_PASSES}"
+                         " or None (back to FP4)")
+    layers = _nvfp4_layers(model)
+    if not layers:
+        raise ValueError("switch_to_high_precision: the model has no nvfp4 recipe GEMM; apply_recipe(model, 'nvfp4') "
+                         "first")
+    for layer in layers:
+        if isinstance(layer, RecipeLinear):
+            layer.fp4_high_precision = passes
+        else:
+            layer.high_precision = passes
+    model.__dict__["surogate_high_precision"] = passes
+    return len(layers)
+
+
+def switch_step(total_steps: int, tail: float) -> int:
+    """The first optimizer step (0-based) of the last `tail` of `total_steps`."""
+    return total_steps - math.ceil(tail * total_steps - 1e-9) if tail > 0 else total_steps
+
+
+def schedule_precision(model: nn.Module, step: int, total_steps: int) -> bool:
+    """Apply the recipe's fp4_high_precision_tail at 0-based optimizer step `step` of `total_steps`: switch when the
+    tail begins (and on a resume past it). Call it before each step; a no-op for other recipes and with tail 0.
+    Returns whether the model runs switched."""
+    cfg = getattr(model, "surogate_recipe", None)
+    if cfg is None or cfg.recipe != "nvfp4" or not cfg.fp4_high_precision_tail:
+        return False
+    if not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"schedule_precision: total_steps must be an int >= 1 (the run's optimizer steps), got "
+                         f"{total_steps!r}")
+    if step < switch_step(total_steps, cfg.fp4_high_precision_tail):
+        return False
+    if model.__dict__.get("surogate_high_precision") != cfg.fp4_high_precision_passes:
+        switch_to_high_precision(model, cfg.fp4_high_precision_passes)
+    return True
