@@ -211,6 +211,9 @@ SETUPS = {
     **{f"ours_{f}_compiled_traced": (f"ours {f} QLoRA, bf16 adapters, compiled layers, decode traced into the graph",
                                       compiled(lambda L, f=f: ours_qlora(L, f), graph_route=False), "lora")
        for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
+    **{f"ours_{f}_triton_norms": (f"ours {f} QLoRA, bf16 adapters, FusedRMSNorm on its Triton kernels (the Python "
+                                  "autograd.Function, not the extension's C++ op)", lambda L, f=f: ours_qlora(L, f), "lora")
+       for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_bf16_fused_norms": ("full fine-tune bf16, eager, our FusedRMSNorm only (stock linears)",
                               lambda L: full(L, fused_norms_only=True), "full"),
@@ -249,6 +252,7 @@ TARGETS = {
     "ours_mxfp4_compiled": [("peft_bf16_compiled", 1.0), ("ours_nvfp4_compiled", 1.0)],
     **{f"ours_{f}_compiled_traced": [("peft_bf16_compiled", 1.0), (f"ours_{f}_compiled", 1.0)]
        for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
+    **{f"ours_{f}_triton_norms": [("peft_bf16", 1.0), (f"ours_{f}", 1.0)] for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_nvfp4_compiled": [("full_bf16_compiled", 0.8), ("full_nvfp4", 1.0)],
@@ -269,6 +273,10 @@ GRAD_CKPT = []  # --grad-ckpt: activation checkpointing on every setup (what fit
 
 
 def run_setup(key, layers, batch, seq, warmup, steps):
+    from surogate_hf.recipes import norm
+
+    # FusedRMSNorm's eager CUDA path: the extension's C++ op, except in the `_triton_norms` A/B setups
+    norm.EXT_RMSNORM = not key.endswith("_triton_norms")
     model = SETUPS[key][1](layers)
     if GRAD_CKPT:
         model.train()

@@ -31,6 +31,7 @@ from .ext import (
     ext_nvfp4_amax,
     ext_nvfp4_gemm,
     ext_nvfp4_qdq,
+    ext_rmsnorm,
     ext_transpose_bytes,
 )
 from .linear import (

@@ -74,6 +74,7 @@ _lib.define("ext_decoded_linear_fwd(Tensor x, Tensor? x_lora, Tensor w, Tensor s
 _lib.define("ext_decoded_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor w, Tensor scales, Tensor? gscale, "
             "Tensor? levels, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
             "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) -> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define("ext_rmsnorm(Tensor x, Tensor weight, float eps, bool gemma, ScalarType out_dtype) -> Tensor")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
 
@@ -459,6 +460,48 @@ torch.library.register_autograd(f"{NS}::ext_decoded_linear_fwd", _decoded_linear
                                 setup_context=_decoded_linear_fwd_setup, lib=_lib)
 
 
+# ---- FusedRMSNorm's eager CUDA path (csrc/norm): one op forward, its backward a C++ autograd node
+def _rmsnorm_reference(x, weight, eps, gemma, out_dtype):
+    from ..recipes.norm import rmsnorm_reference  # (the formulas live there; recipes imports ops)
+
+    return rmsnorm_reference(x, weight, eps, "gemma" if gemma else "llama", out_dtype)
+
+
+@torch.library.impl(f"{NS}::ext_rmsnorm", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_rmsnorm(x: Tensor, weight: Tensor, eps: float, gemma: bool, out_dtype: torch.dtype) -> Tensor:
+    """recipes.norm.rmsnorm_reference (the transformers formula, "gemma" or "llama"), then out_dtype (x's dtype or
+    fp32). The CUDA kernels (csrc/norm/rmsnorm.cu) differ only in the order of the row and column sums."""
+    return _rmsnorm_reference(x, weight, eps, gemma, out_dtype)
+
+
+@torch.library.register_fake(f"{NS}::ext_rmsnorm", lib=_lib)
+def _(x, weight, eps, gemma, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x, weight, eps, gemma, out_dtype = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args = (eps, gemma, out_dtype)
+
+
+def _rmsnorm_backward(ctx, dy):
+    """The reference backward (CPU, or CUDA without the extension): autograd through the reference formula."""
+    x, weight = ctx.saved_tensors
+    want_x, want_w = ctx.needs_input_grad[:2]
+    with torch.enable_grad():
+        xr, wr = x.detach().requires_grad_(want_x), weight.detach().requires_grad_(want_w)
+        y = _rmsnorm_reference(xr, wr, *ctx.args)
+        inputs = [t for t, want in ((xr, want_x), (wr, want_w)) if want]
+        grads = iter(torch.autograd.grad(y, inputs, dy) if inputs else ())
+    return (next(grads) if want_x else None), (next(grads) if want_w else None), None, None, None
+
+
+torch.library.register_autograd(f"{NS}::ext_rmsnorm", _rmsnorm_backward, setup_context=_rmsnorm_setup, lib=_lib)
+
+
 ext_fp8_cast_amax = torch.ops.surogate.ext_fp8_cast_amax.default
 ext_fp8_cast_transpose_amax = torch.ops.surogate.ext_fp8_cast_transpose_amax.default
 ext_fp8_quantize_tiles = torch.ops.surogate.ext_fp8_quantize_tiles.default
@@ -472,3 +515,4 @@ ext_dequantize = torch.ops.surogate.ext_dequantize.default
 ext_decoded_linear = torch.ops.surogate.ext_decoded_linear.default
 ext_decoded_linear_fwd = torch.ops.surogate.ext_decoded_linear_fwd.default
 ext_decoded_linear_bwd = torch.ops.surogate.ext_decoded_linear_bwd.default
+ext_rmsnorm = torch.ops.surogate.ext_rmsnorm.default

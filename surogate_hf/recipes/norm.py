@@ -6,7 +6,9 @@ Engine's answer is LayerNormLinear: the norm kernel writes the FP8 input of the 
 same without touching any forward method: apply_recipe swaps each recognised RMSNorm for a FusedRMSNorm that
 keeps the same `weight` Parameter (same state_dict key) and the same formula (NORM_FORMULAS, tested against the
 stock modules), and
-  - eager CUDA: one Triton kernel forward and one backward (kernels.triton_norm);
+  - eager CUDA: the extension's surogate::ext_rmsnorm (csrc/norm: one kernel forward, a C++ autograd node with one
+    kernel backward, plus a column sum when the weight trains); without the extension, or with the FP8 hand-off, one
+    Triton kernel forward and one backward (kernels.triton_norm);
   - CPU and under torch.compile: the stock formula in torch ops (the reference; inductor fuses it);
   - FP8 hand-off (eager, training, after the first step): the norm tags its output with itself. An FP8 recipe
     linear that receives that very tensor links to the norm once; from then on the linears fed by one norm
@@ -70,6 +72,35 @@ def _tn():
     return probe.triton_kernels("triton_norm", "FusedRMSNorm's CUDA kernels")
 
 
+_ext_op = None  # surogate::ext_rmsnorm once the extension is found loaded, False without it
+EXT_MAX_COLS = 16384  # csrc/norm/rmsnorm_op.cpp's limit
+# False: the Triton kernels even with the extension loaded (benchmarks/bench_e2e.py's `_triton_norms` A/B setups)
+EXT_RMSNORM = True
+
+
+def _ext_rmsnorm(x: Tensor, weight: Tensor, out_dtype: torch.dtype):
+    """The extension's op when it takes this call (x fp32 / bf16 / fp16, weight fp32 / bf16, out x's dtype or fp32,
+    rows of at most EXT_MAX_COLS), else None: the Triton path then runs, and without the extension says so once."""
+    global _ext_op
+    if not EXT_RMSNORM:
+        return None
+    if not _ext_op:
+        from ..kernels import ext
+        from ..ops._warn import warn_once
+
+        if _ext_op is None or ext.loaded():
+            _ext_op = torch.ops.surogate.ext_rmsnorm.default if ext.load(build=False) is not None else False
+        if not _ext_op:
+            warn_once("rmsnorm_ext", "surogate_hf: FusedRMSNorm runs its Triton kernels from a Python autograd "
+                      "Function (several times the host time per norm of the extension's C++ op, which small models' "
+                      f"step time feels); the CUDA extension is {ext.status()[1]}")
+            return None
+    if (x.shape[-1] > EXT_MAX_COLS or weight.dtype not in (torch.float32, torch.bfloat16)
+            or out_dtype not in (x.dtype, torch.float32) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    return _ext_op
+
+
 class _RMSNormFn(torch.autograd.Function):
     """Eager CUDA: Triton forward (optionally writing the FP8 hand-off into `box`) and backward."""
 
@@ -120,11 +151,15 @@ class FusedRMSNorm(nn.Module):
         handoff = group is not None and torch.is_grad_enabled() and group[0].initialized
         if x.is_cuda:
             out_dtype = self.out_dtype or _stock_out_dtype(x, self.weight, self.formula)
-            fp8, box = None, []
-            if handoff:
-                st, row, transpose = group
-                fp8 = (st.scale[row : row + 1], st.amax.view(torch.int32)[row : row + 1], F.E4M3, transpose)
-            y = _RMSNormFn.apply(x, self.weight, self.norm_eps, self.formula == "gemma", out_dtype, fp8, box)
+            op = None if handoff else _ext_rmsnorm(x, self.weight, out_dtype)
+            if op is not None:
+                y = op(x, self.weight, self.norm_eps, self.formula == "gemma", out_dtype)
+            else:
+                fp8, box = None, []
+                if handoff:
+                    st, row, transpose = group
+                    fp8 = (st.scale[row : row + 1], st.amax.view(torch.int32)[row : row + 1], F.E4M3, transpose)
+                y = _RMSNormFn.apply(x, self.weight, self.norm_eps, self.formula == "gemma", out_dtype, fp8, box)
             if handoff:
                 q, qt = box
                 y._surogate_fp8 = (row, q, qt, st.scale_inv[row, 0], y._version)

@@ -3,6 +3,7 @@ nvfp4 GEMM to fp32 summation order, the eager and compiled fp8 models against CP
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -113,14 +114,18 @@ def test_nvfp4_recipe_on_gpu_matches_cpu(compiled):
     assert steps(mg) == steps(mc) == [2] * len(steps(mc))
 
 
+@pytest.mark.parametrize("master", ["bf16", "fp32"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_nvfp4_precision_switch_on_gpu(compiled):
+def test_nvfp4_precision_switch_on_gpu(compiled, master):
     """recipes.switch on CUDA (eager: the cached dgrad-only weight operands; compiled: re-traced after the flip):
-    the switched forward is the bf16 GEMM, the FP4 backward the same as unswitched."""
+    the switched forward is the bf16 GEMM, the FP4 backward the same as unswitched. One exception, compiled with fp32
+    masters: inductor fuses the master's cast to bf16 into the weight's amax reduction differently in the two graphs
+    and does not round in between (emulate_precision_casts off), so the weight's global scale, and with it the FP4
+    dgrad, may differ there; that case is held to FP4 noise."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"proj": torch.nn.Linear(960, 576)})])})
-    R.apply_recipe(model.cuda(), "nvfp4", model_dtype="bf16", master_dtype="fp32")
+    R.apply_recipe(model.cuda(), "nvfp4", model_dtype="bf16", master_dtype=master)
     layer = model["layers"][0]["proj"]
     fn = torch.compile(layer, fullgraph=True) if compiled else layer
     g = torch.Generator().manual_seed(1)
@@ -142,9 +147,77 @@ def test_nvfp4_precision_switch_on_gpu(compiled):
     w = layer.weight.detach().bfloat16()
     tol = dict(rtol=1.6e-2, atol=1e-2) if compiled else dict(rtol=0, atol=0)  # (inductor may add the bias apart)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, layer.bias.detach().bfloat16()), **tol)
-    assert torch.equal(dx, fp4[1]) and torch.equal(dw, fp4[2])
+    if compiled and master == "fp32":
+        rel = (dx.float() - fp4[1].float()).norm() / fp4[1].float().norm()
+        assert rel < 0.15, rel
+        assert torch.equal(dw, fp4[2])  # the wgrad does not read the weight
+    else:
+        assert torch.equal(dx, fp4[1]) and torch.equal(dw, fp4[2])
     R.switch_to_high_precision(model, None)
     assert all(torch.equal(a, b) for a, b in zip(step(), fp4))
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 576), (333, 960), (4096, 2048), (77, 2880), (8192 * 16, 128), (50, 4096),
+                                       (9, 10240), (5, 100)])
+@pytest.mark.parametrize("formula", ["llama", "gemma"])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out", ["x", "fp32"])
+def test_ext_rmsnorm_matches_the_reference(rows, dim, formula, w_dtype, out):
+    """The extension's RMSNorm (csrc/norm) forward, input and weight gradients against the stock formula through
+    autograd (recipes.norm.rmsnorm_reference): within a bf16 ulp or two (row and column sum order); the same
+    numbers on a second run (a fixed-order dw reduction); no dw work when the weight is frozen."""
+    from surogate_hf.kernels import ext
+    from surogate_hf.recipes.norm import rmsnorm_reference
+
+    if ext.load(build=False) is None:
+        pytest.skip(f"the CUDA extension is {ext.status()[1]}")
+    out_dtype = torch.bfloat16 if out == "x" else torch.float32
+    g = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, dim, generator=g) * 2).bfloat16().cuda()
+    w = (torch.randn(dim, generator=g) * 0.2 + (0.0 if formula == "gemma" else 1.0)).to(w_dtype).cuda()
+    dy = torch.randn(rows, dim, generator=g).to(out_dtype).cuda()
+
+    def run(op, train_w=True):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_(train_w)
+        y = op(xg, wg)
+        y.backward(dy)
+        return y.detach(), xg.grad, wg.grad
+
+    ext_op = lambda a, b: torch.ops.surogate.ext_rmsnorm(a, b, 1e-6, formula == "gemma", out_dtype)  # noqa: E731
+    y, dx, dw = run(ext_op)
+    ry, rdx, rdw = run(lambda a, b: rmsnorm_reference(a, b, 1e-6, formula, out_dtype))
+    assert y.dtype == out_dtype and dx.dtype == x.dtype and dw.dtype == w_dtype
+    torch.testing.assert_close(y, ry, rtol=1.6e-2, atol=1e-5)
+    # (the Triton kernels' tolerances, test_fused_rmsnorm_kernels_match_the_reference)
+    torch.testing.assert_close(dx, rdx, rtol=1.6e-2, atol=1e-2 * rdx.abs().max().item())
+    torch.testing.assert_close(dw, rdw, rtol=2e-2, atol=1e-2 * rdw.abs().max().item())
+    again = run(ext_op)
+    assert all(torch.equal(a, b) for a, b in zip((y, dx, dw), again))
+    frozen = run(ext_op, train_w=False)
+    assert frozen[2] is None and torch.equal(frozen[1], dx)
+
+
+def test_fused_rmsnorm_takes_the_extension_op():
+    """Eager CUDA FusedRMSNorm without the FP8 hand-off runs surogate::ext_rmsnorm (its backward a C++ node), and
+    trains like the stock module."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from surogate_hf.kernels import ext
+    from surogate_hf.recipes.norm import FusedRMSNorm
+
+    if ext.load(build=False) is None:
+        pytest.skip(f"the CUDA extension is {ext.status()[1]}")
+    stock = LlamaRMSNorm(960, eps=1e-5).cuda().bfloat16()
+    with torch.no_grad():
+        stock.weight.normal_(1.0, 0.1)
+    fused = FusedRMSNorm(copy.deepcopy(stock))
+    x = torch.randn(4, 33, 960, device="cuda").bfloat16()
+    ys = [m(x.clone().requires_grad_()) for m in (stock, fused)]
+    assert "CppNode" in ys[1].grad_fn.name(), ys[1].grad_fn.name()
+    torch.testing.assert_close(ys[1], ys[0], rtol=1.6e-2, atol=1e-5)
+    for y in ys:
+        y.float().square().sum().backward()
+    torch.testing.assert_close(fused.weight.grad.float(), stock.weight.grad.float(), rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 576), (333, 960), (4096, 2048), (77, 2880), (8192 * 16, 128), (50, 4096)])
