@@ -1,0 +1,32 @@
+"""bench_e2e.py's --rounds: setups interleaved round by round, the median reported with its spread (the timing itself
+runs on the GPU machine; here run_setup is replaced by a recorded sequence of results)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_e2e as E  # noqa: E402
+
+
+def test_rounds_interleave_setups_and_report_medians(monkeypatch):
+    order, written = [], {}
+    speeds = {"peft_bf16": iter([100.0, 300.0, 200.0]), "ours_nf4": iter([90.0, 330.0, 250.0])}
+
+    def fake_run(key, layers, batch, seq, warmup, steps):
+        order.append(key)
+        return next(speeds[key]), 1.0, 2_000_000, 0.5
+
+    monkeypatch.setattr(E, "run_setup", fake_run)
+    monkeypatch.setattr(E, "write_result", lambda name, title, body: written.update(body=body))
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--shape", "smollm2-360m", "--setups", "peft_bf16,ours_nf4",
+                                      "--rounds", "3", "--name", "t"])
+    E.main()
+    assert order == ["peft_bf16", "ours_nf4"] * 3
+    body = written["body"]
+    assert "3 rounds (setups interleaved; medians)" in body
+    assert "| 200 |" in body.replace(",", "") and "| 250 |" in body.replace(",", "")  # the medians
+    assert "1.25x PEFT LoRA" in body  # the ratio of the medians: 250 / 200
+    assert "median of 3 rounds, 90-330 tok/s" in body
