@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from common import attempt, table, time_train_steps, train_step_fn, write_result
+from common import attempt, speed_knobs, table, time_train_steps, train_step_fn, write_result
 
 import surogate_hf.kernels  # noqa: F401
 
@@ -122,7 +122,7 @@ def ours_qlora(layers, fmt, recipe=None, fused_norms=True, lora_dtype=torch.bflo
     if recipe is not None:  # QLoRA x recipe: the base GEMMs (and the adapters) in the recipe's precision
         from surogate_hf.recipes.linear import apply_recipe
 
-        apply_recipe(model, recipe, **RECIPE_KNOBS)
+        apply_recipe(model, recipe, **{**speed_knobs(recipe), **RECIPE_KNOBS})
     return model
 
 
@@ -139,7 +139,7 @@ def full(layers, recipe=None, compiled=False, torchao=False, fused_norms_only=Fa
     if recipe is not None:
         from surogate_hf.recipes.linear import apply_recipe
 
-        apply_recipe(model, recipe, **{**RECIPE_KNOBS, **(knobs or {})})
+        apply_recipe(model, recipe, **{**speed_knobs(recipe), **RECIPE_KNOBS, **(knobs or {})})
     if torchao:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import attempt, table, time_train_steps, write_result
+from common import attempt, speed_knobs, table, time_train_steps, write_result
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETUPS = {  # key: (label, kind, detail)
@@ -110,7 +110,8 @@ def build(key, args, device, mode):
 
             # rank 0 alone ("single") must not all_reduce its amaxes with ranks that wait at a barrier (FP8 only: the
             # nvfp4 recipe keeps no amax state across steps)
-            apply_recipe(model, detail, **({"reduce_amax": mode != "single"} if detail == "fp8-hybrid" else {}))
+            apply_recipe(model, detail, **({"reduce_amax": mode != "single"} if detail == "fp8-hybrid" else {}),
+                         **speed_knobs(detail))
         return model
     for p in model.parameters():
         p.requires_grad_(False)

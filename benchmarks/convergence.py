@@ -34,7 +34,9 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-fp8-blockwise        apply_recipe("fp8-hybrid", fp8_scaling="blockwise"): DeepSeek-V3's 1x128 / 128x128 tiles
     full-fp8-{margin1,bf16grad}   fp8-hybrid with margin 1; E4M3 forward GEMMs with bf16 backward GEMMs (ablation)
     full-nvfp4                apply_recipe("nvfp4"), fp32 masters (by default the first block and the last two
-                              stay in bf16: recipes.config.NVFP4_BF16_ENDS)
+                              stay in bf16: recipes.config.NVFP4_BF16_ENDS; the last 20% of the steps run the forward
+                              in bf16: NVFP4_HIGH_PRECISION_TAIL)
+    full-nvfp4-notail         the same with FP4 to the end (fp4_high_precision_tail=0)
     full-nvfp4-{no46,nosr,norht,allfp4}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
                               Hadamard transform, or with every block in FP4 (ablation)
     full-nvfp4-{w2d,w1d,w1d-allfp4}   weights in 16x16 tiles or in 1x16 blocks along each GEMM's reduction dim
@@ -93,7 +95,8 @@ FULL_SETUPS = {
     "full-fp8-blockwise": ("fp8-hybrid", {"fp8_scaling": "blockwise"}),
     "full-fp8-margin1": ("fp8-hybrid", {"margin": 1}),
     "full-fp8-bf16grad": ("bf16", {"matmul_dtype": "e4m3", "gradient_dtype": "bf16"}),
-    "full-nvfp4": ("nvfp4", {}),
+    "full-nvfp4": ("nvfp4", {}),  # the recipe's defaults: the precision switch over the last 20% of the steps
+    "full-nvfp4-notail": ("nvfp4", {"fp4_high_precision_tail": 0.0}),  # FP4 to the end (the default before b917649)
     "full-nvfp4-no46": ("nvfp4", {"four_over_six": False}),
     "full-nvfp4-nosr": ("nvfp4", {"no_fp4_stochastic_rounding": True}),
     "full-nvfp4-norht": ("nvfp4", {"fp4_rht": False}),
@@ -195,6 +198,14 @@ def val_batches(ids: torch.Tensor, seq_len: int, batch: int, n_seqs: int):
 
 
 # ----------------------------------------------------------------------------- setups
+def _apply_recipe(model, recipe, **knobs):
+    import surogate_hf
+
+    with warnings.catch_warnings():  # (run_setup schedules fp4_high_precision_tail, as apply_recipe asks)
+        warnings.filterwarnings("ignore", message="apply_recipe: fp4_high_precision_tail")
+        return surogate_hf.apply_recipe(model, recipe, **knobs)
+
+
 def build(setup: str, ckpt: Path, args, device: str):
     """(model to train, trainable parameters, learning rate) for one setup."""
     import surogate_hf
@@ -227,7 +238,7 @@ def build(setup: str, ckpt: Path, args, device: str):
                 surogate_hf.loftq_init(model, ckpt, iters=1, calibration=args.calibration, damp=args.aa_damp,
                                        quantizer="gptq")
             else:
-                surogate_hf.apply_recipe(model, extra)
+                _apply_recipe(model, extra)
         lr = args.lr_lora
     elif setup == "peft-bnb-nf4":
         if device != "cuda":
@@ -247,9 +258,7 @@ def build(setup: str, ckpt: Path, args, device: str):
         if setup not in FULL_SETUPS:
             raise ValueError(f"unknown setup {setup!r}")
         recipe, knobs = FULL_SETUPS[setup]
-        with warnings.catch_warnings():  # (run_setup schedules fp4_high_precision_tail, as apply_recipe asks)
-            warnings.filterwarnings("ignore", message="apply_recipe: fp4_high_precision_tail")
-            surogate_hf.apply_recipe(model, recipe, master_dtype="fp32", **knobs)
+        _apply_recipe(model, recipe, master_dtype="fp32", **knobs)
         lr = args.lr_full
     else:
         raise ValueError(f"unknown setup {setup!r}")

@@ -74,7 +74,7 @@ def main():
         print(f"| variant | step-0 val loss | vs bf16 |\n|---|---|---|\n| bf16 | {ref:.4f} | - |")
         for name in args.variants.split(","):
             base = name.partition("_allfp4")[0]
-            knobs = {"fp4_weight_blocks": "2d" if base == "w2d" else "1d"}
+            knobs = {"fp4_weight_blocks": "2d" if base == "w2d" else "1d", "fp4_high_precision_tail": 0.0}  # (no training)
             if name.endswith("_allfp4"):
                 knobs.update(skip_quant_first_layers=0, skip_quant_last_layers=0)
             model = AutoModelForCausalLM.from_pretrained(ckpt, **load).to(args.device)

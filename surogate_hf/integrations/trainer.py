@@ -68,5 +68,5 @@ class SurogateRecipeCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         # the nvfp4 recipe's precision switch (recipes.switch) over the last fp4_high_precision_tail of max_steps;
         # a resumed run past the switch step switches again here
-        if self.config is not None and self.config.fp4_high_precision_tail and model is not None:
+        if self.config is not None and self.config.resolved_high_precision_tail() and model is not None:
             schedule_precision(model, state.global_step, state.max_steps)

@@ -535,11 +535,12 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
             if any(p.dtype != model_dt and p.is_floating_point() for p in m.parameters(recurse=False)):
                 m.register_forward_hook(_cast_output(model_dt))
     _keep_recipe_state_out_of_ddp(model)
-    if cfg.fp4_high_precision_tail and model.__dict__.get(PRECISION_SCHEDULER) is None:
+    if cfg.resolved_high_precision_tail() and model.__dict__.get(PRECISION_SCHEDULER) is None:
         warnings.warn(
-            f"apply_recipe: fp4_high_precision_tail={cfg.fp4_high_precision_tail} switches the nvfp4 GEMMs only when "
+            f"apply_recipe: fp4_high_precision_tail={cfg.resolved_high_precision_tail()} switches the nvfp4 GEMMs only when "
             "something schedules it: SurogateRecipeCallback does with the Trainer; in a training loop of your own call "
-            "surogate_hf.recipes.schedule_precision(model, step, total_steps) before each optimizer step",
+            "surogate_hf.recipes.schedule_precision(model, step, total_steps) before each optimizer step (or pass "
+            "fp4_high_precision_tail=0 for FP4 to the end)",
             RuntimeWarning, stacklevel=2,
         )
     model.surogate_recipe = cfg

@@ -72,12 +72,13 @@ def schedule_precision(model: nn.Module, step: int, total_steps: int) -> bool:
     tail begins (and on a resume past it). Call it before each step; a no-op for other recipes and with tail 0.
     Returns whether the model runs switched."""
     cfg = getattr(model, "surogate_recipe", None)
-    if cfg is None or cfg.recipe != "nvfp4" or not cfg.fp4_high_precision_tail:
+    tail = 0.0 if cfg is None else cfg.resolved_high_precision_tail()
+    if not tail:
         return False
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"schedule_precision: total_steps must be an int >= 1 (the run's optimizer steps), got "
                          f"{total_steps!r}")
-    if step < switch_step(total_steps, cfg.fp4_high_precision_tail):
+    if step < switch_step(total_steps, tail):
         return False
     if model.__dict__.get("surogate_high_precision") != cfg.fp4_high_precision_passes:
         switch_to_high_precision(model, cfg.fp4_high_precision_passes)

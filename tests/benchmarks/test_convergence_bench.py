@@ -222,12 +222,14 @@ def test_tiny_run_trains_each_kind_of_setup(tmp_path):
 
 
 def test_precision_switch_setup_switches_for_its_tail(tmp_path):
-    results = convergence.main(["--tiny", "--steps", "5", "--eval-every", "5", "--setups", "full-nvfp4,full-nvfp4-tail20",
-                                "--out", str(tmp_path / "sw"), "--device", "cpu"])
-    assert results["full-nvfp4-tail20"]["precision_switch_step"] == 4  # the last 20% of 5 steps: step 4
-    assert "precision_switch_step" not in results["full-nvfp4"]
+    results = convergence.main(["--tiny", "--steps", "5", "--eval-every", "5", "--setups",
+                                "full-nvfp4-notail,full-nvfp4,full-nvfp4-tail10", "--out", str(tmp_path / "sw"),
+                                "--device", "cpu"])
+    # the default (the last 20% of 5 steps: step 4) and a tail of 10% (at least one step: step 4 too)
+    assert results["full-nvfp4"]["precision_switch_step"] == results["full-nvfp4-tail10"]["precision_switch_step"] == 4
+    assert "precision_switch_step" not in results["full-nvfp4-notail"]
     # the same 4 FP4 steps, then one step with a bf16 forward: the runs part only there
-    a, b = results["full-nvfp4"]["train"], results["full-nvfp4-tail20"]["train"]
+    a, b = results["full-nvfp4-notail"]["train"], results["full-nvfp4"]["train"]
     assert a[:4] == b[:4] and a[4] != b[4]
 
 

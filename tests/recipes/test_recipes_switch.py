@@ -98,6 +98,16 @@ def test_switch_refuses_what_it_cannot_do():
         R.switch_to_high_precision(nv, "backward")
 
 
+def test_the_default_switches_the_forward_for_the_last_fifth():
+    assert R.RecipeConfig(recipe="nvfp4").resolved_high_precision_tail() == 0.2
+    assert R.RecipeConfig(recipe="nvfp4").fp4_high_precision_passes == "forward"
+    assert R.RecipeConfig(recipe="fp8-hybrid").resolved_high_precision_tail() == 0.0
+    assert R.RecipeConfig(recipe="nvfp4", fp4_high_precision_tail=0).resolved_high_precision_tail() == 0.0
+    with pytest.warns(RuntimeWarning, match="fp4_high_precision_tail=0.2 switches the nvfp4 GEMMs only when"):
+        model, layer = _layer()
+    assert [R.schedule_precision(model, s, 10) for s in range(10)] == [False] * 8 + [True] * 2
+
+
 def test_config_knobs_are_validated():
     with pytest.raises(ValueError, match=r"fp4_high_precision_tail must be a fraction of the run in \[0, 1\)"):
         R.RecipeConfig(recipe="nvfp4", fp4_high_precision_tail=1.0)
@@ -121,7 +131,7 @@ def test_schedule_precision_switches_for_the_tail():
     assert layer.fp4_high_precision == "all"
     resumed, layer2 = _layer(fp4_high_precision_tail=0.25)
     assert R.schedule_precision(resumed, 7, 8) and layer2.fp4_high_precision == "forward"  # a resume past the switch
-    plain, _ = _layer()
+    plain, _ = _layer(fp4_high_precision_tail=0)
     assert not R.schedule_precision(plain, 7, 8)  # tail 0: FP4 to the end
     with pytest.raises(ValueError, match="total_steps must be an int >= 1"):
         R.schedule_precision(resumed, 0, 0)
