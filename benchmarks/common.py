@@ -61,7 +61,7 @@ def train_step_fn(model, ids, opt):
 
 def speed_knobs(recipe) -> dict:
     """apply_recipe knobs for timing a recipe's steady state: the nvfp4 precision switch off (recipes.switch), so every
-    timed step is an FP4 step and apply_recipe does not warn that nothing schedules the switch."""
+    timed step is an FP4 step and the first optimizer step does not warn that nothing schedules the switch."""
     return {"fp4_high_precision_tail": 0.0} if recipe == "nvfp4" else {}
 
 

@@ -63,7 +63,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -198,14 +197,6 @@ def val_batches(ids: torch.Tensor, seq_len: int, batch: int, n_seqs: int):
 
 
 # ----------------------------------------------------------------------------- setups
-def _apply_recipe(model, recipe, **knobs):
-    import surogate_hf
-
-    with warnings.catch_warnings():  # (run_setup schedules fp4_high_precision_tail, as apply_recipe asks)
-        warnings.filterwarnings("ignore", message="apply_recipe: fp4_high_precision_tail")
-        return surogate_hf.apply_recipe(model, recipe, **knobs)
-
-
 def build(setup: str, ckpt: Path, args, device: str):
     """(model to train, trainable parameters, learning rate) for one setup."""
     import surogate_hf
@@ -238,7 +229,7 @@ def build(setup: str, ckpt: Path, args, device: str):
                 surogate_hf.loftq_init(model, ckpt, iters=1, calibration=args.calibration, damp=args.aa_damp,
                                        quantizer="gptq")
             else:
-                _apply_recipe(model, extra)
+                surogate_hf.apply_recipe(model, extra)  # (run_setup schedules nvfp4's precision switch)
         lr = args.lr_lora
     elif setup == "peft-bnb-nf4":
         if device != "cuda":
@@ -258,7 +249,7 @@ def build(setup: str, ckpt: Path, args, device: str):
         if setup not in FULL_SETUPS:
             raise ValueError(f"unknown setup {setup!r}")
         recipe, knobs = FULL_SETUPS[setup]
-        _apply_recipe(model, recipe, master_dtype="fp32", **knobs)
+        surogate_hf.apply_recipe(model, recipe, master_dtype="fp32", **knobs)
         lr = args.lr_full
     else:
         raise ValueError(f"unknown setup {setup!r}")

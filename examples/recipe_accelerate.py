@@ -9,7 +9,7 @@ import torch
 from accelerate import Accelerator
 from recipe_loss_curves import synthetic_batch, tiny_llama
 
-from surogate_hf.recipes import apply_recipe
+from surogate_hf.recipes import apply_recipe, schedule_precision
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--recipe", default="fp8-hybrid", choices=["bf16", "fp8-hybrid", "nvfp4"])
@@ -24,6 +24,8 @@ accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() el
 model, optimizer = accelerator.prepare(model, optimizer)
 
 for step in range(args.steps):
+    # nvfp4: the recipe's precision switch, the last 20% of the steps with the forward in bf16 (a no-op otherwise)
+    schedule_precision(model, step, args.steps)
     ids = synthetic_batch(step).to(accelerator.device)
     loss = model(input_ids=ids, labels=ids).loss
     accelerator.backward(loss)

@@ -47,6 +47,7 @@ def train(recipe: str, steps: int, lr: float = 3e-3, seed: int = 0, **knobs) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):
+        R.schedule_precision(model, step, steps)  # nvfp4's precision switch over the last steps (no-op otherwise)
         ids = synthetic_batch(step)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()

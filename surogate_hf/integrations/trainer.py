@@ -23,7 +23,6 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from ..recipes import apply_recipe, as_recipe_config, recipe_from_launcher, recorded_recipe, schedule_precision
-from ..recipes.linear import PRECISION_SCHEDULER
 
 
 class SurogateRecipeCallback(TrainerCallback):
@@ -53,7 +52,6 @@ class SurogateRecipeCallback(TrainerCallback):
             if wanted != applied:
                 raise ValueError(f"the model already has a different recipe applied ({applied}); the callback asks for {wanted}")
             return
-        model.__dict__[PRECISION_SCHEDULER] = type(self).__name__  # on_step_begin schedules fp4_high_precision_tail
         apply_recipe(model, self.config)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):

@@ -46,8 +46,6 @@ from .scaling import Fp8ScalingState, current_generation, install_step_hook
 
 
 FP8_STATE_NAME = "surogate_fp8_state"
-# set on a model (its __dict__) by whatever will call recipes.schedule_precision for it (the Trainer callback)
-PRECISION_SCHEDULER = "_surogate_precision_scheduler"
 
 
 class _FloatLinearFn(torch.autograd.Function):
@@ -535,15 +533,11 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
             if any(p.dtype != model_dt and p.is_floating_point() for p in m.parameters(recurse=False)):
                 m.register_forward_hook(_cast_output(model_dt))
     _keep_recipe_state_out_of_ddp(model)
-    if cfg.resolved_high_precision_tail() and model.__dict__.get(PRECISION_SCHEDULER) is None:
-        warnings.warn(
-            f"apply_recipe: fp4_high_precision_tail={cfg.resolved_high_precision_tail()} switches the nvfp4 GEMMs only when "
-            "something schedules it: SurogateRecipeCallback does with the Trainer; in a training loop of your own call "
-            "surogate_hf.recipes.schedule_precision(model, step, total_steps) before each optimizer step (or pass "
-            "fp4_high_precision_tail=0 for FP4 to the end)",
-            RuntimeWarning, stacklevel=2,
-        )
     model.surogate_recipe = cfg
+    if cfg.resolved_high_precision_tail():
+        from .switch import expect_schedule
+
+        expect_schedule(model)  # warns at the first optimizer step if nothing schedules the precision switch
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "to_dict"):  # a transformers config: saved as config.json
         setattr(hf_config, CONFIG_ATTR, cfg.to_dict())

@@ -12,15 +12,20 @@ the base GEMMs of a quantized QLoRA model, recipes.qlora):
 The switch is a plain attribute of each layer, not model state: a resumed run switches again from its step (what
 the Trainer callback does), and torch.compile recompiles once when it flips. Scheduling it:
 
-- the knobs fp4_high_precision_tail (the last fraction of the optimizer steps) and fp4_high_precision_passes;
+- the knobs fp4_high_precision_tail (the last fraction of the optimizer steps; nvfp4's default 0.2) and
+  fp4_high_precision_passes;
 - SurogateRecipeCallback applies them from the Trainer's max_steps;
 - a training loop of one's own calls schedule_precision(model, step, total_steps) before each step, or
   switch_to_high_precision(model) when it chooses.
+A model whose recipe asks for the switch and whose first optimizer step comes before any schedule_precision call
+gets a warning then (never a silent run in FP4 to the end).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 
 from torch import nn
 
@@ -62,19 +67,66 @@ def switch_to_high_precision(model: nn.Module, passes: str | None = "forward") -
     return len(layers)
 
 
+_unscheduled: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models with a tail no schedule_precision has seen
+_optimizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_hook = None
+
+
+def expect_schedule(model: nn.Module) -> None:
+    """apply_recipe's call for a model whose recipe has a precision-switch tail: until schedule_precision sees the
+    model, the first optimizer step that trains it warns (torch.optim's global step post-hook)."""
+    global _hook
+    _unscheduled.add(model)
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook = register_optimizer_step_post_hook(_warn_if_unscheduled)
+
+
+def _warn_if_unscheduled(optimizer, args, kwargs) -> None:
+    if not _unscheduled:
+        return
+    from .scaling import _trains
+
+    for model in list(_unscheduled):
+        if _trains(optimizer, model, _optimizers):
+            _unscheduled.discard(model)
+            tail = model.surogate_recipe.resolved_high_precision_tail()
+            warnings.warn(
+                f"surogate_hf: the nvfp4 recipe's fp4_high_precision_tail={tail} switches its GEMMs to model_dtype "
+                "for the last steps only when something schedules it, and this model trained a step without: with "
+                "the HF Trainer pass SurogateRecipeCallback; in a training loop of your own call "
+                "surogate_hf.recipes.schedule_precision(model, step, total_steps) before each optimizer step; or "
+                "apply the recipe with fp4_high_precision_tail=0 for FP4 to the end", RuntimeWarning, stacklevel=2)
+
+
 def switch_step(total_steps: int, tail: float) -> int:
     """The first optimizer step (0-based) of the last `tail` of `total_steps`."""
     return total_steps - math.ceil(tail * total_steps - 1e-9) if tail > 0 else total_steps
+
+
+def _recipe_root(model: nn.Module) -> nn.Module:
+    """The module apply_recipe converted, under the wrappers a training loop may hold instead (DDP / FSDP's `module`,
+    torch.compile's `_orig_mod`)."""
+    seen = model
+    while getattr(seen, "surogate_recipe", None) is None:
+        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        seen = inner
+    return seen
 
 
 def schedule_precision(model: nn.Module, step: int, total_steps: int) -> bool:
     """Apply the recipe's fp4_high_precision_tail at 0-based optimizer step `step` of `total_steps`: switch when the
     tail begins (and on a resume past it). Call it before each step; a no-op for other recipes and with tail 0.
     Returns whether the model runs switched."""
+    model = _recipe_root(model)
     cfg = getattr(model, "surogate_recipe", None)
     tail = 0.0 if cfg is None else cfg.resolved_high_precision_tail()
     if not tail:
         return False
+    _unscheduled.discard(model)
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"schedule_precision: total_steps must be an int >= 1 (the run's optimizer steps), got "
                          f"{total_steps!r}")

@@ -103,9 +103,39 @@ def test_the_default_switches_the_forward_for_the_last_fifth():
     assert R.RecipeConfig(recipe="nvfp4").fp4_high_precision_passes == "forward"
     assert R.RecipeConfig(recipe="fp8-hybrid").resolved_high_precision_tail() == 0.0
     assert R.RecipeConfig(recipe="nvfp4", fp4_high_precision_tail=0).resolved_high_precision_tail() == 0.0
-    with pytest.warns(RuntimeWarning, match="fp4_high_precision_tail=0.2 switches the nvfp4 GEMMs only when"):
-        model, layer = _layer()
+    model, layer = _layer()
     assert [R.schedule_precision(model, s, 10) for s in range(10)] == [False] * 8 + [True] * 2
+
+
+def _one_step(model, schedule: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # (a fused optimizer: the global hook sees it)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(2):
+            if schedule:
+                R.schedule_precision(model, step, 10)
+            model["layers"][0]["proj"](torch.randn(4, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in seen if "fp4_high_precision_tail" in str(w.message)]
+
+
+def test_an_unscheduled_switch_warns_at_the_first_step():
+    model, _ = _layer()
+    got = _one_step(model, schedule=False)
+    assert len(got) == 1 and "call surogate_hf.recipes.schedule_precision(model, step, total_steps)" in got[0]
+    scheduled, _ = _layer()
+    assert _one_step(scheduled, schedule=True) == []
+    plain, _ = _layer(fp4_high_precision_tail=0)
+    assert _one_step(plain, schedule=False) == []
+
+
+def test_schedule_precision_looks_through_wrappers():
+    model, layer = _layer(fp4_high_precision_tail=0.5)
+    wrapper = nn.Module()
+    wrapper.module = model  # what DDP / FSDP / accelerate hand the training loop
+    compiled = torch.compile(wrapper, backend="eager")  # torch.compile's OptimizedModule: `_orig_mod`
+    assert R.schedule_precision(compiled, 1, 2) and layer.fp4_high_precision == "forward"
 
 
 def test_config_knobs_are_validated():
@@ -124,8 +154,7 @@ def test_config_knobs_are_validated():
 def test_schedule_precision_switches_for_the_tail():
     assert [switch_step(200, t) for t in (0.0, 0.1, 0.2, 0.25)] == [200, 180, 160, 150]
     assert switch_step(7, 0.2) == 5  # ceil: at least the asked share
-    with pytest.warns(RuntimeWarning, match="call surogate_hf.recipes.schedule_precision"):
-        model, layer = _layer(fp4_high_precision_tail=0.25, fp4_high_precision_passes="all")
+    model, layer = _layer(fp4_high_precision_tail=0.25, fp4_high_precision_passes="all")
     switched = [R.schedule_precision(model, s, 8) for s in range(8)]
     assert switched == [False] * 6 + [True] * 2
     assert layer.fp4_high_precision == "all"
@@ -194,12 +223,12 @@ def test_trainer_callback_schedules_the_tail(tmp_path):
         use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, save_strategy="no",
     )
     cb = SurogateRecipeCallback("nvfp4", fp4_high_precision_tail=0.5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # the callback schedules it: apply_recipe does not warn
-        warnings.filterwarnings("ignore", message=".*emulated.*")
-        trainer = Trainer(model=tiny_llama(layers=1), args=args, train_dataset=TokenDataset(), callbacks=[cb])
+    trainer = Trainer(model=tiny_llama(layers=1), args=args, train_dataset=TokenDataset(), callbacks=[cb])
     layer = trainer.model.model.layers[0].mlp.down_proj
     rec = _Record(layer)
     trainer.add_callback(rec)
-    trainer.train()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
     assert rec.seen == [None, None, "forward", "forward"]
+    assert not [w for w in seen if "fp4_high_precision_tail" in str(w.message)]  # the callback schedules it

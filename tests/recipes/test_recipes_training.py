@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import surogate_hf.recipes as R
 from surogate_hf.integrations.accelerate import check_accelerator, prepare
@@ -137,7 +137,7 @@ def test_trainer_resume_is_bit_identical(tmp_path, recipe):
     assert isinstance(full.model.model.layers[0].self_attn.o_proj, R.RecipeLinear)
     full.train()
     part = _trainer(tmp_path / "part", 4, recipe)
-    part.args.max_steps = 2
+    part.add_callback(_StopAt(2))  # an interrupted run: same max_steps (the nvfp4 precision switch keys on it)
     part.train()
     ckpt = tmp_path / "part" / "checkpoint-2"
     assert ckpt.is_dir()
@@ -153,8 +153,20 @@ def test_trainer_resume_is_bit_identical(tmp_path, recipe):
         assert (full.model.model.layers[0].mlp.down_proj.fp8_history()[:, :4] > 0).all()
     else:
         assert state["model.layers.0.mlp.down_proj.fp4_sr_step"].item() == 4
+        # the default precision switch ran the last step (3 of 4) with the bf16 forward, in both runs
+        for m in (full.model, resumed.model):
+            assert m.model.layers[0].mlp.down_proj.fp4_high_precision == "forward"
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
 
 
 @pytest.mark.parametrize("recipe", ["fp8-hybrid", "nvfp4"])
@@ -238,7 +250,7 @@ def test_accelerate_launch_with_config_file(tmp_path):
     script.write_text(textwrap.dedent(f"""\
         import json, sys, torch
         from surogate_hf.testing.recipes import tiny_llama, TokenDataset
-        from transformers import Trainer, TrainingArguments
+        from transformers import Trainer, TrainerCallback, TrainingArguments
         from surogate_hf.integrations.trainer import SurogateRecipeCallback
         args = TrainingArguments(output_dir={str(tmp_path / "out")!r}, max_steps=2, per_device_train_batch_size=4,
                                  report_to=[], save_strategy="no", disable_tqdm=True)
