@@ -295,12 +295,15 @@ def _(w, scales, gscale, levels, fmt, n, k, block, dtype):
 
 
 def _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling):
-    y = x2 @ wd.t() if bias is None else torch.addmm(bias.to(x2.dtype), x2, wd.t())
-    h = None
-    if lora_a is not None:
-        h = xl2 @ lora_a.to(x2.dtype).t()
-        y = torch.addmm(y, h, lora_b.to(x2.dtype).t(), alpha=scaling)
-    return y, h
+    """The C++ forward_2d's aten calls: with an adapter its GEMM first, the base GEMM accumulating onto it."""
+    dt = x2.dtype
+    if lora_a is None:
+        return (x2 @ wd.t() if bias is None else torch.addmm(bias.to(dt), x2, wd.t())), None
+    h = xl2 @ lora_a.to(dt).t()
+    bt = lora_b.to(dt).t()
+    y = (torch.addmm(bias.to(dt), h, bt, alpha=scaling) if bias is not None
+         else torch.addmm(h.new_zeros(()), h, bt, beta=0, alpha=scaling))
+    return torch.addmm(y, x2, wd.t()), h
 
 
 @torch.library.impl(f"{NS}::ext_decoded_linear", "CompositeExplicitAutograd", lib=_lib)
@@ -353,9 +356,8 @@ def _decoded_linear_grads(dy2, xl2, h, w, scales, gscale, levels, lora_a, lora_b
         if want_xl and separate_xl:
             dxl = dh @ lora_a.to(dt)
     if want_x:
-        dx = dy2 @ decode_reference(w, scales, gscale, levels, fmt, n, k, block, dt)
-        if lora_a is not None and not separate_xl:
-            dx = torch.addmm(dx, dh, lora_a.to(dt))
+        wd = decode_reference(w, scales, gscale, levels, fmt, n, k, block, dt)
+        dx = torch.addmm(dh @ lora_a.to(dt), dy2, wd) if lora_a is not None and not separate_xl else dy2 @ wd
     return dx, dxl, da, db
 
 

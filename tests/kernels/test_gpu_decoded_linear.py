@@ -121,9 +121,10 @@ def test_decoded_linear_forward_and_backward(fmt, case, nk):
     with torch.no_grad():
         x2 = x.reshape(-1, k)
         yr = x2 @ wd.t() if bias is None else torch.addmm(bias, x2, wd.t())
-        if lora:
+        if lora:  # the adapter's GEMM first, the base GEMM accumulating onto it
             h = (x2 if xl is None else xl.reshape(-1, k)) @ a.bfloat16().t()
-            yr = torch.addmm(yr, h, b.bfloat16().t(), alpha=scaling)
+            yr = torch.addmm(torch.zeros((), dtype=h.dtype, device=DEV), h, b.bfloat16().t(), beta=0, alpha=scaling)
+            yr = torch.addmm(yr, x2, wd.t())
     assert torch.equal(y.reshape(-1, n), yr), f"{fmt} {case}: forward differs from its aten calls"
     grads = torch.autograd.grad(y, [t for t in (x, a, b) if t is not None], dy)
     # fp32 reference of the gradients (dropout's mask taken from xl = x * mask / 0.9)
