@@ -54,10 +54,15 @@ def switch_to_high_precision(model: nn.Module, passes: str | None = "forward") -
     if passes is not None and passes not in HIGH_PRECISION_PASSES:
         raise ValueError(f"switch_to_high_precision: passes={passes!r} is unknown; choose one of {HIGH_PRECISION_PASSES}"
                          " or None (back to FP4)")
-    layers = _nvfp4_layers(model)
-    if not layers:
+    n = _switch(model, passes)
+    if not n:
         raise ValueError("switch_to_high_precision: the model has no nvfp4 recipe GEMM; apply_recipe(model, 'nvfp4') "
                          "first")
+    return n
+
+
+def _switch(model: nn.Module, passes: str | None) -> int:
+    layers = _nvfp4_layers(model)
     for layer in layers:
         if isinstance(layer, RecipeLinear):
             layer.fp4_high_precision = passes
@@ -68,7 +73,6 @@ def switch_to_high_precision(model: nn.Module, passes: str | None = "forward") -
 
 
 _unscheduled: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models with a tail no schedule_precision has seen
-_optimizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _hook = None
 
 
@@ -89,7 +93,8 @@ def _warn_if_unscheduled(optimizer, args, kwargs) -> None:
     from .scaling import _trains
 
     for model in list(_unscheduled):
-        if _trains(optimizer, model, _optimizers):
+        cache = model.__dict__.setdefault("_surogate_switch_optimizers", weakref.WeakKeyDictionary())
+        if _trains(optimizer, model, cache):
             _unscheduled.discard(model)
             tail = model.surogate_recipe.resolved_high_precision_tail()
             warnings.warn(
@@ -133,5 +138,5 @@ def schedule_precision(model: nn.Module, step: int, total_steps: int) -> bool:
     if step < switch_step(total_steps, tail):
         return False
     if model.__dict__.get("surogate_high_precision") != cfg.fp4_high_precision_passes:
-        switch_to_high_precision(model, cfg.fp4_high_precision_passes)
+        _switch(model, cfg.fp4_high_precision_passes)  # (a model whose layers all stayed in model_dtype: nothing to do)
     return True

@@ -130,6 +130,22 @@ def test_an_unscheduled_switch_warns_at_the_first_step():
     assert _one_step(plain, schedule=False) == []
 
 
+def test_the_first_step_warning_keeps_models_apart():
+    """Two models, one optimizer each: only the unscheduled model's step warns, and only once."""
+    unscheduled, _ = _layer()
+    scheduled, _ = _layer()
+    assert _one_step(scheduled, schedule=True) == []
+    assert len(_one_step(unscheduled, schedule=False)) == 1
+
+
+def test_schedule_on_a_model_with_every_layer_kept_in_model_dtype():
+    model = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"proj": nn.Linear(64, 48)})])})
+    R.apply_recipe(model, "nvfp4", modules_to_not_convert=["proj"])
+    assert R.schedule_precision(model, 9, 10)  # the tail began; no nvfp4 layer to switch, and no error mid-run
+    with pytest.raises(ValueError, match="no nvfp4 recipe GEMM"):
+        R.switch_to_high_precision(model)  # an explicit call says so
+
+
 def test_schedule_precision_looks_through_wrappers():
     model, layer = _layer(fp4_high_precision_tail=0.5)
     wrapper = nn.Module()
