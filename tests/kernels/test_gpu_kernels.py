@@ -696,14 +696,20 @@ def test_extension_cast_transpose_matches_the_reference(shape, dtype, fmt):
     assert_bits(amc, am_t, "ext vs triton amax")
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
-def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():
-    """Under torch.compile the fp8 base runs `surogate::ext_fp8_block_gemm` inside one graph (no break) and
-    gives the eager plan path's bits, forward and input gradient."""
+@pytest.mark.parametrize("route, op", [("w8a8", "surogate.ext_fp8_block_gemm"),
+                                       ("weight_only", "surogate.ext_decoded_linear_fwd")])
+def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager(route, op, monkeypatch):
+    """Under torch.compile the fp8 base runs the extension's op inside one graph (no break) and gives the eager path's
+    bits, forward and input gradient: `surogate::ext_fp8_block_gemm` where the base is W8A8 (here forced: a weight
+    below formats.fp8.FP8_WEIGHT_ONLY_MAX_PARAMS is weight-only), the decode + GEMM graph op where it is weight-only."""
+    from surogate_hf import formats as F
     from surogate_hf.nn import FP8Linear
 
     _built_extension()
     torch._dynamo.reset()
-    lin = torch.nn.Linear(2048, 1024, bias=False, dtype=torch.bfloat16)  # W8A8 (formats.fp8_linear_weight_only)
+    if route == "w8a8":
+        monkeypatch.setattr(F.fp8, "FP8_WEIGHT_ONLY_MAX_PARAMS", 0)
+    lin = torch.nn.Linear(2048, 1024, bias=False, dtype=torch.bfloat16)
     m = FP8Linear.from_linear(lin).to(DEV)
     x = _rand((3, 37, 2048), torch.bfloat16, seed=1, spread=False).to(DEV)
     dy = _rand((3, 37, 1024), torch.bfloat16, seed=2, spread=False).to(DEV)
@@ -725,7 +731,7 @@ def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager():
 
     torch._dynamo.reset()
     torch.compile(m, backend=backend, fullgraph=True)(x)
-    assert any("surogate.ext_fp8_block_gemm" in t for t in gm_ops), gm_ops
+    assert any(op in t for t in gm_ops), gm_ops
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
