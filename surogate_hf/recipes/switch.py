@@ -54,7 +54,7 @@ def switch_to_high_precision(model: nn.Module, passes: str | None = "forward") -
     if passes is not None and passes not in HIGH_PRECISION_PASSES:
         raise ValueError(f"switch_to_high_precision: passes={passes!r} is unknown; choose one of {HIGH_PRECISION_PASSES}"
                          " or None (back to FP4)")
-    n = _switch(model, passes)
+    n = _switch(_recipe_root(model), passes)
     if not n:
         raise ValueError("switch_to_high_precision: the model has no nvfp4 recipe GEMM; apply_recipe(model, 'nvfp4') "
                          "first")
