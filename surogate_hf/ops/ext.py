@@ -312,9 +312,9 @@ def _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling):
 def _ext_decoded_linear(x: Tensor, x_lora: Tensor | None, w: Tensor, scales: Tensor, gscale: Tensor | None,
                         levels: Tensor | None, bias: Tensor | None, lora_a: Tensor | None, lora_b: Tensor | None,
                         scaling: float, fmt: int, n: int, k: int, block: int) -> Tensor:
-    """y = addmm(bias, x, deq(W)^T) (the bias in the GEMM's epilogue; mm without one), then, with an adapter,
-    addmm(y, h, B^T, alpha=scaling) for h = x_lora A^T (x_lora None: x itself); A and B cast to x's dtype. The weight is
-    decode_reference's. Gradients flow to x, x_lora, lora_a and lora_b (cast to their dtypes; the scaling is each
+    """y = x deq(W)^T + bias (+ scaling * h B^T for h = x_lora A^T, x_lora None: x itself; A and B cast to x's dtype),
+    in _decoded_linear_2d's aten calls: without an adapter addmm(bias, x, W^T); with one, the adapter's GEMM first
+    (addmm(bias, h, B^T, alpha=scaling)) and the base GEMM accumulating onto it. The weight is decode_reference's. Gradients flow to x, x_lora, lora_a and lora_b (cast to their dtypes; the scaling is each
     adapter GEMM's alpha); the weight operands and bias are frozen. The C++ kernels
     (csrc/weight_only/decoded_linear.cpp, forward and backward) run the same aten calls on the CUDA decode."""
     if (lora_a is None) != (lora_b is None) or x.shape[-1] != k:
