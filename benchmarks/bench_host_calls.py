@@ -35,6 +35,9 @@ def main():
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--qlora", action="store_true",
+                    help="also time the QLoRA decode route's calls at a SmolLM2-135M linear (576 -> 1536, 512 tokens): "
+                         "the graph ops a compiled layer issues, against the aten calls of PEFT's compiled LoRA")
     ap.add_argument("--cprofile", action="store_true",
                     help="also run the fp8-hybrid RecipeLinear and FusedRMSNorm loops under cProfile and write the "
                          "functions with the most own time (which Python line the host time goes to)")
@@ -111,11 +114,59 @@ def main():
     t = base._tensors()
     add("surogate::dequantize_fp8_blocks op", lambda: torch.ops.surogate.dequantize_fp8_blocks(
         t[""], t["_scale_inv"], 128, 128, torch.bfloat16))
+    if args.qlora:
+        qlora_rows(add)
     body = table(["call", "host us/call"], rows)
     body = f"{m} tokens, {k} wide, best of 5 x {args.iters} calls\n\n" + body
     if args.cprofile:
         body += "\n\n" + profile_python(profiled, args.iters)
     write_result("host_calls", "Host time per call on the GPU machine", body)
+
+
+def qlora_rows(add, tokens=512, k=576, n=1536, r=16):
+    """The host cost of one LoRA linear's calls in a compiled graph: PEFT's (the aten GEMMs inductor's wrapper issues,
+    and one pointwise kernel for the scaled sum) against the extension's decode + GEMM graph ops, per format."""
+    from surogate_hf.kernels import ext
+    from surogate_hf.nn import linear as L
+
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(tokens, k, device=dev, dtype=bf)
+    dy = torch.randn(tokens, n, device=dev, dtype=bf)
+    w = torch.randn(n, k, device=dev, dtype=bf)
+    a = torch.randn(r, k, device=dev, dtype=bf) / k ** 0.5
+    b = torch.randn(n, r, device=dev, dtype=bf) / r ** 0.5
+    h = x @ a.t()
+
+    def peft_fwd():
+        y = torch.mm(x, w.t())
+        z = torch.mm(torch.mm(x, a.t()), b.t())
+        return y.add_(z, alpha=2.0)
+
+    def peft_bwd():
+        dz = torch.mm(dy, b).mul_(2.0)
+        dx = torch.mm(dy, w)
+        dx.addmm_(dz, a)
+        return dx, torch.mm(dz.t(), x), torch.mm(dy.t(), h).mul_(2.0)
+
+    add("PEFT LoRA fwd, as a compiled graph issues it (3 mm + 1 pointwise)", peft_fwd)
+    add("PEFT LoRA bwd, as a compiled graph issues it (4 mm + addmm_ + 2 pointwise)", peft_bwd)
+    if ext.load(build=False) is None:
+        print(f"decode graph ops: not timed, the extension is {ext.status()[1]}", flush=True)
+        return
+    fwd_op = torch.ops.surogate.ext_decoded_linear_fwd.default
+    bwd_op = torch.ops.surogate.ext_decoded_linear_bwd.default
+    for fmt in ("nvfp4", "mxfp4", "nf4", "fp8"):
+        base = L.linear_class(fmt).from_linear(torch.nn.Linear(k, n, bias=False, device=dev, dtype=bf))
+        ops = base.graph_decode_operands()
+        if ops is None:
+            print(f"{fmt}: no decode route at [{n}, {k}]", flush=True)
+            continue
+        wq, s, g, lv, f, nn_, kk, blk = ops
+        add(f"{fmt} ext_dequantize alone", lambda: torch.ops.surogate.ext_dequantize(wq, s, g, lv, f, nn_, kk, blk, bf))
+        add(f"{fmt} ext_decoded_linear_fwd (decode + 3 GEMMs)",
+            lambda: fwd_op(x, None, wq, s, g, lv, None, a, b, 2.0, f, nn_, kk, blk))
+        add(f"{fmt} ext_decoded_linear_bwd (decode + 5 GEMMs)",
+            lambda: bwd_op(dy, x, h, wq, s, g, lv, a, b, 2.0, f, nn_, kk, blk, False, True, False, True, True))
 
 
 def profile_python(loops: dict, iters: int, top: int = 25) -> str:
