@@ -18,6 +18,9 @@
 //             dA = mm(dh^T, x_lora); dB = scaling * mm(dy^T, h), each cast to its parameter's dtype
 // (scaling is the GEMM's alpha and the bias its epilogue: one kernel each, no separate pass over the output)
 // A and B are cast to x's dtype (the adapters' masters may be fp32), as the Python LoRA path does.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDABlas.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -83,11 +86,54 @@ struct Operands {
   }
 };
 
-// alpha * (a @ b) as one GEMM (beta 0: the uninitialised output is never read)
+// How ATen hands a row-major [R, C] operand to column-major cuBLAS (prepare_matrix_for_cublas): a contiguous one is
+// its own transpose there ('n', ld = stride(0)), a transposed view is itself ('t', ld = stride(1)). ok is false for any
+// other layout (the caller then goes through aten).
+struct BlasOperand {
+  char trans;
+  int64_t ld;
+  bool ok;
+};
+
+BlasOperand blas_operand(const at::Tensor& t) {
+  if (t.dim() != 2 || t.is_conj() || t.is_neg()) return {'n', 0, false};
+  if (t.is_contiguous()) return {'n', t.stride(0), t.stride(0) >= 1};
+  if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(1, t.size(0))) return {'t', t.stride(1), true};
+  if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, t.size(1))) return {'n', t.stride(0), true};
+  return {'n', 0, false};
+}
+
+// out [M, N] (contiguous) = alpha * a [M, K] @ b [K, N] + beta * out, as at::addmm_out(out, out, a, b, beta, alpha)
+// computes it, minus its dispatch: the same at::cuda::blas::gemm call with the same arguments (row-major out is
+// column-major out^T = b^T a^T), so the same cuBLAS kernel and bits. At a small model's widths each GEMM takes a few
+// microseconds of GPU time and the aten call around it as many of host time; this route makes eight per LoRA linear
+// per step. Layouts or shapes it does not cover go through aten (beta 0: out is never read).
+void gemm_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha, double beta) {
+  const BlasOperand left = blas_operand(b), right = blas_operand(a);
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const auto dt = out.scalar_type();
+  const bool direct = left.ok && right.ok && m > 0 && n > 0 && k > 0 && out.is_contiguous() && a.scalar_type() == dt &&
+                      b.scalar_type() == dt && (dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat);
+  if (!direct) {
+    at::addmm_out(out, out, a, b, beta, alpha);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "surogate_gemm_into", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    at::cuda::blas::gemm<scalar_t>(left.trans, right.trans, n, m, k, static_cast<opmath_t>(alpha),
+                                   b.const_data_ptr<scalar_t>(), left.ld, a.const_data_ptr<scalar_t>(), right.ld,
+                                   static_cast<opmath_t>(beta), out.mutable_data_ptr<scalar_t>(), n);
+  });
+}
+
+// alpha * (a @ b) as one GEMM into a fresh [M, N] (beta 0: the uninitialised output is never read)
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double alpha) {
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
-  return at::addmm_out(out, out, a, b, 0.0, alpha);
+  gemm_into(out, a, b, alpha, 0.0);
+  return out;
 }
+
+at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return scaled_mm(a, b, 1.0); }
 
 // y [M, n] for x2 [M, k]; h (the adapter's [M, r] intermediate, needed by the backward) is set when lora_a is defined.
 // With an adapter its GEMM runs first and the base GEMM last, accumulating (beta 1) onto the adapter's output: the
@@ -98,11 +144,11 @@ at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operand
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
   const auto dt = x2.scalar_type();
   const at::Tensor wt = op.decode(dt).t();
-  if (!lora_a.defined()) return bias.defined() ? at::addmm(bias.to(dt), x2, wt) : at::mm(x2, wt);
-  at::Tensor h = at::mm(xl2, lora_a.to(dt).t());
+  if (!lora_a.defined()) return bias.defined() ? at::addmm(bias.to(dt), x2, wt) : gemm(x2, wt);
+  at::Tensor h = gemm(xl2, lora_a.to(dt).t());
   const at::Tensor bt = lora_b.to(dt).t();
   at::Tensor y = bias.defined() ? at::addmm(bias.to(dt), h, bt, 1.0, scaling) : scaled_mm(h, bt, scaling);
-  y.addmm_(x2, wt);
+  gemm_into(y, x2, wt, 1.0, 1.0);
   if (h_out) *h_out = h;
   return y;
 }
@@ -121,14 +167,14 @@ std::array<at::Tensor, 4> backward_2d(const at::Tensor& dy2, const at::Tensor& x
   if (lora && (want_a || (want_x && !separate_xl) || want_xl)) dh = scaled_mm(dy2, lora_b.to(dt), scaling);
   if (want_x) {  // (the adapter's share first, the base GEMM accumulating onto it: as in the forward)
     if (lora && !separate_xl) {
-      out[0] = at::mm(dh, lora_a.to(dt));
-      out[0].addmm_(dy2, op.decode(dt));
+      out[0] = gemm(dh, lora_a.to(dt));
+      gemm_into(out[0], dy2, op.decode(dt), 1.0, 1.0);
     } else {
-      out[0] = at::mm(dy2, op.decode(dt));
+      out[0] = gemm(dy2, op.decode(dt));
     }
   }
-  if (lora && want_xl) out[1] = at::mm(dh, lora_a.to(dt));
-  if (lora && want_a) out[2] = at::mm(dh.t(), xl2).to(lora_a.scalar_type());
+  if (lora && want_xl) out[1] = gemm(dh, lora_a.to(dt));
+  if (lora && want_a) out[2] = gemm(dh.t(), xl2).to(lora_a.scalar_type());
   if (lora && want_b) out[3] = scaled_mm(dy2.t(), h, scaling).to(lora_b.scalar_type());
   return out;
 }
@@ -202,6 +248,9 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     const bool want_x = ctx->needs_input_grad(0), want_xl = wants("edge_xl");
     const bool want_a = wants("edge_a"), want_b = wants("edge_b");
     const at::cuda::CUDAGuard guard(dy.device());
+    // no graph is recorded in here either, unless a double backward asked for one
+    c10::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
     const auto g = backward_2d(dy.reshape({-1, op.n}), xl2, h, op, lora_a, lora_b, scaling, separate_xl, want_x,
                                want_xl, want_a, want_b);
     if (g[0].defined()) out[0] = at::_unsafe_view(g[0], d.at("x_shape").toIntVector());
@@ -229,6 +278,7 @@ at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tens
                                const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
                                double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
   const at::cuda::CUDAGuard guard(x.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
   const at::Tensor x2 = x.reshape({-1, k});
   const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
@@ -250,6 +300,7 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
     const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
   TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
   const at::cuda::CUDAGuard guard(x.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
   const at::Tensor x2 = x.reshape({-1, k});
   const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
@@ -269,6 +320,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cu
   TORCH_CHECK(!lora || (x_lora.has_value() && h.has_value()),
               "ext_decoded_linear_bwd: an adapter's gradients need its input and h");
   const at::cuda::CUDAGuard guard(dy.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
   const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : at::Tensor();
   auto g = backward_2d(dy.reshape({-1, n}), xl2, or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
