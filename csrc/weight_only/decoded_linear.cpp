@@ -18,10 +18,11 @@
 //             dA = mm(dh^T, x_lora); dB = scaling * mm(dy^T, h), each cast to its parameter's dtype
 // (scaling is the GEMM's alpha and the bias its epilogue: one kernel each, no separate pass over the output)
 // A and B are cast to x's dtype (the adapters' masters may be fp32), as the Python LoRA path does.
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDABlas.h>
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
+#include <climits>
+#include <type_traits>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -103,27 +104,55 @@ BlasOperand blas_operand(const at::Tensor& t) {
   return {'n', 0, false};
 }
 
+// The option's value "reduced-precision reductions allowed": a bool in older torch, CuBLASReductionOption's first value
+// (AllowReducedPrecisionWithSplitK, torch's default) in newer.
+template <typename Option>
+bool reduced_precision_allowed(Option v) {
+  if constexpr (std::is_same_v<Option, bool>) return v;
+  else return static_cast<int>(v) == 0;
+}
+
+// Whether ATen's GEMM of this dtype is the plain cuBLAS call below: cuBLAS (not cuBLASLt) preferred, and the default
+// reduction setting (cublasGemmEx under CUBLAS_DEFAULT_MATH; the other settings add math flags this does not copy).
+bool cublas_gemm_matches_aten(at::ScalarType dt) {
+  auto& ctx = at::globalContext();
+  if (ctx.blasPreferredBackend() != at::BlasBackend::Cublas) return false;
+  if (dt == at::kBFloat16) return reduced_precision_allowed(ctx.allowBF16ReductionCuBLAS());
+  if (dt == at::kHalf) return reduced_precision_allowed(ctx.allowFP16ReductionCuBLAS());
+  return false;
+}
+
 // out [M, N] (contiguous) = alpha * a [M, K] @ b [K, N] + beta * out, as at::addmm_out(out, out, a, b, beta, alpha)
-// computes it, minus its dispatch: the same at::cuda::blas::gemm call with the same arguments (row-major out is
-// column-major out^T = b^T a^T), so the same cuBLAS kernel and bits. At a small model's widths each GEMM takes a few
-// microseconds of GPU time and the aten call around it as many of host time; this route makes eight per LoRA linear
-// per step. Layouts or shapes it does not cover go through aten (beta 0: out is never read).
+// computes it, minus its dispatch: the cublasGemmEx call ATen makes for a bf16 / fp16 GEMM (at::cuda::blas::gemm is not
+// exported), with the same arguments: row-major out is column-major out^T = b^T a^T, fp32 compute, the default
+// tensor-op algorithm, leading dimensions adjusted as ATen's _cublasAdjustLdLevel3 does. So the same kernel and bits
+// (the GPU tests compare against torch.addmm bit for bit). At a small model's widths a GEMM takes a few microseconds of
+// GPU time and its aten call as many of host time, and this route makes eight per LoRA linear per step. Other
+// layouts, dtypes or settings go through aten (beta 0: out is never read).
 void gemm_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha, double beta) {
   const BlasOperand left = blas_operand(b), right = blas_operand(a);
-  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const int64_t m = b.size(1), n = a.size(0), k = a.size(1);  // of the column-major product out^T [N, M]
   const auto dt = out.scalar_type();
-  const bool direct = left.ok && right.ok && m > 0 && n > 0 && k > 0 && out.is_contiguous() && a.scalar_type() == dt &&
-                      b.scalar_type() == dt && (dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat);
+  const bool direct = left.ok && right.ok && m > 0 && n > 0 && k > 0 && out.is_contiguous() &&
+                      a.scalar_type() == dt && b.scalar_type() == dt && cublas_gemm_matches_aten(dt) &&
+                      m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && left.ld <= INT_MAX && right.ld <= INT_MAX;
   if (!direct) {
     at::addmm_out(out, out, a, b, beta, alpha);
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "surogate_gemm_into", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    at::cuda::blas::gemm<scalar_t>(left.trans, right.trans, n, m, k, static_cast<opmath_t>(alpha),
-                                   b.const_data_ptr<scalar_t>(), left.ld, a.const_data_ptr<scalar_t>(), right.ld,
-                                   static_cast<opmath_t>(beta), out.mutable_data_ptr<scalar_t>(), n);
-  });
+  int64_t lda = left.ld, ldb = right.ld, ldc = m;
+  const bool ta = left.trans == 't', tb = right.trans == 't';
+  if (n <= 1) ldc = std::max<int64_t>(m, 1);
+  if (ta ? m <= 1 : k <= 1) lda = std::max<int64_t>(ta ? k : m, 1);
+  if (tb ? k <= 1 : n <= 1) ldb = std::max<int64_t>(tb ? n : k, 1);
+  const cudaDataType_t type = dt == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float falpha = static_cast<float>(alpha), fbeta = static_cast<float>(beta);
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // on the current stream, with torch's workspace
+  TORCH_CUDABLAS_CHECK(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m,
+                                    (int)n, (int)k, &falpha, b.const_data_ptr(), type, (int)lda, a.const_data_ptr(),
+                                    type, (int)ldb, &fbeta, out.mutable_data_ptr(), type, (int)ldc,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
 }
 
 // alpha * (a @ b) as one GEMM into a fresh [M, N] (beta 0: the uninitialised output is never read)
