@@ -57,11 +57,12 @@ at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, cons
               "ext_dequantize: w must be contiguous one-byte CUDA data of the weight's size");
   TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.element_size() == (fmt >= 2 ? 4 : 1),
               "ext_dequantize: scales must be contiguous (fp32 for nf4 / fp8, one byte for nvfp4 / mxfp4)");
-  TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->is_cuda() && gscale->scalar_type() == at::kFloat &&
-                           gscale->numel() == 1),
+  // fp32 operands may come as their int32 bytes (a quantized module's slot as stored: surogate_hf/nn/slots.py)
+  auto fp32_bytes = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kInt; };
+  TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->is_cuda() && fp32_bytes(*gscale) && gscale->numel() == 1),
               "ext_dequantize: nvfp4 needs its fp32 decode global on the GPU");
-  TORCH_CHECK(fmt != 2 || (levels.has_value() && levels->is_cuda() && levels->is_contiguous() &&
-                           levels->scalar_type() == at::kFloat && levels->numel() == 16 && block >= 1),
+  TORCH_CHECK(fmt != 2 || (levels.has_value() && levels->is_cuda() && levels->is_contiguous() && fp32_bytes(*levels) &&
+                           levels->numel() == 16 && block >= 1),
               "ext_dequantize: nf4 needs its 16 fp32 levels and a block size");
   const int code = out_dtype_code(dtype);
   const at::cuda::CUDAGuard guard(w.device());
@@ -71,7 +72,8 @@ at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, cons
       (int)fmt, reinterpret_cast<const uint8_t*>(w.data_ptr()),
       u8_scales ? reinterpret_cast<const uint8_t*>(scales.data_ptr()) : nullptr,
       u8_scales ? nullptr : reinterpret_cast<const float*>(scales.data_ptr()),
-      fmt == 0 ? gscale->data_ptr<float>() : nullptr, fmt == 2 ? levels->data_ptr<float>() : nullptr, out.data_ptr(),
+      fmt == 0 ? static_cast<const float*>(gscale->const_data_ptr()) : nullptr,
+      fmt == 2 ? static_cast<const float*>(levels->const_data_ptr()) : nullptr, out.data_ptr(),
       code, n, k, (int)block, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -356,12 +356,26 @@ class QuantizedLinear(nn.Linear):
         torch ops that a compiled graph traces (the eager plan's are cached tensors a graph cannot take); None where
         the format has no decode route."""
         n, k = self.out_features, self.in_features
-        args = self.fmt.decode_args(self._tensors(), n, k)
+        logical = self._tensors()
+        args = self.fmt.decode_args(logical, n, k)
         if args is None:
             return None
         from ..kernels.registry import decode_operands
 
+        # An operand that is a slot as such goes in as stored (its integer view of the same bytes; the ops read bytes):
+        # a compiled graph runs each logical dtype view (aten.view.dtype, which inductor cannot fold into a
+        # reinterpretation) as a call of its own per op call, four per nvfp4 or fp8 linear and step.
+        # (detached: a plain tensor, whose numel() is its elements, not PackedParameter's represented weights)
+        stored = {name: S.raw_slot(self, "weight" + name).detach() for name in logical}
+
+        def as_stored(t):
+            for name, view in logical.items():
+                if t is view:
+                    return stored[name]
+            return t
+
         w, scales, gscale, levels, block = args
+        w, scales, gscale, levels = (None if t is None else as_stored(t) for t in (w, scales, gscale, levels))
         return decode_operands(self.fmt.name, w, scales, gscale, levels, n, k, block)
 
     def forward(self, x: Tensor) -> Tensor:

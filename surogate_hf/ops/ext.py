@@ -258,12 +258,18 @@ def _(x, w, scales, gscale, levels, fmt, n, k, nf4_block):
 DECODE_FORMATS = ("nvfp4", "mxfp4", "nf4", "fp8")  # the int `fmt` of ext_dequantize / ext_decoded_linear indexes this
 
 
+def _fp32_bytes(t: Tensor | None) -> Tensor | None:
+    return t.view(torch.float32) if t is not None and t.dtype == torch.int32 else t
+
+
 def decode_reference(w: Tensor, scales: Tensor, gscale: Tensor | None, levels: Tensor | None, fmt: int, n: int, k: int,
                      block: int, dtype: torch.dtype) -> Tensor:
     """The dense [n, k] weight in dtype, by the formats' reference dequantization (fmt indexes DECODE_FORMATS):
     nvfp4 w uint8 [n, k/2], scales E4M3 [n, k/16] (or their bytes), gscale the decode global; mxfp4 scales E8M0
     [n, k/32]; nf4 w bitsandbytes-packed, scales the fp32 absmax of each `block` elements, levels its 16 values;
-    fp8 w E4M3 [n, k] (or its bytes), scales the fp32 scale_inv of block x block tiles."""
+    fp8 w E4M3 [n, k] (or its bytes), scales the fp32 scale_inv of block x block tiles. An fp32 operand may come as
+    its int32 bytes (a quantized module's slot as stored, nn.slots)."""
+    gscale, levels = _fp32_bytes(gscale), _fp32_bytes(levels)
     if fmt == 0:
         s = scales if scales.dtype == torch.float8_e4m3fn else scales.view(torch.float8_e4m3fn)
         return F.dequantize_nvfp4(w.reshape(n, k // 2), s.reshape(n, k // 16), gscale, dtype)
@@ -275,8 +281,8 @@ def decode_reference(w: Tensor, scales: Tensor, gscale: Tensor | None, levels: T
         return dequantize_nf4_raw(w, scales, levels, block, (n, k), dtype)
     if fmt == 3:
         q = w if w.dtype == torch.float8_e4m3fn else w.view(torch.float8_e4m3fn)
-        return F.dequantize_fp8_blocks(q.reshape(n, k), scales.reshape(-(-n // block), -(-k // block)), (block, block),
-                                       dtype)
+        return F.dequantize_fp8_blocks(q.reshape(n, k), _fp32_bytes(scales).reshape(-(-n // block), -(-k // block)),
+                                       (block, block), dtype)
     raise ValueError(f"fmt must index {DECODE_FORMATS}, got {fmt}")
 
 

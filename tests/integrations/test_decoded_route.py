@@ -183,16 +183,60 @@ def test_fused_call_under_activation_checkpointing(reentrant, monkeypatch):
 # ---- inside torch.compile: the same route as the graph ops ext_decoded_linear_fwd / _bwd
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_graph_operands_are_the_plans(fmt):
-    """The operands a compiled graph derives from the slots (Format.decode_args, traced) are the eager plan's."""
+    """The operands a compiled graph derives from the slots (Format.decode_args, traced) are the eager plan's bytes, a
+    slot taken as such being the stored parameter itself (no dtype view for the graph to run), and decode to the layer's
+    weight through the reference."""
     layer = _layer(fmt, bias=True)
     got, want = layer.graph_decode_operands(), _operands(layer)
     assert got is not None and len(got) == len(want)
+    stored = [p for name, p in layer.named_parameters() if name.startswith("weight")]
     for a, b in zip(got, want):
         if isinstance(b, torch.Tensor):
-            assert a.dtype == b.dtype and a.shape == b.shape
+            assert a.element_size() == b.element_size() and a.numel() == b.numel()
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
         else:
             assert a == b
+    w, scales, gscale, levels = got[:4]
+    computed = {"nf4": {id(scales)}}.get(fmt, set())  # nf4's absmax is de-nested from its slots
+    for t in (w, scales, gscale, levels):
+        if t is not None and id(t) not in computed:
+            assert any(t.dtype == p.dtype and t.data_ptr() == p.data_ptr() for p in stored), \
+                f"{fmt}: an operand is not its slot as stored"
+    dense = torch.ops.surogate.ext_dequantize(*got, torch.bfloat16)
+    assert torch.equal(dense, layer.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_graphs_hold_no_dtype_views_of_the_slots(fmt, monkeypatch):
+    """The forward and backward graphs of a compiled LoRA layer on the graph route hand the decode ops no
+    aten.view.dtype: inductor materialises a dtype view that an extern op takes as a call of its own per op call and
+    step (one that feeds its own kernels, as nf4's absmax de-nesting, becomes a bitcast inside them)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
+    torch._dynamo.reset()
+    model = _peft_model(fmt, 0.0, False)
+    run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
+    run(torch.randn(2, 7, 256, dtype=torch.bfloat16, requires_grad=True)).float().square().mean().backward()
+    assert len(graphs) == 2
+    ops = (torch.ops.surogate.ext_decoded_linear_fwd.default, torch.ops.surogate.ext_decoded_linear_bwd.default)
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+    assert {n.target for n in calls} == set(ops)
+    aliases = (torch.ops.aten.view.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+               torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+    for call in calls:
+        for arg in call.args:
+            while isinstance(arg, torch.fx.Node) and arg.target in aliases:  # back through the reinterpretations
+                arg = arg.args[0]
+            assert not (isinstance(arg, torch.fx.Node) and arg.target == torch.ops.aten.view.dtype), \
+                f"{fmt}: {call.target} takes a dtype view ({arg})"
 
 
 def _graph_route(self, x2d):

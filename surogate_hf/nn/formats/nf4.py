@@ -158,9 +158,12 @@ class NF4Format(Format):
         return _cuda.plan_nf4(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
 
     def decode_args(self, t, n, k):
-        # de-nesting the absmax is a small kernel of the graph (the eager plan caches it)
-        return (t[""], self._absmax(t, n, k).float().contiguous(), None, t["_quant_map"].float().contiguous(),
-                self.block_size)
+        # de-nesting the absmax is a small kernel of the graph (the eager plan caches it); the levels slot is fp32 [16]
+        # already, and handed over as such (QuantizedLinear.graph_decode_operands passes a slot as stored)
+        levels = t["_quant_map"]
+        if levels.dtype != torch.float32 or not levels.is_contiguous():
+            levels = levels.float().contiguous()
+        return t[""], self._absmax(t, n, k).float().contiguous(), None, levels, self.block_size
 
     def path_options(self):
         return {"nf4_block": self.block_size}
