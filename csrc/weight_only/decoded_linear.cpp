@@ -322,8 +322,9 @@ at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tens
 // The two ops of a torch.compile graph. A compiled graph cannot call ext_decoded_linear: AOTAutograd traces the
 // autograd kernel with fake tensors, and the C++ node above launches kernels. So the graph calls the forward (which
 // also returns the adapter's [M, r] intermediate h, saved for the backward; an empty tensor without an adapter) and,
-// through the Python autograd registered for it (surogate_hf/ops/ext.py), the backward: one opaque call each way,
-// the same aten calls as the node's. Gradients that are not wanted come back as empty tensors.
+// through its autograd, the backward: one opaque call each way,
+// the same aten calls as the node's. Gradients that are not wanted come back as empty tensors. (Its autograd for CUDA
+// tensors is DecodedLinearFwd below, in C++.)
 std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w, const at::Tensor& scales,
     const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
@@ -362,6 +363,119 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cu
   return {g[0], g[1], g[2], g[3]};
 }
 
+
+// The forward graph op's autograd, in C++ for CUDA tensors (the Python one registered in surogate_hf/ops/ext.py keeps
+// the CPU reference). A compiled forward graph calls ext_decoded_linear_fwd with grad mode off; through the Python
+// kernel every call crossed into Python and back (torch._library.autograd: ~20 us of a 135M step's ~130 us per call,
+// results/profile_host_compiled_135m_c96b337.md). Here it redispatches in C++. With grad on (eager calls, and
+// AOTAutograd tracing the joint graph with fake tensors) the node's backward calls ext_decoded_linear_bwd through the
+// dispatcher, never a kernel: so the tracer records it, as it records the Python formula's call.
+const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t, int64_t, int64_t, int64_t)>&
+fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("surogate::ext_decoded_linear_fwd", "")
+                              .typed<std::tuple<at::Tensor, at::Tensor>(
+                                  const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
+                                  const at::Tensor&, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t,
+                                  int64_t, int64_t, int64_t)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const at::Tensor&,
+    const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t, int64_t, int64_t, int64_t,
+    bool, bool, bool, bool, bool)>&
+bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("surogate::ext_decoded_linear_bwd", "")
+                              .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                                  const at::Tensor&, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t,
+                                  int64_t, int64_t, int64_t, bool, bool, bool, bool, bool)>();
+  return op;
+}
+
+// Edges: x, then x_lora, lora_a, lora_b where given (as DecodedLinear's); the weight's operands are no edges.
+class DecodedLinearFwd : public torch::autograd::Function<DecodedLinearFwd> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& x_lora,
+                               const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
+                               const c10::optional<at::Tensor>& bias, const at::Tensor& w, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
+                               double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+    std::tuple<at::Tensor, at::Tensor> out;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      out = fwd_op().call(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block);
+    }
+    at::Tensor& h = std::get<1>(out);
+    ctx->mark_non_differentiable({h});  // the backward's, not the caller's
+    ctx->set_materialize_grads(false);
+    const bool lora = lora_a.has_value();
+    ctx->save_for_backward({x_lora.has_value() ? *x_lora : x, h, w, scales, or_undef(gscale), or_undef(levels),
+                            or_undef(lora_a), or_undef(lora_b)});
+    auto& d = ctx->saved_data;
+    d["fmt"] = fmt;
+    d["n"] = n;
+    d["k"] = k;
+    d["block"] = block;
+    d["scaling"] = scaling;
+    d["x_shape"] = x.sizes().vec();
+    int64_t edge = 1;  // x is edge 0
+    d["edge_xl"] = x_lora.has_value() ? edge++ : int64_t(-1);
+    if (x_lora.has_value()) d["xl_shape"] = x_lora->sizes().vec();
+    d["edge_a"] = lora ? edge++ : int64_t(-1);
+    d["edge_b"] = lora_b.has_value() ? edge++ : int64_t(-1);
+    return {std::get<0>(out), h};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(14);  // x, x_lora, lora_a, lora_b, bias, the weight's operands and the constants
+    if (!grads[0].defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+    auto wants = [&](const char* key) {
+      const int64_t e = d.at(key).toInt();
+      return e >= 0 && ctx->needs_input_grad(e);
+    };
+    const bool lora = saved[6].defined(), separate = d.at("edge_xl").toInt() >= 0;
+    const bool want_x = ctx->needs_input_grad(0), want_xl = wants("edge_xl");
+    const bool want_a = wants("edge_a"), want_b = wants("edge_b");
+    auto g = bwd_op().call(grads[0].contiguous(), lora ? opt(saved[0]) : c10::nullopt,
+                           lora ? opt(saved[1]) : c10::nullopt, saved[2], saved[3], opt(saved[4]), opt(saved[5]),
+                           opt(saved[6]), opt(saved[7]), d.at("scaling").toDouble(), d.at("fmt").toInt(),
+                           d.at("n").toInt(), d.at("k").toInt(), d.at("block").toInt(), separate, want_x, want_xl,
+                           want_a, want_b);
+    if (want_x) out[0] = std::get<0>(g).reshape(d.at("x_shape").toIntVector());
+    if (separate && want_xl && lora) out[1] = std::get<1>(g).reshape(d.at("xl_shape").toIntVector());
+    if (want_a && lora) out[2] = std::get<2>(g);
+    if (want_b && lora) out[3] = std::get<3>(g);
+    return out;
+  }
+};
+
+// AutogradCUDA of the forward graph op
+std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_autograd(
+    const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w, const at::Tensor& scales,
+    const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& lora_a,
+    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
+  TORCH_CHECK(!bias.has_value() || !bias->requires_grad(), "ext_decoded_linear_fwd: the bias is frozen");
+  auto out = DecodedLinearFwd::apply(x, x_lora, lora_a, lora_b, bias, w, scales, gscale, levels, scaling, fmt, n, k,
+                                     block);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
@@ -371,4 +485,7 @@ TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_decoded_linear_bwd", &decoded_linear_bwd_cuda);
 }
 
-TORCH_LIBRARY_IMPL(surogate, AutogradCUDA, m) { m.impl("ext_decoded_linear", &decoded_linear_autograd); }
+TORCH_LIBRARY_IMPL(surogate, AutogradCUDA, m) {
+  m.impl("ext_decoded_linear", &decoded_linear_autograd);
+  m.impl("ext_decoded_linear_fwd", &decoded_linear_fwd_autograd);
+}
