@@ -116,9 +116,11 @@ bool reduced_precision_allowed(Option v) {
 
 // Whether ATen's GEMM of this dtype is the plain cuBLAS call below: cuBLAS (not cuBLASLt) preferred, and the default
 // reduction setting (cublasGemmEx under CUBLAS_DEFAULT_MATH; the other settings add math flags this does not copy).
+// Not covered: TunableOp (torch.cuda.tunable), whose tuned GEMM ATen would take instead; these GEMMs keep cuBLAS's.
 bool cublas_gemm_matches_aten(at::ScalarType dt) {
   auto& ctx = at::globalContext();
-  if (ctx.blasPreferredBackend() != at::BlasBackend::Cublas) return false;
+  // (deterministic algorithms: ATen's call checks CUBLAS_WORKSPACE_CONFIG and raises where it is not set; it runs)
+  if (ctx.blasPreferredBackend() != at::BlasBackend::Cublas || ctx.deterministicAlgorithms()) return false;
   if (dt == at::kBFloat16) return reduced_precision_allowed(ctx.allowBF16ReductionCuBLAS());
   if (dt == at::kHalf) return reduced_precision_allowed(ctx.allowFP16ReductionCuBLAS());
   return false;
