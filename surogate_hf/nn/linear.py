@@ -365,12 +365,16 @@ class QuantizedLinear(nn.Linear):
         # An operand that is a slot as such goes in as stored (its integer view of the same bytes; the ops read bytes):
         # a compiled graph runs each logical dtype view (aten.view.dtype, which inductor cannot fold into a
         # reinterpretation) as a call of its own per op call, four per nvfp4 or fp8 linear and step.
-        # (detached: a plain tensor, whose numel() is its elements, not PackedParameter's represented weights)
-        stored = {name: S.raw_slot(self, "weight" + name).detach() for name in logical}
+        # (detached: a plain tensor, whose numel() is its elements, not PackedParameter's represented weights; a
+        # sharded slot outside FSDP2's unshard keeps its gathered logical view)
+        from torch.distributed.tensor import DTensor
+
+        raw = {name: S.raw_slot(self, "weight" + name) for name in logical}
+        stored = {name: t.detach() for name, t in raw.items() if not isinstance(t, DTensor)}
 
         def as_stored(t):
             for name, view in logical.items():
-                if t is view:
+                if t is view and name in stored:
                     return stored[name]
             return t
 
