@@ -223,6 +223,30 @@ const at::Tensor& or_undef(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? *t : undefined;
 }
 
+// The constants and the input layout both autograd nodes below keep for their backward: the GEMM's, x's shape, and
+// the edge index of x_lora, lora_a and lora_b (-1 where absent; x is edge 0; see the note on optionals below).
+void save_call(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, bool lora,
+               bool lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+  auto& d = ctx->saved_data;
+  d["fmt"] = fmt;
+  d["n"] = n;
+  d["k"] = k;
+  d["block"] = block;
+  d["scaling"] = scaling;
+  d["x_shape"] = x.sizes().vec();
+  int64_t edge = 1;
+  d["edge_xl"] = x_lora.has_value() ? edge++ : int64_t(-1);
+  if (x_lora.has_value()) d["xl_shape"] = x_lora->sizes().vec();
+  d["edge_a"] = lora ? edge++ : int64_t(-1);
+  d["edge_b"] = lora_b ? edge++ : int64_t(-1);
+}
+
+// Whether the input recorded under `key` by save_call is present and wants its gradient.
+bool wants(AutogradContext* ctx, const char* key) {
+  const int64_t e = ctx->saved_data.at(key).toInt();
+  return e >= 0 && ctx->needs_input_grad(e);
+}
+
 // Optional tensors go in as c10::optional: an absent one is no autograd input (no edge), so needs_input_grad indexes
 // only the present ones (x first, then x_lora, lora_a, lora_b where given).
 class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
@@ -248,17 +272,7 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     d["scales"] = scales;
     if (gscale.has_value()) d["gscale"] = *gscale;
     if (levels.has_value()) d["levels"] = *levels;
-    d["fmt"] = fmt;
-    d["n"] = n;
-    d["k"] = k;
-    d["block"] = block;
-    d["scaling"] = scaling;
-    d["x_shape"] = x.sizes().vec();
-    int64_t edge = 1;  // x is edge 0
-    d["edge_xl"] = x_lora.has_value() ? edge++ : int64_t(-1);
-    if (x_lora.has_value()) d["xl_shape"] = x_lora->sizes().vec();
-    d["edge_a"] = lora ? edge++ : int64_t(-1);
-    d["edge_b"] = lora_b.has_value() ? edge++ : int64_t(-1);
+    save_call(ctx, x, x_lora, lora, lora_b.has_value(), scaling, fmt, n, k, block);
     return at::_unsafe_view(y, out_shape(x, n));  // a fresh output, not a view of an intermediate
   }
 
@@ -273,13 +287,9 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     const Operands op{get("w"), get("scales"), get("gscale"), get("levels"), d.at("fmt").toInt(), d.at("n").toInt(),
                       d.at("k").toInt(), d.at("block").toInt()};
     const double scaling = d.at("scaling").toDouble();
-    auto wants = [&](const char* key) {
-      const int64_t e = d.at(key).toInt();
-      return e >= 0 && ctx->needs_input_grad(e);
-    };
     const bool separate_xl = d.at("edge_xl").toInt() >= 0;
-    const bool want_x = ctx->needs_input_grad(0), want_xl = wants("edge_xl");
-    const bool want_a = wants("edge_a"), want_b = wants("edge_b");
+    const bool want_x = ctx->needs_input_grad(0), want_xl = wants(ctx, "edge_xl");
+    const bool want_a = wants(ctx, "edge_a"), want_b = wants(ctx, "edge_b");
     const at::cuda::CUDAGuard guard(dy.device());
     // no graph is recorded in here either, unless a double backward asked for one
     c10::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
@@ -424,18 +434,7 @@ class DecodedLinearFwd : public torch::autograd::Function<DecodedLinearFwd> {
     const bool lora = lora_a.has_value();
     ctx->save_for_backward({x_lora.has_value() ? *x_lora : x, h, w, scales, or_undef(gscale), or_undef(levels),
                             or_undef(lora_a), or_undef(lora_b)});
-    auto& d = ctx->saved_data;
-    d["fmt"] = fmt;
-    d["n"] = n;
-    d["k"] = k;
-    d["block"] = block;
-    d["scaling"] = scaling;
-    d["x_shape"] = x.sizes().vec();
-    int64_t edge = 1;  // x is edge 0
-    d["edge_xl"] = x_lora.has_value() ? edge++ : int64_t(-1);
-    if (x_lora.has_value()) d["xl_shape"] = x_lora->sizes().vec();
-    d["edge_a"] = lora ? edge++ : int64_t(-1);
-    d["edge_b"] = lora_b.has_value() ? edge++ : int64_t(-1);
+    save_call(ctx, x, x_lora, lora, lora_b.has_value(), scaling, fmt, n, k, block);
     return {std::get<0>(out), h};
   }
 
@@ -445,13 +444,9 @@ class DecodedLinearFwd : public torch::autograd::Function<DecodedLinearFwd> {
     const auto saved = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
     auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
-    auto wants = [&](const char* key) {
-      const int64_t e = d.at(key).toInt();
-      return e >= 0 && ctx->needs_input_grad(e);
-    };
     const bool lora = saved[6].defined(), separate = d.at("edge_xl").toInt() >= 0;
-    const bool want_x = ctx->needs_input_grad(0), want_xl = wants("edge_xl");
-    const bool want_a = wants("edge_a"), want_b = wants("edge_b");
+    const bool want_x = ctx->needs_input_grad(0), want_xl = wants(ctx, "edge_xl");
+    const bool want_a = wants(ctx, "edge_a"), want_b = wants(ctx, "edge_b");
     auto g = bwd_op().call(grads[0].contiguous(), lora ? opt(saved[0]) : c10::nullopt,
                            lora ? opt(saved[1]) : c10::nullopt, saved[2], saved[3], opt(saved[4]), opt(saved[5]),
                            opt(saved[6]), opt(saved[7]), d.at("scaling").toDouble(), d.at("fmt").toInt(),
