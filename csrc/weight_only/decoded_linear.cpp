@@ -134,6 +134,11 @@ bool cublas_gemm_matches_aten(at::ScalarType dt) {
 // GPU time and its aten call as many of host time, and this route makes eight per LoRA linear per step. Other
 // layouts, dtypes or settings go through aten (beta 0: out is never read).
 void gemm_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha, double beta) {
+  // (aten checks these itself; cuBLAS would read out of bounds)
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
+                  out.size(1) == b.size(1),
+              "ext_decoded_linear: GEMM operands of mismatched shapes ", a.sizes(), " @ ", b.sizes(), " -> ",
+              out.sizes(), " (an adapter or input whose width is not the layer's?)");
   const BlasOperand left = blas_operand(b), right = blas_operand(a);
   const int64_t m = b.size(1), n = a.size(0), k = a.size(1);  // of the column-major product out^T [N, M]
   const auto dt = out.scalar_type();
