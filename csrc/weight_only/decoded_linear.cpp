@@ -119,7 +119,7 @@ bool reduced_precision_allowed(Option v) {
 // Not covered: TunableOp (torch.cuda.tunable), whose tuned GEMM ATen would take instead; these GEMMs keep cuBLAS's.
 bool cublas_gemm_matches_aten(at::ScalarType dt) {
   auto& ctx = at::globalContext();
-  // (deterministic algorithms: ATen's call checks CUBLAS_WORKSPACE_CONFIG and raises where it is not set; it runs)
+  // (under deterministic algorithms the aten call runs: it checks CUBLAS_WORKSPACE_CONFIG, and raises without it)
   if (ctx.blasPreferredBackend() != at::BlasBackend::Cublas || ctx.deterministicAlgorithms()) return false;
   if (dt == at::kBFloat16) return reduced_precision_allowed(ctx.allowBF16ReductionCuBLAS());
   if (dt == at::kHalf) return reduced_precision_allowed(ctx.allowFP16ReductionCuBLAS());
