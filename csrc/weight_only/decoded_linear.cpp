@@ -339,9 +339,8 @@ at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tens
 // The two ops of a torch.compile graph. A compiled graph cannot call ext_decoded_linear: AOTAutograd traces the
 // autograd kernel with fake tensors, and the C++ node above launches kernels. So the graph calls the forward (which
 // also returns the adapter's [M, r] intermediate h, saved for the backward; an empty tensor without an adapter) and,
-// through its autograd, the backward: one opaque call each way,
-// the same aten calls as the node's. Gradients that are not wanted come back as empty tensors. (Its autograd for CUDA
-// tensors is DecodedLinearFwd below, in C++.)
+// through the forward's autograd (DecodedLinearFwd below for CUDA tensors), the backward: one opaque call each way,
+// the same aten calls as the node's. Gradients that are not wanted come back as empty tensors.
 std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w, const at::Tensor& scales,
     const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
