@@ -252,15 +252,12 @@ def _warn_at_trace_time(ctx):
     warn_once(ctx.get_local("key").as_python_constant(), ctx.get_local("msg").as_python_constant())
 
 
-_FP32_BYTES = (torch.float32, torch.int32)  # an fp32 operand as such or as its slot's storage (nn.slots)
-
-
 def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
     ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
     operands they would refuse (the route also checks that x is on w's device). None, said once with the reason, when
     they do not fit: the layer then keeps the Python plan (the same math, more host time)."""
-    from ..ops.ext import DECODE_FORMATS
+    from ..ops.ext import DECODE_FORMATS, FP32_BYTES
 
     fmt = DECODE_FORMATS.index(fmt_name)
     four_bit = fmt_name != "fp8"
@@ -273,10 +270,10 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
         (not (scales.device == dev and scales.is_contiguous() and scales.numel() == scale_count
               and scales.element_size() == (4 if fmt_name in ("nf4", "fp8") else 1)),
          f"scales {tuple(scales.shape)} {scales.dtype} on {scales.device} ({scale_count} contiguous values on {dev})"),
-        (fmt_name == "nvfp4" and not (gscale is not None and gscale.device == dev and gscale.dtype in _FP32_BYTES
+        (fmt_name == "nvfp4" and not (gscale is not None and gscale.device == dev and gscale.dtype in FP32_BYTES
                                       and gscale.numel() == 1), "the decode global (one fp32 value on the codes' device)"),
         (fmt_name == "nf4" and not (levels is not None and levels.device == dev and levels.is_contiguous()
-                                    and levels.dtype in _FP32_BYTES and levels.numel() == 16),
+                                    and levels.dtype in FP32_BYTES and levels.numel() == 16),
          "the 16 fp32 levels on the codes' device"),
     )
     for bad, what in problems:

@@ -260,6 +260,9 @@ def _(x, w, scales, gscale, levels, fmt, n, k, nf4_block):
 DECODE_FORMATS = ("nvfp4", "mxfp4", "nf4", "fp8")  # the int `fmt` of ext_dequantize / ext_decoded_linear indexes this
 
 
+FP32_BYTES = (torch.float32, torch.int32)  # the dtypes an fp32 operand comes in: as such, or as its slot's storage
+
+
 def _fp32_bytes(t: Tensor | None) -> Tensor | None:
     return t.view(torch.float32) if t is not None and t.dtype == torch.int32 else t
 
