@@ -53,7 +53,10 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--recipe-knobs", default="{}", help="JSON knobs for apply_recipe (bench_e2e.py's flag)")
+    ap.add_argument("--kernels-json", default=None,
+                    help="also write every GPU kernel's calls and time per step here, per setup (to diff two setups)")
     args = ap.parse_args()
+    kernels = {}
     E.SHAPE = args.shape
     E.RECIPE_KNOBS.update(json.loads(args.recipe_knobs))
     layers = args.layers or E.SHAPES[args.shape][6]
@@ -90,8 +93,15 @@ def main():
         print(f"\nkernel launches/step: {n_launch}\n")
         print(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
         print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+        kernels[key] = {"wall_ms": wall_plain * 1e3, "gpu_ms": gpu, "kernels": {
+            e.key: {"calls": e.count / 2, "us": e.self_device_time_total / 2}
+            for e in ka if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}}
         del model, opt, params
         torch.cuda.empty_cache()
+    if args.kernels_json:
+        with open(args.kernels_json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "layers": layers,
+                       "setups": kernels}, f, indent=1)
 
 
 if __name__ == "__main__":
