@@ -77,6 +77,8 @@ _lib.define("ext_decoded_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor
             "Tensor? levels, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
             "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("ext_rmsnorm(Tensor x, Tensor weight, float eps, bool gemma, ScalarType out_dtype) -> Tensor")
+_lib.define("ext_fp8_scaled_mm(Tensor a, Tensor b, Tensor sa, Tensor sb, Tensor? bias, ScalarType out_dtype, "
+            "bool fast_accum) -> Tensor")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
 
 
@@ -183,6 +185,22 @@ def _ext_fp8_block_gemm(x: Tensor, w: Tensor, w_scales_mm: Tensor, transpose_w: 
 @torch.library.register_fake(f"{NS}::ext_fp8_block_gemm", lib=_lib)
 def _(x, w, w_scales_mm, transpose_w, recipe_a, recipe_b):
     return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[0]))
+
+
+@torch.library.impl(f"{NS}::ext_fp8_scaled_mm", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_fp8_scaled_mm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
+                       fast_accum: bool) -> Tensor:
+    """surogate::fp8_scaled_mm (a [M, K] @ b [N, K]^T, per-tensor scales, fp32 accumulation, one rounding). The CUDA
+    kernel is torch._scaled_mm's own cuBLASLt call with its heuristic answer cached (csrc/fp8/scaled_mm.cpp);
+    fast_accum is cuBLASLt's reduced-precision accumulation mode there, which this fp32 reference does not model."""
+    return torch.ops.surogate.fp8_scaled_mm(a, b, sa, sb, bias, out_dtype)
+
+
+@torch.library.register_fake(f"{NS}::ext_fp8_scaled_mm", lib=_lib)
+def _(a, b, sa, sb, bias, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_amax", "CompositeExplicitAutograd", lib=_lib)
@@ -531,3 +549,4 @@ ext_decoded_linear = torch.ops.surogate.ext_decoded_linear.default
 ext_decoded_linear_fwd = torch.ops.surogate.ext_decoded_linear_fwd.default
 ext_decoded_linear_bwd = torch.ops.surogate.ext_decoded_linear_bwd.default
 ext_rmsnorm = torch.ops.surogate.ext_rmsnorm.default
+ext_fp8_scaled_mm = torch.ops.surogate.ext_fp8_scaled_mm.default

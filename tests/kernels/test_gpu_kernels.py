@@ -696,6 +696,30 @@ def test_extension_cast_transpose_matches_the_reference(shape, dtype, fmt):
     assert_bits(amc, am_t, "ext vs triton amax")
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
+@pytest.mark.parametrize("m, n, k", [(8192, 576, 576), (8192, 1536, 576), (333, 192, 576), (1, 2048, 2048),
+                                     (4096, 6144, 2048), (2048, 2048, 6144)])
+def test_extension_fp8_scaled_mm_is_torch_scaled_mm_bit_for_bit(m, n, k):
+    """surogate::ext_fp8_scaled_mm (the eager fp8 recipes' GEMM) is torch._scaled_mm's cuBLASLt call with the
+    heuristic's answer cached: the same bits for each operand pairing and output of the recipe (forward with fast
+    accumulation and a bias, dgrad, wgrad into fp32 and bf16), on the first call and on the cached ones."""
+    _built_extension()
+    g = torch.Generator(device=DEV).manual_seed(m + n + k)
+    a32, b32 = torch.randn(m, k, device=DEV, generator=g) * 3, torch.randn(n, k, device=DEV, generator=g) * 3
+    bias = torch.randn(n, device=DEV, generator=g).bfloat16()
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    for fa, fb, out_dtype, fast, b in ((e4, e4, torch.bfloat16, True, None), (e4, e4, torch.bfloat16, True, bias),
+                                       (e5, e4, torch.bfloat16, False, None), (e5, e4, torch.float32, False, None),
+                                       (e4, e5, torch.bfloat16, False, None), (e4, e4, torch.float16, False, None)):
+        a, bq = a32.to(fa), b32.to(fb)
+        sa, sb = torch.tensor(0.37, device=DEV), torch.tensor(1.9, device=DEV)
+        bb = None if b is None else b.to(out_dtype)
+        ref = torch._scaled_mm(a, bq.t(), sa, sb, bias=bb, out_dtype=out_dtype, use_fast_accum=fast)
+        for call in range(3):
+            got = ops.ext_fp8_scaled_mm(a, bq, sa, sb, bb, out_dtype, fast)
+            assert_bits(got, ref, f"{fa} x {fb} -> {out_dtype}, fast {fast}, bias {b is not None}, call {call}")
+
+
+@pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 @pytest.mark.parametrize("route, op", [("w8a8", "surogate.ext_fp8_block_gemm"),
                                        ("weight_only", "surogate.ext_decoded_linear_fwd")])
 def test_compiled_fp8_linear_calls_the_native_op_and_matches_eager(route, op, monkeypatch):
