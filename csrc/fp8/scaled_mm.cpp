@@ -5,10 +5,10 @@
 // scales (at::cuda::blas::scaled_gemm), with the same descriptors and the same heuristic query, minus its host cost:
 // aten asks cuBLASLt's heuristic on every call, which made _scaled_mm ~96 us of host time per call against ~15 us
 // for a bf16 mm (SmolLM2-135M fp8-hybrid step, H100, benchmarks/results/profile_fp8_eager_*.md), three per linear per
-// step. Here the heuristic's answer is cached per (shapes, dtypes, bias, fast accumulation, workspace, device): the
-// query is deterministic for identical descriptors, so the cached algorithm is the one aten would run, and so are
-// the bits (the GPU test compares them with torch._scaled_mm). Descriptors are rebuilt per call (cheap), so the
-// scale and bias pointers are each call's own.
+// step. Here the descriptors and the heuristic's answer are cached per (shapes, dtypes, bias, fast accumulation,
+// workspace, device): the query is deterministic for identical descriptors, so the cached algorithm is the one aten
+// would run, and so are the bits (the GPU test compares them with torch._scaled_mm). A call sets only the scale and
+// bias pointers, which are its own.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -18,7 +18,7 @@
 #include <torch/library.h>
 
 #include <map>
-#include <mutex>
+#include <memory>
 #include <tuple>
 
 namespace surogate {
@@ -67,8 +67,15 @@ struct Preference {
 // (device, m, n, k, a, b, c, d dtypes, bias dtype or -1, fast accumulation, workspace bytes)
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, bool, uint64_t>;
 
-std::mutex plans_mutex;
-std::map<PlanKey, cublasLtMatmulAlgo_t> plans;
+// One GEMM configuration's descriptors and algorithm, built once: a call only points the scale (and bias) attributes
+// at its own tensors. Per thread (the autograd engine runs the backward on its own thread): a plan is never shared.
+struct Plan {
+  MatmulDesc desc;
+  std::unique_ptr<Layout> la, lb, lc, ld;
+  cublasLtMatmulAlgo_t algo;
+};
+
+thread_local std::map<PlanKey, std::unique_ptr<Plan>> plans;
 
 }  // namespace
 
@@ -97,58 +104,56 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   // times a^T [K, M] (a's bytes as K x M, op N); A's scale is b's, B's is a's. C takes the bias dtype, else out's.
   const cudaDataType_t ta = lt_type(b.scalar_type()), tb = lt_type(a.scalar_type()), td = lt_type(out_dtype);
   const cudaDataType_t tc = has_bias ? lt_type(bias->scalar_type()) : td;
-  MatmulDesc desc;
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-  const void* a_scale = sb.data_ptr();
-  const void* b_scale = sa.data_ptr();
-  desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale);
-  desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale);
-  desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum ? 1 : 0));
-#if defined(CUDA_VERSION) && CUDA_VERSION >= 12080
-  const int32_t scalar_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-  desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scalar_mode);
-  desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scalar_mode);
-#endif
-  if (has_bias) {
-    const void* bias_ptr = bias->data_ptr();
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_ptr);
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, tc);
-  }
-  Layout la(ta, K, N, K), lb(tb, K, M, K), lc(tc, N, M, N), ld(td, N, M, N);
-
   const uint64_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
   void* workspace_ptr = at::cuda::getCUDABlasLtWorkspace();
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   const PlanKey key{a.get_device(), N, M, K, (int)ta, (int)tb, (int)tc, (int)td, has_bias ? (int)tc : -1, fast_accum,
                     workspace};
-  cublasLtMatmulAlgo_t algo;
-  bool cached = false;
-  {
-    std::lock_guard<std::mutex> lock(plans_mutex);
-    auto it = plans.find(key);
-    if (it != plans.end()) {
-      algo = it->second;
-      cached = true;
+  const void* a_scale = sb.data_ptr();
+  const void* b_scale = sa.data_ptr();
+  const void* bias_ptr = has_bias ? bias->data_ptr() : nullptr;
+  auto it = plans.find(key);
+  if (it == plans.end()) {
+    auto plan = std::make_unique<Plan>();
+    MatmulDesc& desc = plan->desc;
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+    desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale);
+    desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale);
+    desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum ? 1 : 0));
+#if defined(CUDA_VERSION) && CUDA_VERSION >= 12080
+    const int32_t scalar_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scalar_mode);
+    desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scalar_mode);
+#endif
+    if (has_bias) {
+      desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_ptr);
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+      desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, tc);
     }
-  }
-  if (!cached) {
+    plan->la = std::make_unique<Layout>(ta, K, N, K);
+    plan->lb = std::make_unique<Layout>(tb, K, M, K);
+    plan->lc = std::make_unique<Layout>(tc, N, M, N);
+    plan->ld = std::make_unique<Layout>(td, N, M, N);
     Preference pref(workspace);
     cublasLtMatmulHeuristicResult_t result = {};
     int returned = 0;
-    TORCH_CUDABLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, lc.l, ld.l, pref.p, 1, &result,
-                                                        &returned));
+    TORCH_CUDABLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, plan->la->l, plan->lb->l, plan->lc->l,
+                                                        plan->ld->l, pref.p, 1, &result, &returned));
     if (returned == 0) TORCH_CUDABLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED);
-    algo = result.algo;
-    std::lock_guard<std::mutex> lock(plans_mutex);
-    plans.emplace(key, algo);
+    plan->algo = result.algo;
+    it = plans.emplace(key, std::move(plan)).first;
+  } else {
+    it->second->desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale);
+    it->second->desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale);
+    if (has_bias) it->second->desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_ptr);
   }
+  Plan& plan = *it->second;
   const float alpha = 1.0f, beta = 0.0f;
-  // C is unused (beta 0) but cuBLASLt wants a pointer that is neither null nor D: aten passes a's, so does this
-  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, desc.d, &alpha, b.data_ptr(), la.l, a.data_ptr(), lb.l, &beta,
-                                      a.data_ptr(), lc.l, out.data_ptr(), ld.l, &algo, workspace_ptr, workspace,
-                                      at::cuda::getCurrentCUDAStream()));
+  // C is unused (beta 0) but cuBLASLt wants a pointer that is neither null nor D: aten passes its first operand's
+  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, plan.desc.d, &alpha, b.data_ptr(), plan.la->l, a.data_ptr(), plan.lb->l,
+                                      &beta, b.data_ptr(), plan.lc->l, out.data_ptr(), plan.ld->l, &plan.algo,
+                                      workspace_ptr, workspace, at::cuda::getCurrentCUDAStream()));
   return out;
 }
 
