@@ -19,7 +19,8 @@ NAME = "surogate_hf_ext"
 # build copies), so an installed wheel can build the extension as well as a checkout can
 _CSRC = Path(__file__).resolve().parent.parent / "_csrc"
 SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu", "fp4/nvfp4_qdq.cu", "fp4/few_token_gemm.cu",
-           "weight_only/decode.cu", "weight_only/decoded_linear.cpp", "norm/rmsnorm.cu", "norm/rmsnorm_op.cpp", "fp8/scaled_mm.cpp")
+           "weight_only/decode.cu", "weight_only/decoded_linear.cpp", "norm/rmsnorm.cu", "norm/rmsnorm_op.cpp", "fp8/scaled_mm.cpp",
+           "fp8/fp8_linear.cpp")
 
 _module = None
 _error: str | None = None
@@ -108,4 +109,4 @@ def load(build: bool = False):
 
 OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm",
        "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "dequantize", "decoded_linear", "decoded_linear_fwd",
-       "decoded_linear_bwd", "rmsnorm", "fp8_scaled_mm")
+       "decoded_linear_bwd", "rmsnorm", "fp8_scaled_mm", "fp8_linear")

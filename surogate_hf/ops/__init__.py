@@ -27,6 +27,7 @@ from .ext import (
     ext_fp8_block_gemm,
     ext_fp8_cast_amax,
     ext_fp8_cast_transpose_amax,
+    ext_fp8_linear,
     ext_fp8_quantize_tiles,
     ext_fp8_scaled_mm,
     ext_nvfp4_amax,

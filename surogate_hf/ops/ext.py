@@ -77,6 +77,9 @@ _lib.define("ext_decoded_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor
             "Tensor? levels, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
             "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("ext_rmsnorm(Tensor x, Tensor weight, float eps, bool gemma, ScalarType out_dtype) -> Tensor")
+_lib.define("ext_fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor wq, Tensor? wqt, Tensor w_sinv, Tensor? xq, "
+            "Tensor? xqt, Tensor x_sinv, Tensor x_scale, Tensor(a!) x_amax_bits, Tensor dy_scale, Tensor dy_amax_bits, "
+            "Tensor dy_sinv, bool e5m2_grad, bool fast_accum) -> Tensor")
 _lib.define("ext_fp8_scaled_mm(Tensor a, Tensor b, Tensor sa, Tensor sb, Tensor? bias, ScalarType out_dtype, "
             "bool fast_accum) -> Tensor")
 NVFP4_RULES = F.nvfp4.FOUR_OVER_SIX_RULES  # the int `rule` of ext_nvfp4_qdq indexes this
@@ -201,6 +204,32 @@ def _ext_fp8_scaled_mm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, bias: Tenso
 @torch.library.register_fake(f"{NS}::ext_fp8_scaled_mm", lib=_lib)
 def _(a, b, sa, sb, bias, out_dtype, fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.impl(f"{NS}::ext_fp8_linear", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, wq: Tensor, wqt: Tensor | None, w_sinv: Tensor,
+                    xq: Tensor | None, xqt: Tensor | None, x_sinv: Tensor, x_scale: Tensor, x_amax_bits: Tensor,
+                    dy_scale: Tensor, dy_amax_bits: Tensor, dy_sinv: Tensor, e5m2_grad: bool, fast_accum: bool) -> Tensor:
+    """The forward of the eager fp8 recipes' linear (recipes.fp8_hybrid.Fp8LinearFn's delayed-scaling training path):
+    y = E4M3(x) @ wq^T * x_sinv * w_sinv + bias, x cast with x_scale (its amax raised into x_amax_bits) unless its
+    cast xq is handed over. The CUDA kernel is csrc/fp8/fp8_linear.cpp, whose C++ autograd node also runs the E5M2
+    (e5m2_grad) or E4M3 dgrad / wgrad with dy_scale, dy_amax_bits and dy_sinv; this reference has no backward (the
+    recipe takes the op only on CUDA with the extension loaded; elsewhere Fp8LinearFn runs)."""
+    k = wq.shape[1]
+    if xq is None:
+        x2d = x.reshape(-1, k)
+        xq = torch.empty(x2d.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        torch.ops.surogate.ext_fp8_cast_amax(x2d, x_scale, xq, x_amax_bits)
+    y = torch.ops.surogate.fp8_scaled_mm(xq, wq, x_sinv, w_sinv, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], wq.shape[0])
+
+
+@torch.library.register_fake(f"{NS}::ext_fp8_linear", lib=_lib)
+def _(x, weight, bias, wq, wqt, w_sinv, xq, xqt, x_sinv, x_scale, x_amax_bits, dy_scale, dy_amax_bits, dy_sinv,
+      e5m2_grad, fast_accum):
+    return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 
 @torch.library.impl(f"{NS}::ext_nvfp4_amax", "CompositeExplicitAutograd", lib=_lib)
@@ -550,3 +579,4 @@ ext_decoded_linear_fwd = torch.ops.surogate.ext_decoded_linear_fwd.default
 ext_decoded_linear_bwd = torch.ops.surogate.ext_decoded_linear_bwd.default
 ext_rmsnorm = torch.ops.surogate.ext_rmsnorm.default
 ext_fp8_scaled_mm = torch.ops.surogate.ext_fp8_scaled_mm.default
+ext_fp8_linear = torch.ops.surogate.ext_fp8_linear.default

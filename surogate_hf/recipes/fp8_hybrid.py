@@ -177,6 +177,38 @@ def _eager_gemm():
     return _EAGER_GEMM[0]
 
 
+# the eager CUDA training linear: True takes surogate::ext_fp8_linear (the casts and GEMMs below, in C++ with a C++
+# autograd node) where native_linear_ok says it applies and the extension is built; False keeps Fp8LinearFn (the
+# GPU test compares the two bit for bit)
+NATIVE_LINEAR = True
+_NATIVE_LINEAR = []  # [the op or None], resolved at the first call
+
+
+def native_linear():
+    """surogate::ext_fp8_linear when NATIVE_LINEAR is on and the extension is built, else None."""
+    if not NATIVE_LINEAR:
+        return None
+    if not _NATIVE_LINEAR:
+        from ..kernels import ext
+
+        _NATIVE_LINEAR.append(torch.ops.surogate.ext_fp8_linear.default if ext.load(build=False) is not None else None)
+    return _NATIVE_LINEAR[0]
+
+
+_NATIVE_X = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def native_linear_ok(x, wq, wqt, scales) -> bool:
+    """Whether ext_fp8_linear takes this training call (after the first step, FP8 backward, x's cast from its state
+    row): what its casts (x 16-byte aligned after its contiguous copy) and cuBLASLt's FP8 GEMMs (widths and the
+    token count multiples of 16, 16-byte aligned scales) take, and a dgrad operand wherever x wants a gradient.
+    Elsewhere Fp8LinearFn runs the same casts and GEMMs (with its own fallbacks) from Python."""
+    n, k = wq.shape
+    m = x.numel() // k if k else 0
+    return (x.dtype in _NATIVE_X and m > 0 and m % 16 == 0 and n % 16 == 0 and k % 16 == 0
+            and (wqt is not None or not x.requires_grad) and all(s.data_ptr() % 16 == 0 for s in scales))
+
+
 TRACED_GEMM = "aten"  # how a traced CUDA GEMM enters the graph: "aten" (torch._scaled_mm) or "op" (surogate::)
 # how a traced cast enters the graph: "inductor" (torch ops, fused by inductor into the kernel that produces the
 # operand) or "op" (surogate::quantize_fp8_tensorwise[_t], one opaque call: on the H100 inductor's fused

@@ -37,7 +37,7 @@ from .config import (
 )
 from ..nn.convert import decoder_layer_names, module_plan
 from . import fp8_blockwise
-from .fp8_hybrid import Fp8LinearFn, RowViews, cast, warn_emulation_once
+from .fp8_hybrid import Fp8LinearFn, RowViews, cast, native_linear, native_linear_ok, warn_emulation_once
 from ..nn.linear import QuantizedLinear
 from .norm import FusedRMSNorm, fuse_norms, input_handoff
 from .qlora import BaseRecipeGemm, base_gemm_kind
@@ -270,6 +270,13 @@ class RecipeLinear(nn.Linear):
             rows = self._row_views(st)
         else:
             rows = self.fp8_rows
+        if x.is_cuda and record and not current and self._fp8_backward and not torch.compiler.is_compiling():
+            op = native_linear()
+            rx, _, rdy = rows
+            x_sinv = rx[3] if pre[0] is None else pre[2]
+            if op is not None and native_linear_ok(x, wq, wqt, (x_sinv, w_sinv, rdy[3])):
+                return op(x, self.weight, self.bias, wq, wqt, w_sinv, pre[0], pre[1], x_sinv, rx[1], rx[2], rdy[1],
+                          rdy[2], rdy[3], self._bwd_fmt == torch.float8_e5m2, self.config.fp8_fast_accum)
         spec = (F.E4M3, self._bwd_fmt, self._fp8_backward, record, current, self.config.fp8_fast_accum)
         return Fp8LinearFn.apply(x, self.weight, self.bias, wq, wqt, w_sinv, st.scale, st.scale_inv, st.amax,
                                  self.fp8_dy_amax, rows, spec, *pre)

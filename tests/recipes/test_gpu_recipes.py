@@ -300,6 +300,57 @@ def test_fp8_recipe_with_fused_norms_on_gpu(compiled):
 
 
 @pytest.mark.skipif(not _fp8, reason=_fp8_why)
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_native_fp8_linear_is_the_python_function_bit_for_bit(monkeypatch, master, checkpointing):
+    """surogate::ext_fp8_linear (the eager training linear in C++, csrc/fp8/fp8_linear.cpp) against Fp8LinearFn, the
+    Python Function it replaces: the same losses, weights, biases and amax histories bit for bit after four fused-AdamW
+    steps of a Qwen2-shaped model (hidden 576, q/k/v biases, fused norms handing their casts over), with fp32 or bf16
+    masters, with and without activation checkpointing. The native op must have run (from step 2: the first step
+    scales by the current amax, which stays in Python)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from surogate_hf.kernels import ext
+    from surogate_hf.recipes import fp8_hybrid
+
+    if ext.load(build=True) is None:
+        pytest.skip(ext.status()[1])
+    calls = []
+    op = torch.ops.surogate.ext_fp8_linear.default
+    monkeypatch.setattr(fp8_hybrid, "_NATIVE_LINEAR", [lambda *a: calls.append(1) or op(*a)])
+
+    def run(native):
+        monkeypatch.setattr(fp8_hybrid, "NATIVE_LINEAR", native)
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                          num_attention_heads=9, num_key_value_heads=3)
+        m = R.apply_recipe(Qwen2ForCausalLM(cfg).bfloat16(), "fp8-hybrid", master_dtype=master,
+                           amax_history_len=4).cuda()
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        losses = []
+        for i in range(4):
+            ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(i)).cuda()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, m
+
+    lp, mp = run(False)
+    assert not calls
+    ln, mn = run(True)
+    assert calls, "the native linear never ran"
+    assert ln == lp
+    for (name, a), b in zip(mn.named_parameters(), mp.parameters()):
+        assert torch.equal(_u8(a), _u8(b)), name
+    assert torch.equal(mn.surogate_fp8_state.amax_history, mp.surogate_fp8_state.amax_history)
+
+
+@pytest.mark.skipif(not _fp8, reason=_fp8_why)
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "nf4"])
 @pytest.mark.parametrize("recipe, kw", [("bf16", {}), ("fp8-hybrid", {}), ("fp8-hybrid", {"fp8_scaling": "blockwise"}),
                                         ("nvfp4", {"no_fp4_stochastic_rounding": True})])

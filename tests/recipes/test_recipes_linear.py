@@ -289,3 +289,24 @@ def test_fp8_saves_only_the_transposes_the_backward_uses(x_grad, w_grad):
         recipe_step(full)
         recipe_step(part)
     assert torch.equal(part.fp8_history(), full.fp8_history())
+
+
+def test_native_fp8_linear_takes_only_what_its_kernels_take():
+    """recipes.fp8_hybrid.native_linear_ok: the C++ training linear (surogate::ext_fp8_linear) is chosen only for
+    operands its casts and cuBLASLt's FP8 GEMMs take; everything else stays with Fp8LinearFn."""
+    from surogate_hf.recipes.fp8_hybrid import native_linear_ok
+
+    wq = torch.zeros(1536, 576, dtype=torch.float8_e4m3fn)
+    wqt = wq.t().contiguous()
+    s = [torch.ones(4)[0], torch.ones(4)[0], torch.ones(4)[0]]  # 16-byte aligned 0-dim views
+    x = torch.randn(4, 32, 576, dtype=torch.bfloat16, requires_grad=True)
+    assert native_linear_ok(x, wq, wqt, s)
+    assert native_linear_ok(x.float(), wq, wqt, s)
+    assert not native_linear_ok(x, wq, None, s), "a dgrad needs W^T's cast"
+    assert native_linear_ok(x.detach(), wq, None, s), "no dgrad wanted"
+    assert not native_linear_ok(x[:, :31], wq, wqt, s), "124 tokens: the wgrad's reduction is not a multiple of 16"
+    assert not native_linear_ok(x.double(), wq, wqt, s)
+    assert not native_linear_ok(x[..., :0], wq[:, :0], wqt[:0], s)
+    assert not native_linear_ok(torch.randn(16, 584, dtype=torch.bfloat16), torch.zeros(1536, 584,
+                                dtype=torch.float8_e4m3fn), None, s), "K not a multiple of 16"
+    assert not native_linear_ok(x, wq, wqt, [torch.ones(4)[1], *s[1:]]), "a scale cuBLASLt cannot read"
