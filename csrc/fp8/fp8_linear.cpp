@@ -92,13 +92,12 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const bool need_dw = weight.requires_grad();
     at::Tensor xt;
     at::Tensor y = forward_math(x, wq, w_sinv, bias, xq, xqt, x_sinv, x_scale, x_amax_bits, fast_accum, need_dw, &xt);
-    // FP8 operands, scales and state rows as plain references (Fp8LinearFn keeps them the same way): the state rows
-    // are written by other layers' casts between this forward and its backward, and only read here
+    // The GEMM operands as Fp8LinearFn saves them (save_for_backward: freed once this node's backward ran, and seen by
+    // activation checkpointing's hooks; saved_data would hold x^T's cast until the whole graph is gone: +3.9 GiB peak
+    // at the Qwen3-1.7B shape). The dy state rows as plain references, as Fp8LinearFn keeps them: other layers'
+    // backward casts write the state between this forward and this backward.
+    ctx->save_for_backward({need_dw ? xt : at::Tensor(), wqt.has_value() ? *wqt : at::Tensor(), x_sinv, w_sinv});
     auto& d = ctx->saved_data;
-    if (need_dw) d["xqt"] = xt;
-    if (wqt.has_value()) d["wqt"] = *wqt;
-    d["x_sinv"] = x_sinv;
-    d["w_sinv"] = w_sinv;
     d["dy_scale"] = dy_scale;
     d["dy_amax_bits"] = dy_amax_bits;
     d["dy_sinv"] = dy_sinv;
@@ -120,6 +119,8 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const at::cuda::CUDAGuard guard(dy.device());
     c10::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &xqt = saved[0], &wqt = saved[1], &x_sinv = saved[2], &w_sinv = saved[3];
     const int64_t n = dy.size(-1);
     const at::Tensor dy2 = aligned_2d(dy, n);
     if (need_dx || need_dw) {
@@ -128,15 +129,13 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
                                  d.at("e5m2").toBool() ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn, need_dw);
       const at::Tensor dy_sinv = d.at("dy_sinv").toTensor();
       if (need_dx) {
-        at::Tensor dx = fp8_scaled_mm(dyq, d.at("wqt").toTensor(), dy_sinv, d.at("w_sinv").toTensor(), c10::nullopt,
-                                      dy.scalar_type(), false);
+        at::Tensor dx = fp8_scaled_mm(dyq, wqt, dy_sinv, w_sinv, c10::nullopt, dy.scalar_type(), false);
         out[0] = at::_unsafe_view(dx, d.at("x_shape").toIntVector());
       }
       if (need_dw) {
         const auto w_dtype = static_cast<at::ScalarType>(d.at("w_dtype").toInt());
         const auto direct = w_dtype == at::kFloat || w_dtype == at::kBFloat16 ? w_dtype : at::kFloat;
-        at::Tensor dw = fp8_scaled_mm(dyqt, d.at("xqt").toTensor(), dy_sinv, d.at("x_sinv").toTensor(), c10::nullopt,
-                                      direct, false);
+        at::Tensor dw = fp8_scaled_mm(dyqt, xqt, dy_sinv, x_sinv, c10::nullopt, direct, false);
         out[1] = dw.scalar_type() == w_dtype ? dw : dw.to(w_dtype);
       }
     }
