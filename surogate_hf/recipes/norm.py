@@ -7,8 +7,9 @@ same without touching any forward method: apply_recipe swaps each recognised RMS
 keeps the same `weight` Parameter (same state_dict key) and the same formula (NORM_FORMULAS, tested against the
 stock modules), and
   - eager CUDA: the extension's surogate::ext_rmsnorm (csrc/norm: one kernel forward, a C++ autograd node with one
-    kernel backward, plus a column sum when the weight trains); without the extension, or with the FP8 hand-off, one
-    Triton kernel forward and one backward (kernels.triton_norm);
+    kernel backward, plus a column sum when the weight trains), followed by the extension's FP8 cast of its output
+    for the hand-off; without the extension one Triton kernel forward (writing the hand-off's cast itself) and one
+    backward (kernels.triton_norm);
   - CPU and under torch.compile: the stock formula in torch ops (the reference; inductor fuses it);
   - FP8 hand-off (eager, training, after the first step): the norm tags its output with itself. An FP8 recipe
     linear that receives that very tensor links to the norm once; from then on the linears fed by one norm
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import formats as F
-from ..kernels import probe
+from ..kernels import fp8_cast, probe
 
 # transformers RMSNorm classes by formula. "llama": weight * to_input_dtype(x32 * rstd);
 # "gemma": to_input_dtype((x32 * rstd) * (1 + weight32)). tests/recipes/test_recipes_norm.py checks each class that the
@@ -151,14 +152,21 @@ class FusedRMSNorm(nn.Module):
         handoff = group is not None and torch.is_grad_enabled() and group[0].initialized
         if x.is_cuda:
             out_dtype = self.out_dtype or _stock_out_dtype(x, self.weight, self.formula)
-            op = None if handoff else _ext_rmsnorm(x, self.weight, out_dtype)
+            op = _ext_rmsnorm(x, self.weight, out_dtype)
+            fp8 = None
+            if handoff:
+                st, row, transpose = group
+                fp8 = (st.scale[row : row + 1], st.amax.view(torch.int32)[row : row + 1], F.E4M3, transpose)
             if op is not None:
                 y = op(x, self.weight, self.norm_eps, self.formula == "gemma", out_dtype)
-            else:
-                fp8, box = None, []
                 if handoff:
-                    st, row, transpose = group
-                    fp8 = (st.scale[row : row + 1], st.amax.view(torch.int32)[row : row + 1], F.E4M3, transpose)
+                    # the extension's C++ norm, then its cast of y: one more read of y than the Triton kernel's fused
+                    # cast (~11 us per norm at 8192 x 2048), for ~0.4 ms less host time per norm and step than that
+                    # kernel's Python autograd Function (SmolLM2-135M profile, results/profile_fp8_eager_smollm2_135m.md)
+                    with torch.no_grad():
+                        box = fp8_cast.cast_fp8_into(y.detach().reshape(-1, y.shape[-1]), *fp8)
+            else:
+                box = []
                 y = _RMSNormFn.apply(x, self.weight, self.norm_eps, self.formula == "gemma", out_dtype, fp8, box)
             if handoff:
                 q, qt = box
