@@ -116,11 +116,13 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     if (!dy.defined()) return out;
     const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
     const bool need_db = has_bias && ctx->needs_input_grad(2);
+    // unpacked first: under non-reentrant activation checkpointing this runs the layer's forward again, which must
+    // record its autograd graph (below the autograd keys it saved nothing, and checkpoint refused the mismatch)
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &xqt = saved[0], &wqt = saved[1], &x_sinv = saved[2], &w_sinv = saved[3];
     const at::cuda::CUDAGuard guard(dy.device());
     c10::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &xqt = saved[0], &wqt = saved[1], &x_sinv = saved[2], &w_sinv = saved[3];
     const int64_t n = dy.size(-1);
     const at::Tensor dy2 = aligned_2d(dy, n);
     if (need_dx || need_dw) {
