@@ -398,8 +398,9 @@ def small_fp8_linears_advice(shapes: list[tuple[int, int]], min_width: int = 512
         return None
     return (f"{small} of {len(shapes)} FP8 linears have in_features <= {FP8_SMALL_LINEAR[0]} and out_features <= "
             f"{FP8_SMALL_LINEAR[1]}, where FP8 GEMMs save less GPU time than each FP8 linear costs in casts and host "
-            "time: on an H200 a 576-wide model (SmolLM2-135M shape) trained at 0.69x the bf16 step with every linear "
-            "in FP8 and at 1.10x with fp8_skip_small_linears=True (benchmarks/results/e2e_recipes_smollm2.md). "
+            "time: on an H100 a 576-wide model (SmolLM2-135M shape) trained at 1.01x the bf16 step eager and 0.65x "
+            "compiled with every linear in FP8, and at 1.17x / 0.91x with fp8_skip_small_linears=True "
+            "(benchmarks/results/profile_fp8_eager_smollm2_135m.md). "
             "Pass fp8_skip_small_linears=True to keep those linears in model_dtype")
 
 
