@@ -76,6 +76,7 @@ struct Plan {
 };
 
 thread_local std::map<PlanKey, std::unique_ptr<Plan>> plans;
+constexpr size_t kMaxPlans = 4096;
 
 }  // namespace
 
@@ -114,6 +115,8 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const void* bias_ptr = has_bias ? bias->data_ptr() : nullptr;
   auto it = plans.find(key);
   if (it == plans.end()) {
+    // token counts that change every step (dynamic padding) add a plan each: bounded, dropped wholesale when full
+    if (plans.size() >= kMaxPlans) plans.clear();
     auto plan = std::make_unique<Plan>();
     MatmulDesc& desc = plan->desc;
     desc.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);

@@ -16,7 +16,9 @@ reused by gradient-accumulation micro-batches and activation-checkpoint recomput
 cast straight to FP8 (no bf16 work copy in between).
 
 Three executions of the same arithmetic (formats.quantize_fp8_tensorwise is the spec):
-  - eager on CUDA: casts that write into the state directly (kernels.fp8_cast: the csrc kernel, or Triton);
+  - eager on CUDA: casts that write into the state directly (kernels.fp8_cast: the csrc kernel, or Triton) and the
+    extension's cached cuBLASLt GEMM; with the extension built, a training call after the first step is one C++ op
+    with a C++ autograd node instead of Fp8LinearFn (surogate::ext_fp8_linear, the same casts and GEMMs: NATIVE_LINEAR);
   - under torch.compile: plain torch ops, so inductor fuses the cast (and its amax) into the kernel that
     produces the operand, and the GEMM as the surogate::fp8_scaled_mm op (cuBLASLt);
   - CPU: the same torch ops and the reference GEMM.
