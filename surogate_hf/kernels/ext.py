@@ -18,9 +18,9 @@ NAME = "surogate_hf_ext"
 # the sources ship inside the package (surogate_hf/_csrc, a link to the repository's top-level csrc/ that the wheel
 # build copies), so an installed wheel can build the extension as well as a checkout can
 _CSRC = Path(__file__).resolve().parent.parent / "_csrc"
-SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu", "fp4/nvfp4_qdq.cu", "fp4/few_token_gemm.cu",
-           "weight_only/decode.cu", "weight_only/decoded_linear.cpp", "norm/rmsnorm.cu", "norm/rmsnorm_op.cpp", "fp8/scaled_mm.cpp",
-           "fp8/fp8_linear.cpp")
+SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu", "fp8/scaled_mm.cpp", "fp8/fp8_linear.cpp",
+           "fp4/nvfp4_qdq.cu", "fp4/few_token_gemm.cu", "weight_only/decode.cu", "weight_only/decoded_linear.cpp",
+           "norm/rmsnorm.cu", "norm/rmsnorm_op.cpp")
 
 _module = None
 _error: str | None = None

@@ -9,7 +9,9 @@ define/impl rather than custom_op so that a call reaches the C++ kernel with no 
 host path: most run inside autograd Functions and compiled graphs; ext_decoded_linear records its own C++ autograd
 node, and ext_decoded_linear_fwd (its twin for compiled graphs) has an autograd that calls ext_decoded_linear_bwd
 through the dispatcher, so AOTAutograd traces it: in C++ for CUDA tensors (csrc/weight_only/decoded_linear.cpp,
-DecodedLinearFwd), in Python below for the CPU reference and without the extension.
+DecodedLinearFwd), in Python below for the CPU reference and without the extension. ext_fp8_linear (the eager fp8
+recipes' training linear) records a C++ autograd node on CUDA too (csrc/fp8/fp8_linear.cpp); its reference here is
+the forward alone.
 """
 
 from __future__ import annotations
