@@ -42,7 +42,7 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-nvfp4-{w2d,w1d,w1d-allfp4}   weights in 16x16 tiles or in 1x16 blocks along each GEMM's reduction dim
                               (fp4_weight_blocks), the latter also with every block in FP4
     full-nvfp4-absmax         the nvfp4 recipe choosing 4/6 by the block's largest error instead of its squared sum
-    full-nvfp4-tail{10,20}    NVIDIA's precision switch: the last 10% / 20% of the steps run the nvfp4 layers' forward
+    full-nvfp4-tail{10,20,30} NVIDIA's precision switch: the last 10% / 20% / 30% of the steps run the nvfp4 layers' forward
                               GEMMs in bf16, dgrad and wgrad staying FP4 (fp4_high_precision_tail, recipes.switch)
     full-nvfp4-tail20-all     the same with all three GEMMs in bf16 for the last 20%
 
@@ -113,6 +113,7 @@ FULL_SETUPS = {
     "full-nvfp4-tail10": ("nvfp4", {"fp4_high_precision_tail": 0.1}),
     "full-nvfp4-tail20": ("nvfp4", {"fp4_high_precision_tail": 0.2}),  # = full-nvfp4 (the default), named as measured
     "full-nvfp4-tail20-all": ("nvfp4", {"fp4_high_precision_tail": 0.2, "fp4_high_precision_passes": "all"}),
+    "full-nvfp4-tail30": ("nvfp4", {"fp4_high_precision_tail": 0.3}),
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 # QLoRA bases other than a format's defaults: name -> (format, SurogateConfig options)
