@@ -34,7 +34,7 @@ Setups (--setups takes a comma-separated list of names or fnmatch patterns, e.g.
     full-fp8-blockwise        apply_recipe("fp8-hybrid", fp8_scaling="blockwise"): DeepSeek-V3's 1x128 / 128x128 tiles
     full-fp8-{margin1,bf16grad}   fp8-hybrid with margin 1; E4M3 forward GEMMs with bf16 backward GEMMs (ablation)
     full-nvfp4                apply_recipe("nvfp4"), fp32 masters (by default the first block and the last two
-                              stay in bf16: recipes.config.NVFP4_BF16_ENDS; the last 20% of the steps run the forward
+                              stay in bf16: recipes.config.NVFP4_BF16_ENDS; the last 30% of the steps run the forward
                               in bf16: NVFP4_HIGH_PRECISION_TAIL)
     full-nvfp4-notail         the same with FP4 to the end (fp4_high_precision_tail=0)
     full-nvfp4-{no46,nosr,norht,allfp4}   the nvfp4 recipe without 4/6, without stochastic rounding, without the
@@ -94,7 +94,7 @@ FULL_SETUPS = {
     "full-fp8-blockwise": ("fp8-hybrid", {"fp8_scaling": "blockwise"}),
     "full-fp8-margin1": ("fp8-hybrid", {"margin": 1}),
     "full-fp8-bf16grad": ("bf16", {"matmul_dtype": "e4m3", "gradient_dtype": "bf16"}),
-    "full-nvfp4": ("nvfp4", {}),  # the recipe's defaults: the precision switch over the last 20% of the steps
+    "full-nvfp4": ("nvfp4", {}),  # the recipe's defaults: the precision switch over the last 30% of the steps
     "full-nvfp4-notail": ("nvfp4", {"fp4_high_precision_tail": 0.0}),  # FP4 to the end (the default before b917649)
     "full-nvfp4-no46": ("nvfp4", {"four_over_six": False}),
     "full-nvfp4-nosr": ("nvfp4", {"no_fp4_stochastic_rounding": True}),
@@ -111,9 +111,9 @@ FULL_SETUPS = {
     "full-nvfp4-ends-2-6": ("nvfp4", {"skip_quant_first_layers": 2, "skip_quant_last_layers": 6}),
     # the precision switch over the run's last steps, scheduled by recipes.schedule_precision in run_setup's loop
     "full-nvfp4-tail10": ("nvfp4", {"fp4_high_precision_tail": 0.1}),
-    "full-nvfp4-tail20": ("nvfp4", {"fp4_high_precision_tail": 0.2}),  # = full-nvfp4 (the default), named as measured
+    "full-nvfp4-tail20": ("nvfp4", {"fp4_high_precision_tail": 0.2}),  # the default until the 30% measurement
     "full-nvfp4-tail20-all": ("nvfp4", {"fp4_high_precision_tail": 0.2, "fp4_high_precision_passes": "all"}),
-    "full-nvfp4-tail30": ("nvfp4", {"fp4_high_precision_tail": 0.3}),
+    "full-nvfp4-tail30": ("nvfp4", {"fp4_high_precision_tail": 0.3}),  # = full-nvfp4 (the default), named as measured
 }
 ALL_SETUPS += [s for s in FULL_SETUPS if s not in ALL_SETUPS]
 # QLoRA bases other than a format's defaults: name -> (format, SurogateConfig options)

@@ -59,11 +59,13 @@ _KNOB_ALIASES = {"fp8_amax_history": "amax_history_len"}
 # shares keep 2 first and 8 last of 62 blocks, 1 and 4 of 28, 1 and 2 of 18, none of 3 or fewer.
 NVFP4_BF16_ENDS = (0.032, 0.129)
 
-# The nvfp4 recipe's default precision switch: the last 20% of the optimizer steps with the forward GEMMs in
-# model_dtype. Fine-tuning the convergence benchmark's pretrained Gemma-3-270M for 200 steps (H100, b917649) it took
-# the gap to bf16 from +3.43% to +1.37% (10%: +1.66%; all three GEMMs switched: +1.33%), and on the held-out
-# SmolLM2-135M on KJV from +6.78% to +2.59%. docs/fidelity.md
-NVFP4_HIGH_PRECISION_TAIL = 0.2
+# The nvfp4 recipe's default precision switch: the last 30% of the optimizer steps with the forward GEMMs in
+# model_dtype. Fine-tuning the convergence benchmark's pretrained Gemma-3-270M for 200 steps (H100) FP4 to the end
+# left +3.43% to bf16; the last 10% / 20% / 30% in bf16 left +1.66% / +1.27-1.37% / +1.05%. On the held-out
+# SmolLM2-135M on KJV: +6.78%, and +2.54-2.59% at 20%, +1.94% at 30%: 30% is the shortest share measured that keeps
+# both under issue 16's 2%. (NVIDIA's pretraining report switches a shorter share; a short fine-tune of a pretrained
+# model starts from a larger FP4 forward error.) docs/fidelity.md
+NVFP4_HIGH_PRECISION_TAIL = 0.3
 
 ENV_RECIPE = "SUROGATE_RECIPE"
 ENV_KNOBS = "SUROGATE_RECIPE_KNOBS"

@@ -12,7 +12,7 @@ the base GEMMs of a quantized QLoRA model, recipes.qlora):
 The switch is a plain attribute of each layer, not model state: a resumed run switches again from its step (what
 the Trainer callback does), and torch.compile recompiles once when it flips. Scheduling it:
 
-- the knobs fp4_high_precision_tail (the last fraction of the optimizer steps; nvfp4's default 0.2) and
+- the knobs fp4_high_precision_tail (the last fraction of the optimizer steps; nvfp4's default 0.3) and
   fp4_high_precision_passes;
 - SurogateRecipeCallback applies them from the Trainer's max_steps;
 - a training loop of one's own calls schedule_precision(model, step, total_steps) before each step, or

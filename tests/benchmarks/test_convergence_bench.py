@@ -225,12 +225,13 @@ def test_precision_switch_setup_switches_for_its_tail(tmp_path):
     results = convergence.main(["--tiny", "--steps", "5", "--eval-every", "5", "--setups",
                                 "full-nvfp4-notail,full-nvfp4,full-nvfp4-tail10", "--out", str(tmp_path / "sw"),
                                 "--device", "cpu"])
-    # the default (the last 20% of 5 steps: step 4) and a tail of 10% (at least one step: step 4 too)
-    assert results["full-nvfp4"]["precision_switch_step"] == results["full-nvfp4-tail10"]["precision_switch_step"] == 4
+    # the default (the last 30% of 5 steps: steps 3 and 4) and a tail of 10% (at least one step: step 4)
+    assert results["full-nvfp4"]["precision_switch_step"] == 3
+    assert results["full-nvfp4-tail10"]["precision_switch_step"] == 4
     assert "precision_switch_step" not in results["full-nvfp4-notail"]
-    # the same 4 FP4 steps, then one step with a bf16 forward: the runs part only there
+    # the same 3 FP4 steps, then steps with a bf16 forward: the runs part only there
     a, b = results["full-nvfp4-notail"]["train"], results["full-nvfp4"]["train"]
-    assert a[:4] == b[:4] and a[4] != b[4]
+    assert a[:3] == b[:3] and a[3] != b[3]
 
 
 def test_bf16_forward_evaluation_takes_the_trained_weights(tmp_path):

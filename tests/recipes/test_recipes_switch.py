@@ -98,13 +98,13 @@ def test_switch_refuses_what_it_cannot_do():
         R.switch_to_high_precision(nv, "backward")
 
 
-def test_the_default_switches_the_forward_for_the_last_fifth():
-    assert R.RecipeConfig(recipe="nvfp4").resolved_high_precision_tail() == 0.2
+def test_the_default_switches_the_forward_for_the_last_30_percent():
+    assert R.RecipeConfig(recipe="nvfp4").resolved_high_precision_tail() == 0.3
     assert R.RecipeConfig(recipe="nvfp4").fp4_high_precision_passes == "forward"
     assert R.RecipeConfig(recipe="fp8-hybrid").resolved_high_precision_tail() == 0.0
     assert R.RecipeConfig(recipe="nvfp4", fp4_high_precision_tail=0).resolved_high_precision_tail() == 0.0
     model, layer = _layer()
-    assert [R.schedule_precision(model, s, 10) for s in range(10)] == [False] * 8 + [True] * 2
+    assert [R.schedule_precision(model, s, 10) for s in range(10)] == [False] * 7 + [True] * 3
 
 
 def _one_step(model, schedule: bool):
