@@ -24,7 +24,7 @@ accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() el
 model, optimizer = accelerator.prepare(model, optimizer)
 
 for step in range(args.steps):
-    # nvfp4: the recipe's precision switch, the last 20% of the steps with the forward in bf16 (a no-op otherwise)
+    # nvfp4: the recipe's precision switch, the last 30% of the steps with the forward in bf16 (a no-op otherwise)
     schedule_precision(model, step, args.steps)
     ids = synthetic_batch(step).to(accelerator.device)
     loss = model(input_ids=ids, labels=ids).loss

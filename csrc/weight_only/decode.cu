@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(Weight a, int64_t byte
 #pragma unroll
     for (int j = 0; j < kPer; ++j) vals[j] = from_f32<T>(decode::fp8_element(codes[j], s));
   } else if constexpr (FMT == 2) {
-    const float s = a.scales_f32[e0 / a.block];
+    const float s = decode::nf4_absmax(a, e0 / a.block);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       vals[2 * j] = from_f32<T>(decode::nf4_element(lv[codes[j] >> 4], s));
@@ -93,11 +93,13 @@ void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool v
 }  // namespace
 
 // out (contiguous [n, k], dtype code 0 fp32 / 1 bf16 / 2 fp16) = the decode of w; pointers the format does not use
-// may be null. The caller checks shapes and dtypes (bindings: dequantize_weight).
+// may be null (nested_*: an NF4 absmax that is not double-quantized). The caller checks shapes and dtypes
+// (decoded_linear.cpp: dequantize_weight).
 void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
-                          const float* gscale, const float* levels, void* out, int out_dtype, int64_t n, int64_t k,
-                          int block, cudaStream_t stream) {
-  const Weight a{w, scales_u8, scales_f32, gscale, levels, n, k, block};
+                          const float* gscale, const float* levels, const float* nested_absmax,
+                          const float* nested_code, const float* nested_offset, void* out, int out_dtype, int64_t n,
+                          int64_t k, int block, cudaStream_t stream) {
+  const Weight a{w, scales_u8, scales_f32, gscale, levels, n, k, block, nested_absmax, nested_code, nested_offset};
   const int64_t bytes = fmt == 3 ? n * k : n * k / 2;
   if (bytes == 0) return;
   // the vector path loads 16 bytes of w and stores 16-byte pieces of out: both bases aligned (out is a fresh

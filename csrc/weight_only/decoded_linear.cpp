@@ -29,8 +29,9 @@
 
 namespace surogate {
 void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
-                          const float* gscale, const float* levels, void* out, int out_dtype, int64_t n, int64_t k,
-                          int block, cudaStream_t stream);
+                          const float* gscale, const float* levels, const float* nested_absmax,
+                          const float* nested_code, const float* nested_offset, void* out, int out_dtype, int64_t n,
+                          int64_t k, int block, cudaStream_t stream);
 }
 
 namespace {
@@ -48,17 +49,44 @@ int out_dtype_code(at::ScalarType t) {
   return -1;
 }
 
+// NF4 double quantization's operands (all three or none): the fp32 second-level absmax [ceil(blocks / 256)], its 256
+// fp32 code values and the fp32 offset; the first-level absmax (`scales`) is then one-byte codes. A compiled graph
+// hands them over as the module stores them, so that no graph kernel de-nests the absmax per call.
+struct Nested {
+  at::Tensor absmax, code, offset;
+  bool defined() const { return absmax.defined(); }
+};
+
+const at::Tensor& or_undef(const c10::optional<at::Tensor>& t);
+
+Nested nested_of(const c10::optional<at::Tensor>& absmax, const c10::optional<at::Tensor>& code,
+                 const c10::optional<at::Tensor>& offset) {
+  TORCH_CHECK(absmax.has_value() == code.has_value() && code.has_value() == offset.has_value(),
+              "ext_decoded_linear: nested_absmax, nested_code and nested_offset go together");
+  return {or_undef(absmax), or_undef(code), or_undef(offset)};
+}
+
 // The caller (surogate_hf.nn.linear, building a layer's plan) validated the operands once; these checks guard misuse.
 at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
                              const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
-                             at::ScalarType dtype) {
+                             at::ScalarType dtype, const Nested& nested = {}) {
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "ext_dequantize: fmt must be 0 (nvfp4), 1 (mxfp4), 2 (nf4) or 3 (fp8)");
   TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 && w.numel() == (fmt == 3 ? n * k : n * k / 2),
               "ext_dequantize: w must be contiguous one-byte CUDA data of the weight's size");
-  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.element_size() == (fmt >= 2 ? 4 : 1),
-              "ext_dequantize: scales must be contiguous (fp32 for nf4 / fp8, one byte for nvfp4 / mxfp4)");
+  const bool nested_nf4 = nested.defined();
+  TORCH_CHECK(!nested_nf4 || fmt == 2, "ext_dequantize: nested absmax operands are NF4's only");
+  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.element_size() == (fmt >= 2 && !nested_nf4 ? 4 : 1),
+              "ext_dequantize: scales must be contiguous (fp32 for nf4 / fp8, one byte for nvfp4 / mxfp4 and a "
+              "double-quantized nf4 absmax)");
   // fp32 operands may come as their int32 bytes (a quantized module's slot as stored: surogate_hf/nn/slots.py)
   auto fp32_bytes = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kInt; };
+  TORCH_CHECK(!nested_nf4 || (block >= 1 && scales.numel() == n * k / block && nested.absmax.is_cuda() &&
+                              nested.absmax.is_contiguous() && fp32_bytes(nested.absmax) &&
+                              nested.absmax.numel() == (scales.numel() + 255) / 256 && nested.code.is_cuda() &&
+                              nested.code.is_contiguous() && fp32_bytes(nested.code) && nested.code.numel() == 256 &&
+                              nested.offset.is_cuda() && fp32_bytes(nested.offset) && nested.offset.numel() == 1),
+              "ext_dequantize: a double-quantized nf4 absmax needs one code byte per block, the fp32 nested absmax of "
+              "each 256 blocks, the 256 fp32 nested code values and the fp32 offset, on the GPU");
   TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->is_cuda() && fp32_bytes(*gscale) && gscale->numel() == 1),
               "ext_dequantize: nvfp4 needs its fp32 decode global on the GPU");
   TORCH_CHECK(fmt != 2 || (levels.has_value() && levels->is_cuda() && levels->is_contiguous() && fp32_bytes(*levels) &&
@@ -67,16 +95,25 @@ at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, cons
   const int code = out_dtype_code(dtype);
   const at::cuda::CUDAGuard guard(w.device());
   auto out = at::empty({n, k}, w.options().dtype(dtype));
-  const bool u8_scales = fmt <= 1;
+  const bool u8_scales = fmt <= 1 || nested_nf4;
+  auto f32 = [&](const at::Tensor& t) { return nested_nf4 ? static_cast<const float*>(t.const_data_ptr()) : nullptr; };
   surogate::launch_decode_weight(
       (int)fmt, reinterpret_cast<const uint8_t*>(w.data_ptr()),
       u8_scales ? reinterpret_cast<const uint8_t*>(scales.data_ptr()) : nullptr,
       u8_scales ? nullptr : reinterpret_cast<const float*>(scales.data_ptr()),
       fmt == 0 ? static_cast<const float*>(gscale->const_data_ptr()) : nullptr,
-      fmt == 2 ? static_cast<const float*>(levels->const_data_ptr()) : nullptr, out.data_ptr(),
-      code, n, k, (int)block, at::cuda::getCurrentCUDAStream());
+      fmt == 2 ? static_cast<const float*>(levels->const_data_ptr()) : nullptr, f32(nested.absmax),
+      f32(nested.code), f32(nested.offset), out.data_ptr(), code, n, k, (int)block,
+      at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+// ext_dequantize (no nested operands: the eager plan de-nests an NF4 absmax once)
+at::Tensor dequantize_op(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                         const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                         at::ScalarType dtype) {
+  return dequantize_weight(w, scales, gscale, levels, fmt, n, k, block, dtype);
 }
 
 c10::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; }
@@ -84,8 +121,9 @@ c10::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? c10::o
 struct Operands {
   at::Tensor w, scales, gscale, levels;
   int64_t fmt, n, k, block;
+  Nested nested = {};
   at::Tensor decode(at::ScalarType dtype) const {
-    return dequantize_weight(w, scales, opt(gscale), opt(levels), fmt, n, k, block, dtype);
+    return dequantize_weight(w, scales, opt(gscale), opt(levels), fmt, n, k, block, dtype, nested);
   }
 };
 
@@ -345,11 +383,14 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w, const at::Tensor& scales,
     const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& lora_a,
-    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
+    const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
+    const c10::optional<at::Tensor>& nested_offset) {
   TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
   const at::cuda::CUDAGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
-  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
+                    nested_of(nested_absmax, nested_code, nested_offset)};
   const at::Tensor x2 = x.reshape({-1, k});
   const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
   at::Tensor h;
@@ -363,13 +404,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cu
     const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
     const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& lora_a,
     const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
-    bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) {
+    bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b,
+    const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
+    const c10::optional<at::Tensor>& nested_offset) {
   const bool lora = lora_a.has_value() && lora_b.has_value();
   TORCH_CHECK(!lora || (x_lora.has_value() && h.has_value()),
               "ext_decoded_linear_bwd: an adapter's gradients need its input and h");
   const at::cuda::CUDAGuard guard(dy.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
-  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
+                    nested_of(nested_absmax, nested_code, nested_offset)};
   const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : at::Tensor();
   auto g = backward_2d(dy.reshape({-1, n}), xl2, or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
                        separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora,
@@ -389,7 +433,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cu
 const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
-    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t, int64_t, int64_t, int64_t)>&
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t, int64_t, int64_t, int64_t,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>&
 fwd_op() {
   static const auto op = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("surogate::ext_decoded_linear_fwd", "")
@@ -398,7 +443,8 @@ fwd_op() {
                                   const at::Tensor&, const c10::optional<at::Tensor>&,
                                   const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
                                   const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t,
-                                  int64_t, int64_t, int64_t)>();
+                                  int64_t, int64_t, int64_t, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>();
   return op;
 }
 
@@ -406,7 +452,8 @@ const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at
     const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const at::Tensor&,
     const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t, int64_t, int64_t, int64_t,
-    bool, bool, bool, bool, bool)>&
+    bool, bool, bool, bool, bool, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&)>&
 bwd_op() {
   static const auto op = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("surogate::ext_decoded_linear_bwd", "")
@@ -415,7 +462,9 @@ bwd_op() {
                                   const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
                                   const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
                                   const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t,
-                                  int64_t, int64_t, int64_t, bool, bool, bool, bool, bool)>();
+                                  int64_t, int64_t, int64_t, bool, bool, bool, bool, bool,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&)>();
   return op;
 }
 
@@ -426,24 +475,29 @@ class DecodedLinearFwd : public torch::autograd::Function<DecodedLinearFwd> {
                                const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
                                const c10::optional<at::Tensor>& bias, const at::Tensor& w, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
-                               double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+                               double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                               const c10::optional<at::Tensor>& nested_absmax,
+                               const c10::optional<at::Tensor>& nested_code,
+                               const c10::optional<at::Tensor>& nested_offset) {
     std::tuple<at::Tensor, at::Tensor> out;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      out = fwd_op().call(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block);
+      out = fwd_op().call(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block,
+                          nested_absmax, nested_code, nested_offset);
     }
     at::Tensor& h = std::get<1>(out);
     ctx->mark_non_differentiable({h});  // the backward's, not the caller's
     ctx->set_materialize_grads(false);
     const bool lora = lora_a.has_value();
     ctx->save_for_backward({x_lora.has_value() ? *x_lora : x, h, w, scales, or_undef(gscale), or_undef(levels),
-                            or_undef(lora_a), or_undef(lora_b)});
+                            or_undef(lora_a), or_undef(lora_b), or_undef(nested_absmax), or_undef(nested_code),
+                            or_undef(nested_offset)});
     save_call(ctx, x, x_lora, lora, lora_b.has_value(), scaling, fmt, n, k, block);
     return {std::get<0>(out), h};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(14);  // x, x_lora, lora_a, lora_b, bias, the weight's operands and the constants
+    variable_list out(17);  // x, x_lora, lora_a, lora_b, bias, the weight's operands, the constants, nested
     if (!grads[0].defined()) return out;
     const auto saved = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
@@ -455,7 +509,7 @@ class DecodedLinearFwd : public torch::autograd::Function<DecodedLinearFwd> {
                            lora ? opt(saved[1]) : c10::nullopt, saved[2], saved[3], opt(saved[4]), opt(saved[5]),
                            opt(saved[6]), opt(saved[7]), d.at("scaling").toDouble(), d.at("fmt").toInt(),
                            d.at("n").toInt(), d.at("k").toInt(), d.at("block").toInt(), separate, want_x, want_xl,
-                           want_a, want_b);
+                           want_a, want_b, opt(saved[8]), opt(saved[9]), opt(saved[10]));
     if (want_x) out[0] = std::get<0>(g).reshape(d.at("x_shape").toIntVector());
     if (separate && want_xl && lora) out[1] = std::get<1>(g).reshape(d.at("xl_shape").toIntVector());
     if (want_a && lora) out[2] = std::get<2>(g);
@@ -469,18 +523,28 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_autograd(
     const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w, const at::Tensor& scales,
     const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& lora_a,
-    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
+    const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
+    const c10::optional<at::Tensor>& nested_offset) {
   TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
   TORCH_CHECK(!bias.has_value() || !bias->requires_grad(), "ext_decoded_linear_fwd: the bias is frozen");
+  auto wants_grad = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); };
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || wants_grad(x_lora) || wants_grad(lora_a) ||
+                                       wants_grad(lora_b))) {
+    // no graph to record (a compiled forward graph runs with grad mode off): skip the node's context and saves
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return fwd_op().call(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block,
+                         nested_absmax, nested_code, nested_offset);
+  }
   auto out = DecodedLinearFwd::apply(x, x_lora, lora_a, lora_b, bias, w, scales, gscale, levels, scaling, fmt, n, k,
-                                     block);
+                                     block, nested_absmax, nested_code, nested_offset);
   return {out[0], out[1]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
-  m.impl("ext_dequantize", &dequantize_weight);
+  m.impl("ext_dequantize", &dequantize_op);
   m.impl("ext_decoded_linear", &decoded_linear_cuda);
   m.impl("ext_decoded_linear_fwd", &decoded_linear_fwd_cuda);
   m.impl("ext_decoded_linear_bwd", &decoded_linear_bwd_cuda);

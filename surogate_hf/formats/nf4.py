@@ -147,12 +147,20 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     return (vals * scale).reshape(codes.shape)
 
 
+def nf4_denest_absmax(codes: torch.Tensor, nested_absmax: torch.Tensor, nested_code: torch.Tensor,
+                      offset: torch.Tensor, blocksize: int = NF4_NESTED_BLOCK) -> torch.Tensor:
+    """fp32 absmax per block from double quantization's one-byte codes: nested_code[codes] * nested_absmax[block of
+    `blocksize` codes] + offset, each fp32 op rounded on its own (bitsandbytes' dequantize_blockwise, then its offset).
+    The extension's decode kernel de-nests the same way (csrc/weight_only/decode_math.cuh: nf4_absmax)."""
+    return (dequantize_blockwise(codes, nested_absmax, nested_code, blocksize) + offset.float()).float()
+
+
 def nf4_absmax(quant_state) -> torch.Tensor:
     """fp32 absmax per block, undoing double quantization when the state is nested."""
     if quant_state.nested:
         st2 = quant_state.state2
-        absmax = dequantize_blockwise(quant_state.absmax, st2.absmax, st2.code, st2.blocksize)
-        return (absmax + quant_state.offset).float()
+        return nf4_denest_absmax(quant_state.absmax, st2.absmax, st2.code, torch.as_tensor(quant_state.offset),
+                                 st2.blocksize)
     return quant_state.absmax.float()
 
 

@@ -252,11 +252,14 @@ def _warn_at_trace_time(ctx):
     warn_once(ctx.get_local("key").as_python_constant(), ctx.get_local("msg").as_python_constant())
 
 
-def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
+def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block, nested=None):
     """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
     ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
-    operands they would refuse (the route also checks that x is on w's device). None, said once with the reason, when
-    they do not fit: the layer then keeps the Python plan (the same math, more host time)."""
+    operands they would refuse (the route also checks that x is on w's device). nested: an NF4 absmax's double
+    quantization (nested absmax, nested code, offset; scales its one-byte codes), which only the graph ops take and
+    which is checked here too. None, said once with the reason, when they do not fit: the layer then keeps the Python
+    plan (the same math, more host time)."""
+    from ..formats.nf4 import NF4_NESTED_BLOCK
     from ..ops.ext import DECODE_FORMATS, FP32_BYTES
 
     fmt = DECODE_FORMATS.index(fmt_name)
@@ -264,12 +267,22 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block):
     scale_count = {"nvfp4": n * k // 16, "mxfp4": n * k // 32, "nf4": n * k // max(block, 1),
                    "fp8": -(-n // block) * -(-k // block)}[fmt_name]
     dev = w.device
+    scale_bytes = 4 if fmt_name in ("nf4", "fp8") and nested is None else 1
+
+    def fp32_on_dev(t, count):
+        return t.device == dev and t.is_contiguous() and t.dtype in FP32_BYTES and t.numel() == count
+
     problems = (
         (not (w.is_contiguous() and w.element_size() == 1 and w.numel() == (n * k // 2 if four_bit else n * k)),
          f"codes {tuple(w.shape)} {w.dtype} (contiguous one-byte data of the [{n}, {k}] weight expected)"),
         (not (scales.device == dev and scales.is_contiguous() and scales.numel() == scale_count
-              and scales.element_size() == (4 if fmt_name in ("nf4", "fp8") else 1)),
+              and scales.element_size() == scale_bytes),
          f"scales {tuple(scales.shape)} {scales.dtype} on {scales.device} ({scale_count} contiguous values on {dev})"),
+        (nested is not None and not (fmt_name == "nf4" and len(nested) == 3
+                                     and fp32_on_dev(nested[0], -(-scale_count // NF4_NESTED_BLOCK))
+                                     and fp32_on_dev(nested[1], 256) and fp32_on_dev(nested[2], 1)),
+         f"nested absmax operands (NF4 only: the fp32 absmax of each {NF4_NESTED_BLOCK} blocks, 256 code values and the "
+         f"offset on {dev})"),
         (fmt_name == "nvfp4" and not (gscale is not None and gscale.device == dev and gscale.dtype in FP32_BYTES
                                       and gscale.numel() == 1), "the decode global (one fp32 value on the codes' device)"),
         (fmt_name == "nf4" and not (levels is not None and levels.device == dev and levels.is_contiguous()

@@ -20,6 +20,7 @@ quantize, dequantize, linear, dgrad, GEMM plan, checkpoint layout); the experts 
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -157,12 +158,13 @@ graph_decoded_linear_ready._dynamo_marked_constant = True  # torch.compiler.assu
 
 
 def graph_decoded_linear(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling: float, fmt: int, n: int,
-                         k: int, block: int) -> Tensor:
+                         k: int, block: int, nested: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """ext_decoded_linear inside a torch.compile graph: the forward op (y and the adapter's h) with the backward op
     through its registered autograd, one opaque extern call each way; the same aten calls as the eager op's C++
-    node."""
+    node. nested: an NF4 base's double-quantization operands (nested absmax, nested code, offset), de-nested by the
+    decode kernel."""
     return torch.ops.surogate.ext_decoded_linear_fwd.default(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b,
-                                                              scaling, fmt, n, k, block)[0]
+                                                              scaling, fmt, n, k, block, *(nested or ()))[0]
 
 
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
@@ -345,16 +347,26 @@ class QuantizedLinear(nn.Linear):
                 or (self.bias is not None and self.bias.requires_grad)):  # the op treats the bias as frozen
             return None
         if torch.compiler.is_compiling():
-            operands = self.graph_decode_operands() if graph_decoded_linear_ready() else None
-            return None if operands is None or operands[0].device != x.device else (graph_decoded_linear, *operands)
+            route = self.graph_route() if graph_decoded_linear_ready() else None
+            return None if route is None or route[1].device != x.device else route
         decoded = self._cuda_plan().decoded
         op = decoded_linear_op() if decoded is not None and decoded[0].device == x.device else None
         return None if op is None else (op, *decoded)
 
+    def graph_route(self):
+        """decoded_route's tuple inside torch.compile: graph_decoded_linear (with an NF4 base's nested absmax operands
+        bound) and graph_decode_operands' operands; None where the format has no decode route."""
+        operands = self.graph_decode_operands()
+        if operands is None:
+            return None
+        *ops, nested = operands
+        op = graph_decoded_linear if nested is None else functools.partial(graph_decoded_linear, nested=nested)
+        return (op, *ops)
+
     def graph_decode_operands(self):
-        """The weight's operands of the decode ops (kernels.registry.decode_operands' tuple) from this layer's slots in
-        torch ops that a compiled graph traces (the eager plan's are cached tensors a graph cannot take); None where
-        the format has no decode route."""
+        """The weight's operands of the decode ops (kernels.registry.decode_operands' tuple, then the NF4 nested absmax
+        operands or None) from this layer's slots in torch ops that a compiled graph traces (the eager plan's are cached
+        tensors a graph cannot take); None where the format has no decode route."""
         n, k = self.out_features, self.in_features
         logical = self._tensors()
         args = self.fmt.decode_args(logical, n, k)
@@ -378,9 +390,11 @@ class QuantizedLinear(nn.Linear):
                     return stored[name]
             return t
 
-        w, scales, gscale, levels, block = args
+        w, scales, gscale, levels, block, nested = args
         w, scales, gscale, levels = (None if t is None else as_stored(t) for t in (w, scales, gscale, levels))
-        return decode_operands(self.fmt.name, w, scales, gscale, levels, n, k, block)
+        nested = None if nested is None else tuple(as_stored(t) for t in nested)
+        ops = decode_operands(self.fmt.name, w, scales, gscale, levels, n, k, block, nested)
+        return None if ops is None else (*ops, nested)
 
     def forward(self, x: Tensor) -> Tensor:
         route = self.decoded_route(x)

@@ -72,12 +72,14 @@ _lib.define("ext_dequantize(Tensor w, Tensor scales, Tensor? gscale, Tensor? lev
             "ScalarType dtype) -> Tensor")
 _lib.define("ext_decoded_linear(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
             "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block) -> Tensor")
+# (nested_*: NF4 double quantization's operands, as the module stores them: decode_reference)
 _lib.define("ext_decoded_linear_fwd(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
-            "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block) "
-            "-> (Tensor, Tensor)")
+            "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
+            "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None) -> (Tensor, Tensor)")
 _lib.define("ext_decoded_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor w, Tensor scales, Tensor? gscale, "
             "Tensor? levels, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
-            "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) -> (Tensor, Tensor, Tensor, Tensor)")
+            "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b, Tensor? nested_absmax=None, "
+            "Tensor? nested_code=None, Tensor? nested_offset=None) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("ext_rmsnorm(Tensor x, Tensor weight, float eps, bool gemma, ScalarType out_dtype) -> Tensor")
 _lib.define("ext_fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor wq, Tensor? wqt, Tensor w_sinv, Tensor? xq, "
             "Tensor? xqt, Tensor x_sinv, Tensor x_scale, Tensor(a!) x_amax_bits, Tensor dy_scale, Tensor dy_amax_bits, "
@@ -317,13 +319,20 @@ def _fp32_bytes(t: Tensor | None) -> Tensor | None:
 
 
 def decode_reference(w: Tensor, scales: Tensor, gscale: Tensor | None, levels: Tensor | None, fmt: int, n: int, k: int,
-                     block: int, dtype: torch.dtype) -> Tensor:
+                     block: int, dtype: torch.dtype, nested: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """The dense [n, k] weight in dtype, by the formats' reference dequantization (fmt indexes DECODE_FORMATS):
     nvfp4 w uint8 [n, k/2], scales E4M3 [n, k/16] (or their bytes), gscale the decode global; mxfp4 scales E8M0
-    [n, k/32]; nf4 w bitsandbytes-packed, scales the fp32 absmax of each `block` elements, levels its 16 values;
-    fp8 w E4M3 [n, k] (or its bytes), scales the fp32 scale_inv of block x block tiles. An fp32 operand may come as
-    its int32 bytes (a quantized module's slot as stored, nn.slots)."""
+    [n, k/32]; nf4 w bitsandbytes-packed, scales the fp32 absmax of each `block` elements, levels its 16 values, or
+    with `nested` (double quantization: the fp32 nested absmax of each 256 blocks, its 256 code values, the offset)
+    scales the one-byte absmax codes; fp8 w E4M3 [n, k] (or its bytes), scales the fp32 scale_inv of block x block
+    tiles. An fp32 operand may come as its int32 bytes (a quantized module's slot as stored, nn.slots)."""
     gscale, levels = _fp32_bytes(gscale), _fp32_bytes(levels)
+    if nested is not None:
+        if fmt != 2:
+            raise ValueError(f"nested absmax operands are NF4's only, got fmt {fmt}")
+        from ..formats.nf4 import nf4_denest_absmax
+
+        scales = nf4_denest_absmax(scales, *(_fp32_bytes(t) for t in nested))
     if fmt == 0:
         s = scales if scales.dtype == torch.float8_e4m3fn else scales.view(torch.float8_e4m3fn)
         return F.dequantize_nvfp4(w.reshape(n, k // 2), s.reshape(n, k // 16), gscale, dtype)
@@ -400,7 +409,7 @@ def _decoded_linear_setup(ctx, inputs, output):
 
 
 def _decoded_linear_grads(dy2, xl2, h, w, scales, gscale, levels, lora_a, lora_b, s, fmt, n, k, block, separate_xl,
-                          want_x, want_xl, want_a, want_b):
+                          want_x, want_xl, want_a, want_b, nested=None):
     """(dx, dx_lora, dA, dB) on 2-D operands, None where not wanted: the math of the C++ backward (backward_2d).
     xl2 is the adapter's input (x itself unless separate_xl, when its gradient is summed into dx); h = xl2 A^T (None:
     recomputed)."""
@@ -416,7 +425,7 @@ def _decoded_linear_grads(dy2, xl2, h, w, scales, gscale, levels, lora_a, lora_b
         if want_xl and separate_xl:
             dxl = dh @ lora_a.to(dt)
     if want_x:
-        wd = decode_reference(w, scales, gscale, levels, fmt, n, k, block, dt)
+        wd = decode_reference(w, scales, gscale, levels, fmt, n, k, block, dt, nested)
         dx = torch.addmm(dh @ lora_a.to(dt), dy2, wd) if lora_a is not None and not separate_xl else dy2 @ wd
     return dx, dxl, da, db
 
@@ -447,23 +456,34 @@ torch.library.register_autograd(f"{NS}::ext_decoded_linear", _decoded_linear_bac
 @torch.library.impl(f"{NS}::ext_decoded_linear_fwd", "CompositeExplicitAutograd", lib=_lib)
 @warns_on_cuda
 @fresh_outputs
-def _ext_decoded_linear_fwd(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block):
+def _ext_decoded_linear_fwd(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block,
+                            nested_absmax=None, nested_code=None, nested_offset=None):
     """(ext_decoded_linear's y, h): h = x_lora A^T in x's dtype, the adapter's [M, r] intermediate that the backward
     takes (empty without an adapter)."""
+    nested = _nested(nested_absmax, nested_code, nested_offset)
     if (lora_a is None) != (lora_b is None) or x.shape[-1] != k:
         raise ValueError(f"ext_decoded_linear_fwd: x [..., {k}] and lora_a / lora_b together expected, got x "
                          f"{tuple(x.shape)}, lora_a {lora_a is not None}, lora_b {lora_b is not None}")
     x2 = x.reshape(-1, k)
     xl2 = x2 if x_lora is None else x_lora.reshape(-1, k)
-    y, h = _decoded_linear_2d(x2, xl2, decode_reference(w, scales, gscale, levels, fmt, n, k, block, x.dtype), bias,
-                              lora_a, lora_b, scaling)
+    y, h = _decoded_linear_2d(x2, xl2, decode_reference(w, scales, gscale, levels, fmt, n, k, block, x.dtype, nested),
+                              bias, lora_a, lora_b, scaling)
     return y.reshape(*x.shape[:-1], n), (x.new_empty((0,)) if h is None else h)
 
 
 @torch.library.register_fake(f"{NS}::ext_decoded_linear_fwd", lib=_lib)
-def _(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block):
+def _(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block, nested_absmax=None,
+      nested_code=None, nested_offset=None):
     m = x.numel() // x.shape[-1]
     return x.new_empty((*x.shape[:-1], n)), (x.new_empty((0,)) if lora_a is None else x.new_empty((m, lora_a.shape[0])))
+
+
+def _nested(absmax, code, offset):
+    """decode_reference's `nested` from the ops' three optional operands (all or none)."""
+    given = [t is not None for t in (absmax, code, offset)]
+    if any(given) and not all(given):
+        raise ValueError("ext_decoded_linear: nested_absmax, nested_code and nested_offset go together")
+    return (absmax, code, offset) if all(given) else None
 
 
 def _empty_or(t, like):
@@ -474,20 +494,22 @@ def _empty_or(t, like):
 @warns_on_cuda
 @fresh_outputs
 def _ext_decoded_linear_bwd(dy, x_lora, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt, n, k, block,
-                            separate_xl, want_x, want_xl, want_a, want_b):
+                            separate_xl, want_x, want_xl, want_a, want_b, nested_absmax=None, nested_code=None,
+                            nested_offset=None):
     """(dx, dx_lora, dA, dB) of ext_decoded_linear_fwd on 2-D gradients ([M, k], [M, k], A's and B's shapes and
     dtypes); an empty tensor (dy's dtype) for each that is not wanted or has no adapter. x_lora: the adapter's input
     (x itself unless separate_xl, when dx also carries the adapter's input gradient)."""
     lora = lora_a is not None
     xl2 = None if x_lora is None else x_lora.reshape(-1, k)
     grads = _decoded_linear_grads(dy.reshape(-1, n), xl2, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt,
-                                  n, k, block, separate_xl, want_x, want_xl and lora, want_a and lora, want_b and lora)
+                                  n, k, block, separate_xl, want_x, want_xl and lora, want_a and lora, want_b and lora,
+                                  _nested(nested_absmax, nested_code, nested_offset))
     return tuple(_empty_or(g, dy) for g in grads)
 
 
 @torch.library.register_fake(f"{NS}::ext_decoded_linear_bwd", lib=_lib)
 def _(dy, x_lora, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt, n, k, block, separate_xl, want_x,
-      want_xl, want_a, want_b):
+      want_xl, want_a, want_b, nested_absmax=None, nested_code=None, nested_offset=None):
     m, lora = dy.numel() // n, lora_a is not None
     return (dy.new_empty((m, k) if want_x else (0,)),
             dy.new_empty((m, k) if want_xl and lora and separate_xl else (0,)),
@@ -496,28 +518,30 @@ def _(dy, x_lora, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt, n,
 
 
 def _decoded_linear_fwd_setup(ctx, inputs, output):
-    x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block = inputs
+    x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block, *nested = inputs
+    nested = (list(nested) + [None] * 3)[:3]
     ctx.mark_non_differentiable(output[1])  # h is the backward's, not the caller's
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x if x_lora is None else x_lora, output[1], w, scales, gscale, levels, lora_a, lora_b)
+    ctx.save_for_backward(x if x_lora is None else x_lora, output[1], w, scales, gscale, levels, lora_a, lora_b,
+                          *nested)
     ctx.meta = (x.shape, None if x_lora is None else x_lora.shape, scaling, fmt, n, k, block)
 
 
 def _decoded_linear_fwd_backward(ctx, dy, _dh):
-    xl, h, w, scales, gscale, levels, lora_a, lora_b = ctx.saved_tensors
+    xl, h, w, scales, gscale, levels, lora_a, lora_b, *nested = ctx.saved_tensors
     x_shape, xl_shape, scaling, fmt, n, k, block = ctx.meta
     want = ctx.needs_input_grad
-    none = (None,) * 14
+    none = (None,) * 17
     if dy is None:
         return none
     separate = xl_shape is not None
     lora = lora_a is not None
     dx, dxl, da, db = ext_decoded_linear_bwd(
         dy.contiguous(), xl if lora else None, h if lora else None, w, scales, gscale, levels, lora_a, lora_b, scaling,
-        fmt, n, k, block, separate, want[0], want[1], want[7], want[8])
+        fmt, n, k, block, separate, want[0], want[1], want[7], want[8], *nested)
     return (dx.reshape(x_shape) if want[0] else None, dxl.reshape(xl_shape) if separate and want[1] and lora else None,
             None, None, None, None, None, da if want[7] and lora else None, db if want[8] and lora else None,
-            None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(f"{NS}::ext_decoded_linear_fwd", _decoded_linear_fwd_backward,

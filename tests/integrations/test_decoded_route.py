@@ -185,25 +185,30 @@ def test_fused_call_under_activation_checkpointing(reentrant, monkeypatch):
 def test_graph_operands_are_the_plans(fmt):
     """The operands a compiled graph derives from the slots (Format.decode_args, traced) are the eager plan's bytes, a
     slot taken as such being the stored parameter itself (no dtype view for the graph to run), and decode to the layer's
-    weight through the reference."""
+    weight through the reference. A double-quantized NF4 absmax goes in as its stored codes with its nested operands
+    (the decode de-nests it), where the eager plan holds it de-nested."""
+    from surogate_hf.ops.ext import decode_reference
+
     layer = _layer(fmt, bias=True)
     got, want = layer.graph_decode_operands(), _operands(layer)
-    assert got is not None and len(got) == len(want)
+    assert got is not None and len(got) == len(want) + 1
+    *got, nested = got
+    assert (nested is not None) == (fmt == "nf4")  # (NF4Linear double-quantizes by default)
     stored = [p for name, p in layer.named_parameters() if name.startswith("weight")]
-    for a, b in zip(got, want):
-        if isinstance(b, torch.Tensor):
+    for i, (a, b) in enumerate(zip(got, want)):
+        if isinstance(b, torch.Tensor) and not (nested is not None and i == 1):
             assert a.element_size() == b.element_size() and a.numel() == b.numel()
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-        else:
+        elif not isinstance(b, torch.Tensor):
             assert a == b
     w, scales, gscale, levels = got[:4]
-    computed = {"nf4": {id(scales)}}.get(fmt, set())  # nf4's absmax is de-nested from its slots
-    for t in (w, scales, gscale, levels):
-        if t is not None and id(t) not in computed:
+    for t in (w, scales, gscale, levels, *(nested or ())):
+        if t is not None:
             assert any(t.dtype == p.dtype and t.data_ptr() == p.data_ptr() for p in stored), \
                 f"{fmt}: an operand is not its slot as stored"
-    dense = torch.ops.surogate.ext_dequantize(*got, torch.bfloat16)
+    dense = decode_reference(*got, torch.bfloat16, nested)
     assert torch.equal(dense, layer.dequantize(torch.bfloat16))
+    assert torch.equal(dense, torch.ops.surogate.ext_dequantize(*want, torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -239,8 +244,38 @@ def test_compiled_graphs_hold_no_dtype_views_of_the_slots(fmt, monkeypatch):
                 f"{fmt}: {call.target} takes a dtype view ({arg})"
 
 
+def test_compiled_nf4_graphs_de_nest_no_absmax(monkeypatch):
+    """A compiled LoRA layer over a double-quantized NF4 base hands the decode ops the absmax as stored, with its
+    nested operands: neither graph gathers the nested code values (the de-nesting, a kernel of its own per call and
+    step before), and the backward op gets the same operands instead of a saved fp32 absmax."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
+    torch._dynamo.reset()
+    model = _peft_model("nf4", 0.0, False)
+    run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
+    run(torch.randn(2, 7, 256, dtype=torch.bfloat16, requires_grad=True)).float().square().mean().backward()
+    assert len(graphs) == 2
+    ops = (torch.ops.surogate.ext_decoded_linear_fwd.default, torch.ops.surogate.ext_decoded_linear_bwd.default)
+    nodes = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [n for n in nodes if n.target in (torch.ops.aten.index.Tensor, torch.ops.aten.gather.default)]
+    calls = [n for n in nodes if n.target in ops]
+    assert {n.target for n in calls} == set(ops)
+    for call in calls:
+        scales = call.args[4 if call.target == ops[1] else 3]
+        assert scales.meta["val"].dtype == torch.uint8, "the absmax goes in as its stored codes"
+        assert all(a is not None for a in call.args[-3:]), "with its nested operands"
+
+
 def _graph_route(self, x2d):
-    return (L.graph_decoded_linear, *self.graph_decode_operands())
+    return self.graph_route()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

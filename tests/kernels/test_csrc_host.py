@@ -166,10 +166,37 @@ def test_decode_element_math_matches_reference(decode_harness, fmt, n, k):
     wb, sb = w.contiguous().view(torch.uint8).numpy().tobytes(), s.contiguous().view(torch.uint8).numpy().tobytes()
     hdr = np.array([code, n, k, block, len(wb), len(sb)], dtype=np.int64)
     extra = np.float32(gs if gs is not None else 1.0).tobytes() + (
-        lv.numpy() if lv is not None else np.zeros(16, np.float32)).astype(np.float32).tobytes()
+        lv.numpy() if lv is not None else np.zeros(16, np.float32)).astype(np.float32).tobytes() + np.int64(0).tobytes()
     out = subprocess.run([str(decode_harness)], input=hdr.tobytes() + wb + sb + extra, capture_output=True,
                          check=True).stdout
     got = torch.from_numpy(np.frombuffer(out, dtype=np.float32).copy()).reshape(n, k)
     ref = decode_reference(w, s, gs, lv, code, n, k, block, torch.float32)
     same = (got.view(torch.int32) == ref.view(torch.int32)) | (got.isnan() & ref.isnan())
     assert same.all(), f"{fmt} [{n}, {k}]: {int((~same).sum())} elements differ"
+
+
+@pytest.mark.parametrize("n, k", [(192, 576), (257, 192)])
+def test_decode_element_math_de_nests_the_nf4_absmax(decode_harness, n, k):
+    """A double-quantized NF4 absmax handed over as stored (one-byte codes, the nested absmax of each 256 blocks, the
+    nested code values, the offset), as a compiled graph's decode ops take it: every element equals the reference
+    decode of the same operands (formats.nf4.nf4_denest_absmax), and the decode with the de-nested fp32 absmax."""
+    from surogate_hf.ops.ext import DECODE_FORMATS, decode_reference
+
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))).bfloat16()
+    packed, st = F.quantize_nf4(w, 64, True)
+    assert st.nested and n * k // 64 > 256  # more than one nested block
+    nested = (st.state2.absmax.float(), st.state2.code.float(), torch.as_tensor(st.offset, dtype=torch.float32))
+    levels, code = st.code.float(), DECODE_FORMATS.index("nf4")
+    wb, sb = packed.contiguous().numpy().tobytes(), st.absmax.contiguous().numpy().tobytes()
+    hdr = np.array([code, n, k, 64, len(wb), len(sb)], dtype=np.int64)
+    extra = (np.float32(1.0).tobytes() + levels.numpy().astype(np.float32).tobytes()
+             + np.int64(nested[0].numel()).tobytes() + nested[0].numpy().tobytes() + nested[1].numpy().tobytes()
+             + np.float32(nested[2].item()).tobytes())
+    out = subprocess.run([str(decode_harness)], input=hdr.tobytes() + wb + sb + extra, capture_output=True,
+                         check=True).stdout
+    got = torch.from_numpy(np.frombuffer(out, dtype=np.float32).copy()).reshape(n, k)
+    ref = decode_reference(packed, st.absmax, None, levels, code, n, k, 64, torch.float32, nested)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    flat = decode_reference(packed, F.nf4_absmax(st).float(), None, levels, code, n, k, 64, torch.float32)
+    assert torch.equal(ref.view(torch.int32), flat.view(torch.int32))

@@ -267,6 +267,42 @@ def test_graph_ops_are_the_eager_ops_bits(fmt, case):
         assert got.dtype == ref.dtype and torch.equal(got, ref), f"{fmt} {case}"
 
 
+@pytest.mark.parametrize("n, k", [(1536, 576), (192, 576), (4864, 896)])
+def test_graph_ops_de_nest_the_nf4_absmax_bit_for_bit(n, k):
+    """The graph ops given a double-quantized NF4 absmax as stored (one-byte codes plus the nested operands: what a
+    compiled graph hands them, so that it runs no de-nesting kernel per call) give the eager op's output and gradients
+    on the de-nested fp32 absmax bit for bit, adapter and all."""
+    import surogate_hf.formats as F
+
+    m, r = 1000, 16
+    gen = torch.Generator().manual_seed(8)
+    w_dense = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
+    packed, st = F.quantize_nf4(w_dense, 64, True)
+    assert st.nested
+    code, levels = DECODE_FORMATS.index("nf4"), st.code.float().to(DEV)
+    nested = tuple(t.to(DEV) for t in (st.state2.absmax.float(), st.state2.code.float(),
+                                       torch.as_tensor(st.offset, dtype=torch.float32)))
+    packed, codes, absmax = packed.to(DEV), st.absmax.to(DEV), F.nf4_absmax(st).float().to(DEV)
+    x0 = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+    dy = torch.randn(m, n, generator=gen).bfloat16().to(DEV)
+    a0 = (torch.randn(r, k, generator=gen) * 0.05).bfloat16().to(DEV)
+    b0 = (torch.randn(n, r, generator=gen) * 0.05).bfloat16().to(DEV)
+
+    def run(graph):
+        x, a, b = (t.clone().requires_grad_(True) for t in (x0, a0, b0))
+        if graph:
+            y = torch.ops.surogate.ext_decoded_linear_fwd(x, None, packed, codes, None, levels, None, a, b, 2.0, code,
+                                                          n, k, 64, *nested)[0]
+        else:
+            y = torch.ops.surogate.ext_decoded_linear(x, None, packed, absmax, None, levels, None, a, b, 2.0, code, n,
+                                                      k, 64)
+        y.backward(dy)
+        return [y.detach(), x.grad, a.grad, b.grad]
+
+    for got, ref in zip(run(True), run(False)):
+        assert torch.equal(got, ref)
+
+
 def test_compiled_lora_model_takes_the_graph_ops():
     """A PEFT LoRA model over nf4 bases compiled with inductor (fullgraph) runs the graph ops (no traced decode) and
     trains like the eager model on the C++ op: loss and gradients within bf16 summation noise."""

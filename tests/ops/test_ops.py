@@ -22,6 +22,8 @@ def _cases():
     mp, ms = F.quantize_mxfp4(w)
     p4, st = F.quantize_nf4(w)
     absmax, code = F.nf4_absmax(st), F.nf4_code()
+    assert st.nested  # (quantize_nf4 double-quantizes by default)
+    nested = (st.state2.absmax.float(), st.state2.code.float(), torch.as_tensor(st.offset, dtype=torch.float32))
     dy = torch.randn(6, 160, generator=g, dtype=torch.bfloat16)
     # the decode + GEMM route's operands (ops.ext.DECODE_FORMATS order), one-byte codes and scales as uint8
     dec = {"nvfp4": (nv[0], nv[1].view(torch.uint8), nv[2], None, 0, 16), "mxfp4": (mp, ms, None, None, 1, 32),
@@ -110,6 +112,13 @@ def _cases():
         ("ext_decoded_linear_bwd_base", O.ext_decoded_linear_bwd,
          (dy, None, None, *dec["nvfp4"][:4], None, None, 1.0, 0, 160, 256, 16,
           False, True, False, False, False), NO_SCHEMA),
+        # a double-quantized NF4 absmax as stored (one-byte codes) with its nested operands
+        ("ext_decoded_linear_fwd_nf4_nested", O.ext_decoded_linear_fwd,
+         (grad(x), None, p4, st.absmax, None, code.float(), None, grad(lora_a), grad(lora_b), 2.0, 2, 160, 256, 64,
+          *nested), ALL),
+        ("ext_decoded_linear_bwd_nf4_nested", O.ext_decoded_linear_bwd,
+         (dy, x, x[:, :8].contiguous(), p4, st.absmax, None, code.float(), lora_a, lora_b, 2.0, 2, 160, 256, 64,
+          False, True, False, True, True, *nested), NO_SCHEMA),
         ("ext_rmsnorm_llama", O.ext_rmsnorm,
          (grad(x.reshape(2, 3, 256)), grad(torch.randn(256, generator=g).bfloat16()), 1e-6, False, torch.bfloat16), ALL),
         ("ext_rmsnorm_gemma_fp32_weight", O.ext_rmsnorm,

@@ -128,9 +128,10 @@ class Format:
         return None
 
     def decode_args(self, t: dict[str, Tensor], n: int, k: int):
-        """(w, scales, gscale, levels, block): this unit's operands of the extension's decode ops (the layouts
-        ops.ext.decode_reference states), derived from the slots in torch ops that a compiled graph can trace; None
-        where the format has no decode route."""
+        """(w, scales, gscale, levels, block, nested): this unit's operands of the extension's decode ops (the layouts
+        ops.ext.decode_reference states), derived from the slots in torch ops that a compiled graph can trace, nested
+        being NF4 double quantization's (nested absmax, nested code, offset) or None; None where the format has no
+        decode route."""
         return None
 
     def decodes_in_gemm(self, x: Tensor, n: int, k: int) -> bool:

@@ -161,7 +161,7 @@ class FP8Format(Format):
 
     def decode_args(self, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
-        return (t[""], s, None, None, bn) if self.weight_only(n, k) and bn == bk else None
+        return (t[""], s, None, None, bn, None) if self.weight_only(n, k) and bn == bk else None
 
     def w8a8_cuda_plan(self, t, n, k):
         """The W8A8 plan (x in 1x128 E4M3 tiles x the stored blocks) whatever the weight's size: what an FP8 recipe runs

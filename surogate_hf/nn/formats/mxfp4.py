@@ -85,7 +85,7 @@ class MXFP4Format(Format):
         return _cuda.plan_mxfp4(*self._canon(t, n, k))
 
     def decode_args(self, t, n, k):
-        return (*self._canon(t, n, k), None, None, MXFP4_BLOCK)
+        return (*self._canon(t, n, k), None, None, MXFP4_BLOCK, None)
 
     def bytes_per_param(self):
         return 0.5 + 1.0 / MXFP4_BLOCK

@@ -158,12 +158,17 @@ class NF4Format(Format):
         return _cuda.plan_nf4(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
 
     def decode_args(self, t, n, k):
-        # de-nesting the absmax is a small kernel of the graph (the eager plan caches it); the levels slot is fp32 [16]
-        # already, and handed over as such (QuantizedLinear.graph_decode_operands passes a slot as stored)
+        # a double-quantized absmax goes to the decode ops as stored, with its nested operands: the decode kernel
+        # de-nests it per block, so a compiled graph runs no de-nesting kernel of its own per call and saves no fp32
+        # absmax for the backward (the eager plan de-nests once and caches it). The levels slot is fp32 [16] already,
+        # and handed over as such (QuantizedLinear.graph_decode_operands passes a slot as stored).
         levels = t["_quant_map"]
         if levels.dtype != torch.float32 or not levels.is_contiguous():
             levels = levels.float().contiguous()
-        return t[""], self._absmax(t, n, k).float().contiguous(), None, levels, self.block_size
+        if self.double_quant:
+            return (t[""], t["_absmax"], None, levels, self.block_size,
+                    (t["_nested_absmax"], t["_nested_quant_map"], t["_offset"]))
+        return t[""], t["_absmax"].float().contiguous(), None, levels, self.block_size, None
 
     def path_options(self):
         return {"nf4_block": self.block_size}

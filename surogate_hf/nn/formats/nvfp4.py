@@ -85,7 +85,7 @@ class NVFP4Format(Format):
         return _cuda.plan_nvfp4(t[""], t["_scale"], t["_scale_2"])
 
     def decode_args(self, t, n, k):
-        return t[""], t["_scale"], t["_scale_2"], None, NVFP4_BLOCK
+        return t[""], t["_scale"], t["_scale_2"], None, NVFP4_BLOCK, None
 
     def element_scales(self, t, n, k):
         return (t["_scale"].float() * t["_scale_2"].float()).repeat_interleave(NVFP4_BLOCK, -1)
