@@ -211,11 +211,12 @@ def test_graph_operands_are_the_plans(fmt):
     assert torch.equal(dense, torch.ops.surogate.ext_dequantize(*want, torch.bfloat16))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_compiled_graphs_hold_no_dtype_views_of_the_slots(fmt, monkeypatch):
-    """The forward and backward graphs of a compiled LoRA layer on the graph route hand the decode ops no
-    aten.view.dtype: inductor materialises a dtype view that an extern op takes as a call of its own per op call and
-    step (one that feeds its own kernels, as nf4's absmax de-nesting, becomes a bitcast inside them)."""
+GRAPH_OPS = (torch.ops.surogate.ext_decoded_linear_fwd.default, torch.ops.surogate.ext_decoded_linear_bwd.default)
+
+
+def _compiled_graph_nodes(fmt, monkeypatch):
+    """The call_function nodes of the forward and backward graphs of a compiled LoRA layer over a `fmt` base on the
+    graph route (fullgraph, AOTAutograd's graphs as captured, no inductor)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -231,9 +232,17 @@ def test_compiled_graphs_hold_no_dtype_views_of_the_slots(fmt, monkeypatch):
     run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
     run(torch.randn(2, 7, 256, dtype=torch.bfloat16, requires_grad=True)).float().square().mean().backward()
     assert len(graphs) == 2
-    ops = (torch.ops.surogate.ext_decoded_linear_fwd.default, torch.ops.surogate.ext_decoded_linear_bwd.default)
-    calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
-    assert {n.target for n in calls} == set(ops)
+    nodes = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert {n.target for n in nodes if n.target in GRAPH_OPS} == set(GRAPH_OPS)
+    return nodes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_graphs_hold_no_dtype_views_of_the_slots(fmt, monkeypatch):
+    """The forward and backward graphs of a compiled LoRA layer on the graph route hand the decode ops no
+    aten.view.dtype: inductor materialises a dtype view that an extern op takes as a call of its own per op call and
+    step."""
+    calls = [n for n in _compiled_graph_nodes(fmt, monkeypatch) if n.target in GRAPH_OPS]
     aliases = (torch.ops.aten.view.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
                torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
     for call in calls:
@@ -248,28 +257,10 @@ def test_compiled_nf4_graphs_de_nest_no_absmax(monkeypatch):
     """A compiled LoRA layer over a double-quantized NF4 base hands the decode ops the absmax as stored, with its
     nested operands: neither graph gathers the nested code values (the de-nesting, a kernel of its own per call and
     step before), and the backward op gets the same operands instead of a saved fp32 absmax."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
-    torch._dynamo.reset()
-    model = _peft_model("nf4", 0.0, False)
-    run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
-    run(torch.randn(2, 7, 256, dtype=torch.bfloat16, requires_grad=True)).float().square().mean().backward()
-    assert len(graphs) == 2
-    ops = (torch.ops.surogate.ext_decoded_linear_fwd.default, torch.ops.surogate.ext_decoded_linear_bwd.default)
-    nodes = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    nodes = _compiled_graph_nodes("nf4", monkeypatch)
     assert not [n for n in nodes if n.target in (torch.ops.aten.index.Tensor, torch.ops.aten.gather.default)]
-    calls = [n for n in nodes if n.target in ops]
-    assert {n.target for n in calls} == set(ops)
-    for call in calls:
-        scales = call.args[4 if call.target == ops[1] else 3]
+    for call in (n for n in nodes if n.target in GRAPH_OPS):
+        scales = call.args[4 if call.target == GRAPH_OPS[1] else 3]
         assert scales.meta["val"].dtype == torch.uint8, "the absmax goes in as its stored codes"
         assert all(a is not None for a in call.args[-3:]), "with its nested operands"
 
