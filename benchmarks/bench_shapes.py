@@ -69,6 +69,7 @@ def graph_replay(fn):
 
 
 GRAPHS = []  # --graphs: time CUDA graph replays (GPU time) instead of eager calls
+CHAIN = [1]  # --chain N: each timed graph calls N distinct layers of the shape back to back (time per call)
 EXT_BUILT = False  # set in main: whether the native extension (the few-token kernel) is built
 
 
@@ -82,13 +83,15 @@ def gemm_section(models, tokens, warmup_ms, rep_ms):
                 continue
             done.add((k, n))
             torch.manual_seed(0)
-            lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-            mods = {"bf16": lin}
+            # CHAIN distinct layers per setup (the same dense weights in every format): a chain's weights exceed L2
+            # as a model's successive layers do, and the graph's launches overlap the kernels before them
+            lins = [nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(CHAIN[0])]
+            mods = {"bf16": lins}
             for f in FORMATS:
-                built = attempt(f"{f} [{k}->{n}]", lambda f=f, lin=lin: _ours(lin, f), errors)
+                built = attempt(f"{f} [{k}->{n}]", lambda f=f, lins=lins: [_ours(lin, f) for lin in lins], errors)
                 if built is not None:
                     mods[f] = built
-            bnb_mod = attempt(f"bnb nf4 [{k}->{n}]", lambda lin=lin: _bnb(lin), errors)
+            bnb_mod = attempt(f"bnb nf4 [{k}->{n}]", lambda lins=lins: [_bnb(lin) for lin in lins], errors)
             if bnb_mod is not None:
                 mods["bnb"] = bnb_mod
             for m in tokens:
@@ -97,9 +100,12 @@ def gemm_section(models, tokens, warmup_ms, rep_ms):
                 before = set(_warn._seen)
                 with torch.no_grad():
                     for key, mod in mods.items():
-                        def timed(mod=mod):
-                            call = graph_replay(lambda: mod(x)) if GRAPHS else (lambda: mod(x))
-                            return bench_ms(call, warmup_ms, rep_ms)
+                        def timed(chain=mod):
+                            def calls():
+                                for layer in chain:
+                                    layer(x)
+
+                            return bench_ms(graph_replay(calls) if GRAPHS else calls, warmup_ms, rep_ms) / len(chain)
 
                         t = attempt(f"{key} [{k}->{n}] M={m}", timed, errors)
                         if t is not None:
@@ -125,7 +131,7 @@ def gemm_section(models, tokens, warmup_ms, rep_ms):
                     rows.append([f"{k}->{n}", proj if len(models) == 1 else f"{model} {proj}", m, key, path,
                                  ms["bf16"], ms[key], speed, target, note])
                 print(f"[{k}->{n}] M={m}: " + ", ".join(f"{a} {b:.4f} ms" for a, b in ms.items()), flush=True)
-            del mods, lin
+            del mods, lins
             torch.cuda.empty_cache()
     body = table(["shape (in->out)", "linear", "M", "setup", "planned path", "bf16 F.linear ms", "ms",
                   "x bf16 (speed)", "target", "note"], rows)
@@ -232,10 +238,17 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--skip-qlora", action="store_true")
     ap.add_argument("--graphs", action="store_true", help="time the GEMMs as CUDA graph replays: GPU time only")
+    ap.add_argument("--chain", type=int, default=1,
+                    help="time N distinct layers of each shape called back to back (per call): with --graphs, a "
+                         "decode loop's steady state, the launches overlapping the kernels before them and the "
+                         "weights beyond L2; 1 times one call after an L2 flush")
     ap.add_argument("--name", default="shapes")
     args = ap.parse_args()
     if args.graphs:
         GRAPHS.append(True)
+    if args.chain < 1:
+        raise SystemExit(f"--chain must be >= 1, got {args.chain}")
+    CHAIN[0] = args.chain
     global EXT_BUILT
     from surogate_hf.kernels import ext
 
@@ -244,6 +257,8 @@ def main():
     gemm_models = [m for m in args.gemm_models.split(",") if m]
     tokens = [int(t) for t in args.tokens.split(",")]
     how = "CUDA graph replay of the module call (GPU time)" if args.graphs else "module call"
+    if args.chain > 1:
+        how += f", {args.chain} distinct layers back to back, time per call"
     body = f"## Forward GEMM, {how} under no_grad\n\n" + gemm_section(gemm_models, tokens, 10, 40)
     print(f"GEMM section: {time.perf_counter() - t0:.0f}s", flush=True)
     if not args.skip_qlora:
