@@ -298,10 +298,14 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
                             const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
                             const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
                             const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias,
-                            double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+                            double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                            const c10::optional<at::Tensor>& nested_absmax,
+                            const c10::optional<at::Tensor>& nested_code,
+                            const c10::optional<at::Tensor>& nested_offset) {
     const at::cuda::CUDAGuard guard(x.device());
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // no graph is recorded in here: skip the autograd kernels
-    const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+    const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
+                      nested_of(nested_absmax, nested_code, nested_offset)};
     const bool lora = lora_a.has_value();
     const at::Tensor x2 = x.reshape({-1, k});
     const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
@@ -315,12 +319,17 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     d["scales"] = scales;
     if (gscale.has_value()) d["gscale"] = *gscale;
     if (levels.has_value()) d["levels"] = *levels;
+    if (op.nested.defined()) {
+      d["nested_absmax"] = op.nested.absmax;
+      d["nested_code"] = op.nested.code;
+      d["nested_offset"] = op.nested.offset;
+    }
     save_call(ctx, x, x_lora, lora, lora_b.has_value(), scaling, fmt, n, k, block);
     return at::_unsafe_view(y, out_shape(x, n));  // a fresh output, not a view of an intermediate
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(14);  // x, x_lora, lora_a, lora_b, then the frozen weight operands and the constants: none
+    variable_list out(17);  // x, x_lora, lora_a, lora_b, then the frozen weight operands and the constants: none
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return out;
     const auto saved = ctx->get_saved_variables();
@@ -328,7 +337,8 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     const auto& d = ctx->saved_data;
     auto get = [&](const char* key) { auto it = d.find(key); return it == d.end() ? at::Tensor() : it->second.toTensor(); };
     const Operands op{get("w"), get("scales"), get("gscale"), get("levels"), d.at("fmt").toInt(), d.at("n").toInt(),
-                      d.at("k").toInt(), d.at("block").toInt()};
+                      d.at("k").toInt(), d.at("block").toInt(),
+                      Nested{get("nested_absmax"), get("nested_code"), get("nested_offset")}};
     const double scaling = d.at("scaling").toDouble();
     const bool separate_xl = d.at("edge_xl").toInt() >= 0;
     const bool want_x = ctx->needs_input_grad(0), want_xl = wants(ctx, "edge_xl");
@@ -352,9 +362,13 @@ at::Tensor decoded_linear_autograd(const at::Tensor& x, const c10::optional<at::
                                    const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
                                    const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias,
                                    const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
-                                   double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+                                   double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                                   const c10::optional<at::Tensor>& nested_absmax,
+                                   const c10::optional<at::Tensor>& nested_code,
+                                   const c10::optional<at::Tensor>& nested_offset) {
   TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear: lora_a and lora_b go together");
-  return DecodedLinear::apply(x, x_lora, lora_a, lora_b, w, scales, gscale, levels, bias, scaling, fmt, n, k, block);
+  return DecodedLinear::apply(x, x_lora, lora_a, lora_b, w, scales, gscale, levels, bias, scaling, fmt, n, k, block,
+                              nested_absmax, nested_code, nested_offset);
 }
 
 // CUDA (below autograd: no-grad and inference-mode calls): the forward alone
@@ -362,10 +376,14 @@ at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tens
                                const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
                                const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
-                               double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block) {
+                               double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                               const c10::optional<at::Tensor>& nested_absmax,
+                               const c10::optional<at::Tensor>& nested_code,
+                               const c10::optional<at::Tensor>& nested_offset) {
   const at::cuda::CUDAGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
-  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block};
+  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
+                    nested_of(nested_absmax, nested_code, nested_offset)};
   const at::Tensor x2 = x.reshape({-1, k});
   const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
   return at::_unsafe_view(

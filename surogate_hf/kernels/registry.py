@@ -305,6 +305,12 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block, nested=Non
     return (w, scales, gscale, levels, fmt, n, k, block)
 
 
+def _decoded(operands, nested=None):
+    """A plan's `decoded`: decode_operands' tuple and the NF4 nested absmax operands (or None); None without
+    operands."""
+    return None if operands is None else (*operands, nested)
+
+
 def plan_fp8(w, w_scale_inv, block_n, block_k):
     return (*_fp8().plan_block_linear(w, w_scale_inv, block_n, block_k), None)  # W8A8: no decode route
 
@@ -314,24 +320,40 @@ def plan_fp8_weight_only(w, w_scale_inv, block_n, block_k):
     g = _fp8()
     n, k = w.shape
     return (g.dense_linear, g.dense_linear_dgrad, (w, w_scale_inv, block_n, block_k),
-            decode_operands("fp8", w, w_scale_inv, None, None, n, k, block_n) if block_n == block_k else None)
+            _decoded(decode_operands("fp8", w, w_scale_inv, None, None, n, k, block_n)) if block_n == block_k else None)
 
 
 def plan_nvfp4(packed, block_scale, global_scale):
     n, k = packed.shape[0], packed.shape[1] * 2
     return (nvfp4_linear, nvfp4_linear_dgrad, (packed, block_scale, global_scale),
-            decode_operands("nvfp4", packed, block_scale, global_scale, None, n, k, 16))
+            _decoded(decode_operands("nvfp4", packed, block_scale, global_scale, None, n, k, 16)))
 
 
 def plan_mxfp4(packed, scales):
     n, k = packed.shape[0], packed.shape[1] * 2
-    return mxfp4_linear, mxfp4_linear_dgrad, (packed, scales), decode_operands("mxfp4", packed, scales, None, None, n, k, 32)
+    return (mxfp4_linear, mxfp4_linear_dgrad, (packed, scales),
+            _decoded(decode_operands("mxfp4", packed, scales, None, None, n, k, 32)))
 
 
-def plan_nf4(packed, absmax, code, block_size, out_features, in_features):
-    args = (packed, absmax.float().contiguous(), code.float().contiguous(), block_size, out_features, in_features)
+def plan_nf4(packed, absmax, code, block_size, out_features, in_features, nested=None):
+    """absmax: the fp32 absmax per block; or, with `nested` (double quantization's nested absmax, nested code values and
+    offset), its one-byte codes as stored. Then the C++ decode route de-nests per block, and the fp32 absmax that the
+    few-token / Triton / Python paths take is built on their first call (a training step at >= DENSE_MIN_TOKENS
+    tokens never builds it: 4 bytes per block, +0.0625 B/param at block 64, not held)."""
+    levels = code.float().contiguous()
+    n, k = out_features, in_features
+    if nested is None:
+        args = (packed, absmax.float().contiguous(), levels, block_size, n, k)
+        return nf4_linear, nf4_linear_dgrad, args, _decoded(decode_operands("nf4", packed, args[1], None, levels, n, k,
+                                                                            block_size))
+
+    def args():
+        from ..formats.nf4 import nf4_denest_absmax
+
+        return (packed, nf4_denest_absmax(absmax, *nested).contiguous(), levels, block_size, n, k)
+
     return (nf4_linear, nf4_linear_dgrad, args,
-            decode_operands("nf4", packed, args[1], None, args[2], out_features, in_features, block_size))
+            _decoded(decode_operands("nf4", packed, absmax, None, levels, n, k, block_size, nested), nested))
 
 
 def _fp8_native_ok(dtype, n, k, block_n, block_k, device_index) -> bool:

@@ -66,7 +66,16 @@ class GemmPlan:
     (loading, `.to(device)`) or writing into one in place rebuilds it. Sources are held weakly so a
     plan never keeps replaced buffers alive."""
 
-    __slots__ = ("refs", "versions", "fwd", "dgrad", "args", "decoded")
+    __slots__ = ("refs", "versions", "fwd", "dgrad", "_args", "_build_args", "decoded")
+
+    @property
+    def args(self) -> tuple:
+        """fwd's / dgrad's arguments after the input, built on first use where the format deferred them (an NF4
+        base's de-nested fp32 absmax: only its few-token and Python paths take it, so a plan that only ever runs the
+        C++ decode route, which de-nests per block, never holds it)."""
+        if self._args is None:
+            self._args, self._build_args = self._build_args(), None
+        return self._args
 
     def valid_for(self, sources: tuple[Tensor, ...]) -> bool:
         refs = self.refs
@@ -79,15 +88,17 @@ class GemmPlan:
 
 
 def gemm_plan(cache: dict, key, sources: tuple[Tensor, ...], build) -> GemmPlan:
-    """cache[key] if still valid for `sources`, else a new plan from build() -> (fwd, dgrad, args, decoded): decoded,
-    the weight's operands of the C++ decode + GEMM op (kernels.registry.decode_operands), or None."""
+    """cache[key] if still valid for `sources`, else a new plan from build() -> (fwd, dgrad, args, decoded): args a
+    tuple or a callable that builds it on first use; decoded, the weight's operands of the C++ decode + GEMM op
+    (kernels.registry.decode_operands) and the NF4 nested absmax operands or None, or None."""
     plan = cache.get(key)
     if plan is not None and plan.valid_for(sources):
         return plan
     plan = GemmPlan()
     plan.refs = tuple(weakref.ref(s) for s in sources)
     plan.versions = tuple(s._version for s in sources)
-    plan.fwd, plan.dgrad, plan.args, plan.decoded = build()
+    plan.fwd, plan.dgrad, args, plan.decoded = build()
+    plan._args, plan._build_args = (None, args) if callable(args) else (args, None)
     cache[key] = plan
     return plan
 
@@ -145,6 +156,11 @@ def decoded_linear_op():
 # the decode traced into the graph (decoded_linear below). benchmarks/bench_e2e.py's `_traced` setups measure the two
 # side by side; read at trace time.
 COMPILED_DECODED_ROUTE = True
+
+
+def _with_nested(op, nested):
+    """op(..., block) -> op(..., block, *nested): ext_decoded_linear with an NF4 base's nested absmax operands."""
+    return lambda *args: op(*args, *nested)
 
 
 def graph_decoded_linear_ready() -> bool:
@@ -351,7 +367,10 @@ class QuantizedLinear(nn.Linear):
             return None if route is None or route[1].device != x.device else route
         decoded = self._cuda_plan().decoded
         op = decoded_linear_op() if decoded is not None and decoded[0].device == x.device else None
-        return None if op is None else (op, *decoded)
+        if op is None:
+            return None
+        *operands, nested = decoded
+        return (op if nested is None else _with_nested(op, nested), *operands)
 
     def graph_route(self):
         """decoded_route's tuple inside torch.compile: graph_decoded_linear (with an NF4 base's nested absmax operands

@@ -70,9 +70,10 @@ _lib.define("ext_few_token_gemm(Tensor x, Tensor w, Tensor scales, Tensor? gscal
             "int nf4_block) -> Tensor")
 _lib.define("ext_dequantize(Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, int block, "
             "ScalarType dtype) -> Tensor")
-_lib.define("ext_decoded_linear(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
-            "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block) -> Tensor")
 # (nested_*: NF4 double quantization's operands, as the module stores them: decode_reference)
+_lib.define("ext_decoded_linear(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
+            "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
+            "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None) -> Tensor")
 _lib.define("ext_decoded_linear_fwd(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
             "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
             "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None) -> (Tensor, Tensor)")
@@ -380,7 +381,8 @@ def _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling):
 @fresh_outputs
 def _ext_decoded_linear(x: Tensor, x_lora: Tensor | None, w: Tensor, scales: Tensor, gscale: Tensor | None,
                         levels: Tensor | None, bias: Tensor | None, lora_a: Tensor | None, lora_b: Tensor | None,
-                        scaling: float, fmt: int, n: int, k: int, block: int) -> Tensor:
+                        scaling: float, fmt: int, n: int, k: int, block: int, nested_absmax: Tensor | None = None,
+                        nested_code: Tensor | None = None, nested_offset: Tensor | None = None) -> Tensor:
     """y = x deq(W)^T + bias (+ scaling * h B^T for h = x_lora A^T, x_lora None: x itself; A and B cast to x's dtype),
     in _decoded_linear_2d's aten calls: without an adapter addmm(bias, x, W^T); with one, the adapter's GEMM first
     (addmm(bias, h, B^T, alpha=scaling)) and the base GEMM accumulating onto it. The weight is decode_reference's. Gradients flow to x, x_lora, lora_a and lora_b (cast to their dtypes; the scaling is each
@@ -389,7 +391,8 @@ def _ext_decoded_linear(x: Tensor, x_lora: Tensor | None, w: Tensor, scales: Ten
     if (lora_a is None) != (lora_b is None) or x.shape[-1] != k:
         raise ValueError(f"ext_decoded_linear: x [..., {k}] and lora_a / lora_b together expected, got x "
                          f"{tuple(x.shape)}, lora_a {lora_a is not None}, lora_b {lora_b is not None}")
-    wd = decode_reference(w, scales, gscale, levels, fmt, n, k, block, x.dtype)
+    wd = decode_reference(w, scales, gscale, levels, fmt, n, k, block, x.dtype,
+                          _nested(nested_absmax, nested_code, nested_offset))
     x2 = x.reshape(-1, k)
     xl2 = x2 if x_lora is None else x_lora.reshape(-1, k)
     y, _ = _decoded_linear_2d(x2, xl2, wd, bias, lora_a, lora_b, scaling)
@@ -397,14 +400,16 @@ def _ext_decoded_linear(x: Tensor, x_lora: Tensor | None, w: Tensor, scales: Ten
 
 
 @torch.library.register_fake(f"{NS}::ext_decoded_linear", lib=_lib)
-def _(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block):
+def _(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block, nested_absmax=None,
+      nested_code=None, nested_offset=None):
     return x.new_empty((*x.shape[:-1], n))
 
 
 def _decoded_linear_setup(ctx, inputs, output):
-    x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block = inputs
+    x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block, *nested = inputs
     ctx.save_for_backward(x, x_lora, lora_a, lora_b)
     ctx.weight = (w, scales, gscale, levels, fmt, n, k, block)
+    ctx.nested = _nested(*(list(nested) + [None] * 3)[:3])
     ctx.scaling = scaling
 
 
@@ -438,10 +443,10 @@ def _decoded_linear_backward(ctx, dy):
     want = ctx.needs_input_grad
     dx, dxl, da, db = _decoded_linear_grads(dy.reshape(-1, n), xl2, None, w, scales, gscale, levels, lora_a, lora_b,
                                             ctx.scaling, fmt, n, k, block, x_lora is not None, want[0], want[1],
-                                            want[7], want[8])
+                                            want[7], want[8], ctx.nested)
     dx = None if dx is None else dx.reshape(x.shape)
     dxl = None if dxl is None else dxl.reshape(x_lora.shape)
-    return dx, dxl, None, None, None, None, None, da, db, None, None, None, None, None
+    return dx, dxl, None, None, None, None, None, da, db, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(f"{NS}::ext_decoded_linear", _decoded_linear_backward,

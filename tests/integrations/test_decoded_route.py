@@ -25,27 +25,45 @@ def _layer(fmt, n=192, k=576, bias=False):
     return L.LINEAR_CLASSES[fmt].from_linear(lin).requires_grad_(False)
 
 
-def _operands(layer):
+def _decoded(layer):
+    """The layer's plan's `decoded`: the op operands, then the NF4 nested absmax operands or None."""
     n, k = layer.out_features, layer.in_features
     if layer.quant_format == "fp8":  # (its plan needs Triton; the operands are the stored blocks)
         t = layer._tensors()
-        return decode_operands("fp8", t[""], t["_scale_inv"], None, None, n, k, 128)
+        return (*decode_operands("fp8", t[""], t["_scale_inv"], None, None, n, k, 128), None)
     return layer.fmt.cuda_plan(layer._tensors(), n, k)[3]
+
+
+def _eager_route(layer):
+    """decoded_route's eager tuple for the layer's plan (ext_decoded_linear, nested operands bound), on any device."""
+    *operands, nested = _decoded(layer)
+    op = torch.ops.surogate.ext_decoded_linear.default
+    return (op if nested is None else L._with_nested(op, nested), *operands)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_plan_operands_decode_to_the_layers_weight(fmt):
     """Each format's plan gives the op operands whose decode is the layer's own dequantize(), bit for bit, and a
-    forward that matches the layer's (bias included)."""
+    forward that matches the layer's (bias included). A double-quantized NF4 absmax stays as stored, with its nested
+    operands (nf4: the layer's default); the plan builds the de-nested fp32 absmax only when its few-token or Python
+    path first asks for its args."""
+    from surogate_hf.ops.ext import decode_reference
+
     layer = _layer(fmt, bias=True)
-    ops = _operands(layer)
-    assert ops is not None and ops[4] == FORMATS.index(fmt)
+    *ops, nested = _decoded(layer)
+    assert ops[4] == FORMATS.index(fmt) and (nested is not None) == (fmt == "nf4")
     w, s, g, lv, code, n, k, block = ops
-    dense = torch.ops.surogate.ext_dequantize(w, s, g, lv, code, n, k, block, torch.bfloat16)
+    dense = decode_reference(w, s, g, lv, code, n, k, block, torch.bfloat16, nested)
     assert torch.equal(dense.view(torch.int16), layer.dequantize(torch.bfloat16).view(torch.int16))
     x = torch.randn(3, 5, 576, dtype=torch.bfloat16)
-    y = torch.ops.surogate.ext_decoded_linear(x, None, w, s, g, lv, layer.bias, None, None, 1.0, code, n, k, block)
+    op, *operands = _eager_route(layer)
+    y = op(x, None, *operands[:4], layer.bias, None, None, 1.0, *operands[4:])
     torch.testing.assert_close(y, layer(x), rtol=2e-2, atol=2e-2)
+    if nested is not None:
+        plan = L.gemm_plan({}, None, (), lambda: layer.fmt.cuda_plan(layer._tensors(), n, k))
+        assert s.dtype == torch.uint8 and plan._args is None, "no fp32 absmax until a path asks for it"
+        absmax = plan.args[1]
+        assert absmax.dtype == torch.float32 and torch.equal(absmax, layer.fmt._absmax(layer._tensors(), n, k))
 
 
 def test_operands_that_do_not_fit_are_refused():
@@ -122,7 +140,7 @@ def test_fused_lora_call_matches_the_unfused_path(fmt, dropout, bias, monkeypatc
         if fused:
             def route(self, x2d):
                 calls.append(1)
-                return (torch.ops.surogate.ext_decoded_linear.default, *_operands(self))
+                return _eager_route(self)
 
             monkeypatch.setattr(L.QuantizedLinear, "decoded_route", route)
         torch.manual_seed(5)  # the dropout draws
@@ -148,7 +166,7 @@ def test_the_fused_call_is_skipped_where_it_would_change_behaviour(monkeypatch):
 
     def route(self, x2d):
         fused.append(self is model.base_model.model.down_proj.get_base_layer())
-        return (torch.ops.surogate.ext_decoded_linear.default, *_operands(self))
+        return _eager_route(self)
 
     monkeypatch.setattr(L.QuantizedLinear, "decoded_route", route)
     seen = []
@@ -166,7 +184,7 @@ def test_fused_call_under_activation_checkpointing(reentrant, monkeypatch):
     from torch.utils.checkpoint import checkpoint
 
     monkeypatch.setattr(L.QuantizedLinear, "decoded_route",
-                        lambda self, x2d: (torch.ops.surogate.ext_decoded_linear.default, *_operands(self)))
+                        lambda self, x2d: _eager_route(self))
     xs = [torch.randn(2, 5, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i)) for i in (7, 8)]
     grads = []
     for ckpt in (False, True):
@@ -186,29 +204,30 @@ def test_graph_operands_are_the_plans(fmt):
     """The operands a compiled graph derives from the slots (Format.decode_args, traced) are the eager plan's bytes, a
     slot taken as such being the stored parameter itself (no dtype view for the graph to run), and decode to the layer's
     weight through the reference. A double-quantized NF4 absmax goes in as its stored codes with its nested operands
-    (the decode de-nests it), where the eager plan holds it de-nested."""
+    (the decode de-nests it), in the graph as in the eager plan."""
     from surogate_hf.ops.ext import decode_reference
 
     layer = _layer(fmt, bias=True)
-    got, want = layer.graph_decode_operands(), _operands(layer)
-    assert got is not None and len(got) == len(want) + 1
-    *got, nested = got
-    assert (nested is not None) == (fmt == "nf4")  # (NF4Linear double-quantizes by default)
-    stored = [p for name, p in layer.named_parameters() if name.startswith("weight")]
-    for i, (a, b) in enumerate(zip(got, want)):
-        if isinstance(b, torch.Tensor) and not (nested is not None and i == 1):
+    got, want = layer.graph_decode_operands(), _decoded(layer)
+    assert got is not None and len(got) == len(want) == 9
+    assert (got[8] is not None) == (want[8] is not None) == (fmt == "nf4")  # (NF4Linear double-quantizes by default)
+
+    def flat(ops):
+        return [t for t in (*ops[:8], *(ops[8] or ())) if t is not None]
+
+    for a, b in zip(flat(got), flat(want)):
+        if isinstance(b, torch.Tensor):
             assert a.element_size() == b.element_size() and a.numel() == b.numel()
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-        elif not isinstance(b, torch.Tensor):
+        else:
             assert a == b
-    w, scales, gscale, levels = got[:4]
-    for t in (w, scales, gscale, levels, *(nested or ())):
-        if t is not None:
+    stored = [p for name, p in layer.named_parameters() if name.startswith("weight")]
+    for t in flat(got):
+        if isinstance(t, torch.Tensor):
             assert any(t.dtype == p.dtype and t.data_ptr() == p.data_ptr() for p in stored), \
                 f"{fmt}: an operand is not its slot as stored"
-    dense = decode_reference(*got, torch.bfloat16, nested)
+    dense = decode_reference(*got[:8], torch.bfloat16, got[8])
     assert torch.equal(dense, layer.dequantize(torch.bfloat16))
-    assert torch.equal(dense, torch.ops.surogate.ext_dequantize(*want, torch.bfloat16))
 
 
 GRAPH_OPS = (torch.ops.surogate.ext_decoded_linear_fwd.default, torch.ops.surogate.ext_decoded_linear_bwd.default)
@@ -288,7 +307,7 @@ def test_compiled_fused_call_matches_the_eager_op(fmt, dropout, bias, monkeypatc
             run = torch.compile(model, backend=backend, fullgraph=True)
         else:
             monkeypatch.setattr(L.QuantizedLinear, "decoded_route",
-                                lambda self, x2d: (torch.ops.surogate.ext_decoded_linear.default, *_operands(self)))
+                                lambda self, x2d: _eager_route(self))
             run = model
         torch.manual_seed(5)
         xg = x.clone().requires_grad_(True)
@@ -322,7 +341,7 @@ def test_compiled_route_under_checkpointing_and_accumulation(monkeypatch):
                 return checkpoint(inner, x, use_reentrant=False)
         else:
             monkeypatch.setattr(L.QuantizedLinear, "decoded_route",
-                                lambda self, x2d: (torch.ops.surogate.ext_decoded_linear.default, *_operands(self)))
+                                lambda self, x2d: _eager_route(self))
             run = model
         for x in xs:
             xg = x.clone().requires_grad_(True)

@@ -268,10 +268,10 @@ def test_graph_ops_are_the_eager_ops_bits(fmt, case):
 
 
 @pytest.mark.parametrize("n, k", [(1536, 576), (192, 576), (4864, 896)])
-def test_graph_ops_de_nest_the_nf4_absmax_bit_for_bit(n, k):
-    """The graph ops given a double-quantized NF4 absmax as stored (one-byte codes plus the nested operands: what a
-    compiled graph hands them, so that it runs no de-nesting kernel per call) give the eager op's output and gradients
-    on the de-nested fp32 absmax bit for bit, adapter and all."""
+def test_decode_ops_de_nest_the_nf4_absmax_bit_for_bit(n, k):
+    """The graph ops and the eager op given a double-quantized NF4 absmax as stored (one-byte codes plus the nested
+    operands: what a compiled graph and the eager plan hand them) give the eager op's output and gradients on the
+    de-nested fp32 absmax bit for bit, adapter and all."""
     import surogate_hf.formats as F
 
     m, r = 1000, 16
@@ -288,19 +288,24 @@ def test_graph_ops_de_nest_the_nf4_absmax_bit_for_bit(n, k):
     a0 = (torch.randn(r, k, generator=gen) * 0.05).bfloat16().to(DEV)
     b0 = (torch.randn(n, r, generator=gen) * 0.05).bfloat16().to(DEV)
 
-    def run(graph):
+    def run(how):
         x, a, b = (t.clone().requires_grad_(True) for t in (x0, a0, b0))
-        if graph:
+        if how == "graph":
             y = torch.ops.surogate.ext_decoded_linear_fwd(x, None, packed, codes, None, levels, None, a, b, 2.0, code,
                                                           n, k, 64, *nested)[0]
+        elif how == "eager_nested":  # the eager plan's route since the plan keeps the absmax as stored
+            y = torch.ops.surogate.ext_decoded_linear(x, None, packed, codes, None, levels, None, a, b, 2.0, code, n,
+                                                      k, 64, *nested)
         else:
             y = torch.ops.surogate.ext_decoded_linear(x, None, packed, absmax, None, levels, None, a, b, 2.0, code, n,
                                                       k, 64)
         y.backward(dy)
         return [y.detach(), x.grad, a.grad, b.grad]
 
-    for got, ref in zip(run(True), run(False)):
-        assert torch.equal(got, ref)
+    ref = run("fp32_absmax")
+    for how in ("graph", "eager_nested"):
+        for got, want in zip(run(how), ref):
+            assert torch.equal(got, want), how
 
 
 def test_compiled_lora_model_takes_the_graph_ops():

@@ -113,6 +113,9 @@ def _cases():
          (dy, None, None, *dec["nvfp4"][:4], None, None, 1.0, 0, 160, 256, 16,
           False, True, False, False, False), NO_SCHEMA),
         # a double-quantized NF4 absmax as stored (one-byte codes) with its nested operands
+        ("ext_decoded_linear_nf4_nested", O.ext_decoded_linear,
+         (grad(x), None, p4, st.absmax, None, code.float(), None, grad(lora_a), grad(lora_b), 2.0, 2, 160, 256, 64,
+          *nested), ALL),
         ("ext_decoded_linear_fwd_nf4_nested", O.ext_decoded_linear_fwd,
          (grad(x), None, p4, st.absmax, None, code.float(), None, grad(lora_a), grad(lora_b), 2.0, 2, 160, 256, 64,
           *nested), ALL),

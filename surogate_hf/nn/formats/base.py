@@ -147,8 +147,10 @@ class Format:
 
     def cuda_plan(self, t: dict[str, Tensor], n: int, k: int):
         """(forward, dgrad, args, decoded) of the registered CUDA implementations with the GEMM's arguments
-        prepared once (see `GemmPlan`): forward(x, *args), dgrad(dy, *args); decoded: the weight's operands of the
-        extension's decode + GEMM op (kernels.registry.decode_operands), or None where the format has no such route."""
+        prepared once (see `GemmPlan`; args may be a callable that builds them on first use): forward(x, *args),
+        dgrad(dy, *args); decoded: the weight's operands of the extension's decode + GEMM op
+        (kernels.registry.decode_operands) followed by the NF4 nested absmax operands or None, or None where the
+        format has no such route."""
         raise NotImplementedError
 
     def bytes_per_param(self) -> float:

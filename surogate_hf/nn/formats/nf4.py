@@ -152,10 +152,14 @@ class NF4Format(Format):
         return ops.nf4_linear_dgrad(dy, t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
 
     def cuda_plan(self, t, n, k):
-        # The plan holds the de-nested fp32 absmax (4 bytes per block: +0.0625 B/param at block 64,
-        # on the device only, never saved): undoing double quantization per call was a bitsandbytes
-        # call (QuantState + dequantize_blockwise + offset add) on every forward and dgrad.
-        return _cuda.plan_nf4(t[""], self._absmax(t, n, k), t["_quant_map"], self.block_size, n, k)
+        # A double-quantized absmax goes to the plan as stored, with its nested operands: the C++ decode route
+        # de-nests it per block; the few-token and Python paths take a de-nested fp32 absmax, which the plan builds
+        # on their first call and then holds (4 bytes per block, +0.0625 B/param at block 64; undoing double
+        # quantization per call was a bitsandbytes call on every forward and dgrad).
+        if self.double_quant:
+            return _cuda.plan_nf4(t[""], t["_absmax"], t["_quant_map"], self.block_size, n, k,
+                                  nested=(t["_nested_absmax"], t["_nested_quant_map"], t["_offset"]))
+        return _cuda.plan_nf4(t[""], t["_absmax"], t["_quant_map"], self.block_size, n, k)
 
     def decode_args(self, t, n, k):
         # a double-quantized absmax goes to the decode ops as stored, with its nested operands: the decode kernel
