@@ -50,8 +50,9 @@ int out_dtype_code(at::ScalarType t) {
 }
 
 // NF4 double quantization's operands (all three or none): the fp32 second-level absmax [ceil(blocks / 256)], its 256
-// fp32 code values and the fp32 offset; the first-level absmax (`scales`) is then one-byte codes. A compiled graph
-// hands them over as the module stores them, so that no graph kernel de-nests the absmax per call.
+// fp32 code values and the fp32 offset; the first-level absmax (`scales`) is then one-byte codes. A compiled graph and
+// the eager plan hand them over as the module stores them: the decode de-nests per block, so no graph kernel de-nests
+// the absmax per call and no fp32 copy is kept.
 struct Nested {
   at::Tensor absmax, code, offset;
   bool defined() const { return absmax.defined(); }
@@ -109,7 +110,7 @@ at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, cons
   return out;
 }
 
-// ext_dequantize (no nested operands: the eager plan de-nests an NF4 absmax once)
+// ext_dequantize (no nested operands: its callers pass an NF4 absmax de-nested)
 at::Tensor dequantize_op(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
                          const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
                          at::ScalarType dtype) {

@@ -256,8 +256,8 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block, nested=Non
     """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
     ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
     operands they would refuse (the route also checks that x is on w's device). nested: an NF4 absmax's double
-    quantization (nested absmax, nested code, offset; scales its one-byte codes), which only the graph ops take and
-    which is checked here too. None, said once with the reason, when they do not fit: the layer then keeps the Python
+    quantization (nested absmax, nested code, offset; scales its one-byte codes), which the ops take as their
+    trailing operands, checked here too. None, said once with the reason, when they do not fit: the layer then keeps the Python
     plan (the same math, more host time)."""
     from ..formats.nf4 import NF4_NESTED_BLOCK
     from ..ops.ext import DECODE_FORMATS, FP32_BYTES

@@ -162,10 +162,10 @@ class NF4Format(Format):
         return _cuda.plan_nf4(t[""], t["_absmax"], t["_quant_map"], self.block_size, n, k)
 
     def decode_args(self, t, n, k):
-        # a double-quantized absmax goes to the decode ops as stored, with its nested operands: the decode kernel
-        # de-nests it per block, so a compiled graph runs no de-nesting kernel of its own per call and saves no fp32
-        # absmax for the backward (the eager plan de-nests once and caches it). The levels slot is fp32 [16] already,
-        # and handed over as such (QuantizedLinear.graph_decode_operands passes a slot as stored).
+        # a double-quantized absmax goes to the decode ops as stored, with its nested operands (as in the eager plan):
+        # the decode kernel de-nests it per block, so a compiled graph runs no de-nesting kernel of its own per call
+        # and saves no fp32 absmax for the backward. The levels slot is fp32 [16] already, and handed over as such
+        # (QuantizedLinear.graph_decode_operands passes a slot as stored).
         levels = t["_quant_map"]
         if levels.dtype != torch.float32 or not levels.is_contiguous():
             levels = levels.float().contiguous()
