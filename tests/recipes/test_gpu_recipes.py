@@ -28,6 +28,20 @@ def _quiet():
         yield
 
 
+def _lm_steps(m, opt, device, steps=4):
+    """`steps` causal-LM training steps of m on fixed random token batches (2 x 64 of vocab 256, seeded by step);
+    the losses."""
+    losses = []
+    for i in range(steps):
+        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(i)).to(device)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _u8(t):
     return t.detach().cpu().contiguous().view(torch.uint8)
 
@@ -274,15 +288,7 @@ def test_fp8_recipe_with_fused_norms_on_gpu(compiled):
             for layer in m.model.layers:
                 layer.compile(fullgraph=True)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=device == "cuda")
-        losses = []
-        for i in range(4):
-            ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(i)).to(device)
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses, m
+        return _lm_steps(m, opt, device), m
 
     lc, _ = train(model(True), "cpu")
     lu, mu = train(model(False), "cuda")
@@ -330,15 +336,7 @@ def test_native_fp8_linear_is_the_python_function_bit_for_bit(monkeypatch, maste
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        losses = []
-        for i in range(4):
-            ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(i)).cuda()
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses, m
+        return _lm_steps(m, opt, "cuda"), m
 
     lp, mp = run(False)
     assert not calls
