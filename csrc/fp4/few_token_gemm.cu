@@ -4,7 +4,8 @@
 //   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 4 steps ahead, and
 //     decodes them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma B fragments;
 //   - the reduction order inside an mma is free, so lane q's 32 codes fill its k-slots of 8 consecutive m16n8k16
-//     steps, and x is staged in shared memory (cp.async) in the same permuted order, as ready A fragments;
+//     steps, and x is staged in shared memory (cp.async) in the same permuted order, as ready A fragments; where the
+//     CTA's whole x range fits (the usual case), it is copied once before the loop, which then has no barrier;
 //   - the K range is split over up to 8 CTAs of one thread-block cluster (SM90), whose fp32 partials are summed
 //     through distributed shared memory in a fixed order (deterministic, one launch, no workspace).
 // Numerics: each decoded element is the reference's, rounded to bf16 (exact for NVFP4 and MXFP4: e2m1 times a
@@ -21,6 +22,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
+#include <unordered_map>
 #include <type_traits>
 
 namespace surogate {
@@ -31,6 +34,7 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 128;  // 4 warps; warp w owns n8 tiles [w * NT, (w + 1) * NT) of the CTA's columns
 constexpr int kStep = 128;     // K per main-loop step: 4 lanes x 32 codes of each weight row
 constexpr int kMaxSplit = 8;   // the portable cluster size
+constexpr int kMaxDevices = 64;  // the per-device shared-memory opt-in is a bit mask
 constexpr int kStageTileBytes = 16 * kStep * 2;  // bytes of one m16 tile of an x stage (16 rows x kStep bf16)
 enum : int { kNVFP4 = 0, kMXFP4 = 1, kNF4 = 2 };
 
@@ -46,15 +50,24 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 constexpr uint32_t kLow03 = 0xC0800000u, kLow47 = 0xC0804000u;
 constexpr uint32_t kHigh03 = 0x3F3F3F00u, kHigh47 = 0x40404040u;
 
+// The two table words prmt needs in a register (the other two are its immediate), held in per-thread registers: as
+// constants the compiler kept them in uniform registers and copied one into a register before every prmt (one extra
+// instruction per 4 codes, ~10% of the main loop). `zero` is 0 at run time (a thread index times M <= 64, shifted
+// by 31) but not provably so, which keeps the words in per-thread registers.
+struct E2M1Tables {
+  uint32_t low03, high03;
+  __device__ __forceinline__ explicit E2M1Tables(uint32_t zero) : low03(kLow03 + zero), high03(kHigh03 + zero) {}
+};
+
 // 8 E2M1 codes (code i in bits 4i..4i+3, element order) -> 4 bf16x2 words, word j = elements (2j, 2j + 1).
-__device__ __forceinline__ void e2m1x8_to_bf16(uint32_t w, uint32_t* out) {
+__device__ __forceinline__ void e2m1x8_to_bf16(uint32_t w, const E2M1Tables& t, uint32_t* out) {
   const uint32_t mag_lo = w & 0x7777u, mag_hi = (w >> 16) & 0x7777u;
   // sign bytes: byte j = 0xFF where code j is negative. The sign of code 2i is bit 7 of byte i of (w << 4),
   // that of code 2i + 1 bit 7 of byte i of w; prmt replicates it (selector nibbles with bit 3 set).
   const uint32_t w4 = w << 4;
   const uint32_t sign_lo = prmt(w4, w, 0xD9C8u), sign_hi = prmt(w4, w, 0xFBEAu);
-  const uint32_t lo_a = prmt(kLow03, kLow47, mag_lo), lo_b = prmt(kLow03, kLow47, mag_hi);
-  uint32_t hi_a = prmt(kHigh03, kHigh47, mag_lo), hi_b = prmt(kHigh03, kHigh47, mag_hi);
+  const uint32_t lo_a = prmt(t.low03, kLow47, mag_lo), lo_b = prmt(t.low03, kLow47, mag_hi);
+  uint32_t hi_a = prmt(t.high03, kHigh47, mag_lo), hi_b = prmt(t.high03, kHigh47, mag_hi);
   hi_a |= sign_lo & 0x80808080u;
   hi_b |= sign_hi & 0x80808080u;
   out[0] = prmt(lo_a, hi_a, 0x5140u);
@@ -105,48 +118,51 @@ struct LaneWeights {
   uint32_t scale;  // NVFP4: two E4M3 bytes (blocks k0/16, k0/16 + 1); MXFP4: one E8M0 byte; NF4: fp32 absmax bits
 };
 
-// One weight row as a lane reads it: pointers to its first 16 code bytes and its first scale(s), set once, so a step
-// only adds a constant (per-step 64-bit index arithmetic, and NF4's division by the block size, cost more
-// instructions than the decode they fed).
-struct LaneRow {
-  const uint8_t* codes;  // w + n * K/2 + q * 16: 64 bytes further per step
-  const uint8_t* scale;  // NVFP4: + n * K/16 + 2q (8 bytes per step); MXFP4: + n * K/32 + q (4 per step)
-  const float* absmax;   // NF4: the row's first block; the lane's block per step is ((q * 32 + step * 128) >> shift)
-  bool valid;            // n < N
-};
-
+// The weight as a CTA reads it: its first row's codes and scales, from which each lane's row is one 32-bit byte
+// offset of its codes (the scale's index follows from it by a shift: K/16 scales per K/2 code bytes for NVFP4, K/32
+// for MXFP4, one NF4 block per 2^shift elements). One register per row and a few integer ops per step: with the
+// lane's three 64-bit pointers per row the compiler ran out of registers and rebuilt each address per load (~30
+// instructions, as many as the decode of 8 codes). Rows past N read row N - 1 (in bounds; their sums are never
+// stored), so a load checks the K tail only.
 template <int FMT>
-__device__ __forceinline__ LaneRow lane_row(const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
-                                            const float* __restrict__ absmax, int64_t n, int N, int K, int q,
-                                            int nf4_shift) {
-  LaneRow r;
-  r.valid = n < N;
-  const int64_t nn = r.valid ? n : 0;  // in-bounds pointers even for rows past N (never dereferenced)
-  r.codes = w + nn * (K / 2) + q * 16;
-  r.scale = FMT == kNVFP4 ? scales + nn * (K / 16) + 2 * q : FMT == kMXFP4 ? scales + nn * (K / 32) + q : nullptr;
-  r.absmax = FMT == kNF4 ? absmax + ((nn * K) >> nf4_shift) : nullptr;
-  return r;
-}
+struct CtaWeights {
+  const uint8_t* codes;  // w + n_cta * K/2
+  const uint8_t* scale;  // NVFP4: + n_cta * K/16; MXFP4: + n_cta * K/32
+  const float* absmax;   // NF4: + n_cta * K >> shift (K is a multiple of the block)
 
-template <int FMT>
-__device__ __forceinline__ LaneWeights load_lane(const LaneRow& r, int step, int q, int K, int nf4_shift) {
-  LaneWeights lw{make_uint4(0, 0, 0, 0), 0u};  // past the edges: zero codes, zero scale -> zero products
-  if (r.valid && step * kStep + q * 32 < K) {
-    lw.codes = ld_stream(r.codes + step * (kStep / 2));
-    if (FMT == kNVFP4) {
-      lw.scale = *reinterpret_cast<const unsigned short*>(r.scale + step * (kStep / 16));
-    } else if (FMT == kMXFP4) {
-      lw.scale = r.scale[step * (kStep / 32)];
-    } else {
-      lw.scale = __float_as_uint(r.absmax[(q * 32 + step * kStep) >> nf4_shift]);
-    }
+  __device__ __forceinline__ CtaWeights(const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
+                                        const float* __restrict__ am, int64_t n_cta, int K, int nf4_shift)
+      : codes(w + n_cta * (K / 2)),
+        scale(FMT == kNVFP4 ? scales + n_cta * (K / 16) : FMT == kMXFP4 ? scales + n_cta * (K / 32) : nullptr),
+        absmax(FMT == kNF4 ? am + ((n_cta * K) >> nf4_shift) : nullptr) {}
+
+  // the byte offset of lane q's first 16 codes of row n_cta + row (clamped to N - 1)
+  static __device__ __forceinline__ int lane_offset(int row, int64_t n_cta, int N, int K, int q) {
+    const int last = (int)(N - 1 - n_cta);  // < BN where the tile passes N
+    return (row < last ? row : last) * (K / 2) + q * 16;
   }
-  return lw;
-}
+
+  __device__ __forceinline__ LaneWeights load(int offset, int step, int q, int K, int nf4_shift) const {
+    LaneWeights lw{make_uint4(0, 0, 0, 0), 0u};  // past K: zero codes, zero scale -> zero products
+    if (step * kStep + q * 32 < K) {
+      const int o = offset + step * (kStep / 2);
+      lw.codes = ld_stream(codes + o);
+      if (FMT == kNVFP4) {
+        lw.scale = *reinterpret_cast<const unsigned short*>(scale + (o >> 3));
+      } else if (FMT == kMXFP4) {
+        lw.scale = scale[o >> 4];
+      } else {
+        lw.scale = __float_as_uint(absmax[(2 * o) >> nf4_shift]);
+      }
+    }
+    return lw;
+  }
+};
 
 // The lane's 32 codes as 16 bf16x2 words, word i = elements (2i, 2i + 1) of its 32-column range.
 template <int FMT>
-__device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* levels, uint32_t* out) {
+__device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* levels, const E2M1Tables& tables,
+                                            uint32_t* out) {
   const uint32_t words[4] = {lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w};
   if (FMT == kNF4) {
     const float am = __uint_as_float(lw.scale);
@@ -170,7 +186,7 @@ __device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* 
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      e2m1x8_to_bf16(words[i], out + 4 * i);
+      e2m1x8_to_bf16(words[i], tables, out + 4 * i);
       const uint32_t s = i < 2 ? s0 : s1;  // NVFP4: words 0-1 are block k0/16, words 2-3 the next one
 #pragma unroll
       for (int j = 0; j < 4; ++j) out[4 * i + j] = bf16x2_mul(out[4 * i + j], s);  // exact: <= 5 significant bits
@@ -295,7 +311,11 @@ struct XRowCopies {
   }
 };
 
-template <int FMT, int MT, int NT>
+// RESIDENT: x for the CTA's whole K range is copied into shared memory once, before the loop (one stage per step), so
+// the loop has no barrier and no copies: each warp streams its weight rows at its own pace. Taken where that fits in
+// the shared memory of the split the staged variant would get (few_token_plan below). Otherwise x rotates through
+// kDepth stages, one barrier per step.
+template <int FMT, int MT, int NT, bool RESIDENT>
 __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
@@ -309,71 +329,90 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
   const int step_lo = s * steps_per_split, step_hi = min(step_lo + steps_per_split, steps);
 
   // the codes of the next kDepth steps stay in flight per lane (a register ring, indexed statically by unrolling the
-  // step loop kDepth times), and the x tiles of the next kDepth - 1 steps in shared memory (cp.async): with one
-  // step ahead, or x read from L2 at its use, the kernel waited a memory latency per step
+  // step loop kDepth times); staged, the x tiles of the next kDepth - 1 steps too (cp.async): with one step ahead, or
+  // x read from L2 at its use, the kernel waited a memory latency per step
   constexpr int kDepth = NT == 4 ? 2 : 4;
   constexpr int kStage = MT * 16 * kStep;  // bf16 elements of one x stage
+  const int stages = RESIDENT ? step_hi - step_lo : kDepth;
   __shared__ float levels[16];
   extern __shared__ __align__(16) unsigned char smem[];  // x stages, then (after the loop) the fp32 partial tile
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
-  if (FMT == kNF4) {
-    if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
-  }
-  // every stage zeroed once (rows >= M stay zero), before any copy lands in them
-  for (int c = threadIdx.x; c < kDepth * kStage / 8; c += kThreads) reinterpret_cast<uint4*>(xs)[c] = make_uint4(0, 0, 0, 0);
-  __syncthreads();
-  const std::conditional_t<MT == 1, XFragmentCopies<MT>, XRowCopies<MT>> xcopy(K);
-  unsigned char* xbytes = reinterpret_cast<unsigned char*>(xs);
-#pragma unroll
-  for (int i = 0; i < kDepth - 1; ++i) {
-    if (step_lo + i < step_hi) xcopy.issue(xbytes + i * kStage * 2, x, M, K, step_lo + i);
-    cp_async_commit();
-  }
 
-  float acc[MT][NT][4];
+  // the weight stream starts first: its loads fly while x is staged
+  const CtaWeights<FMT> wts(w, scales, absmax, n_cta, K, nf4_shift);
+  const E2M1Tables tables((threadIdx.x * (unsigned)M) >> 31);
+  int rows[NT];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-
-  LaneRow rows[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    rows[nt] = lane_row<FMT>(w, scales, absmax, n_cta + (warp * NT + nt) * 8 + g, N, K, q, nf4_shift);
-  // XFragmentCopies: x_frag_byte(g, q, j) = xfrag + (j ^ xfswz) * 16. XRowCopies: this lane's A chunk c of rows g and
-  // g + 8 at x_chunk_byte(g, 4q + c) = xrow + ((4q + c) ^ xswz) * 16 and 8 rows (2048 bytes) further
-  const int xfrag = (g * 4 + q) * 128, xfswz = q ^ ((g & 1) << 2);
-  const int xrow = g * 256, xswz = ((q >> 1) & 1) | ((g & 1) << 1);
-
+  for (int nt = 0; nt < NT; ++nt) rows[nt] = CtaWeights<FMT>::lane_offset((warp * NT + nt) * 8 + g, n_cta, N, K, q);
   LaneWeights ring[kDepth][NT];
 #pragma unroll
   for (int i = 0; i < kDepth; ++i)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
-      ring[i][nt] = step_lo + i < step_hi
-                        ? load_lane<FMT>(rows[nt], step_lo + i, q, K, nf4_shift)
-                        : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+      ring[i][nt] = step_lo + i < step_hi ? wts.load(rows[nt], step_lo + i, q, K, nf4_shift)
+                                          : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+
+  if (FMT == kNF4) {
+    if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
+  }
+  // every stage zeroed once (rows >= M stay zero), before any copy lands in them
+  if (M < MT * 16)
+    for (int c = threadIdx.x; c < stages * kStage / 8; c += kThreads) reinterpret_cast<uint4*>(xs)[c] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  const std::conditional_t<MT == 1, XFragmentCopies<MT>, XRowCopies<MT>> xcopy(K);
+  unsigned char* xbytes = reinterpret_cast<unsigned char*>(xs);
+  if constexpr (RESIDENT) {
+    for (int step = step_lo; step < step_hi; ++step) xcopy.issue(xbytes + (step - step_lo) * kStage * 2, x, M, K, step);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  } else {
+#pragma unroll
+    for (int i = 0; i < kDepth - 1; ++i) {
+      if (step_lo + i < step_hi) xcopy.issue(xbytes + i * kStage * 2, x, M, K, step_lo + i);
+      cp_async_commit();
+    }
+  }
+
+  // one m16 tile: the even and odd mma steps of each n8 tile accumulate apart (two dependency chains per tile where
+  // one serialized every mma of a step on the one before), summed at the end
+  constexpr int kChains = MT == 1 ? 2 : 1;
+  float acc[MT][NT][kChains][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < kChains; ++c)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][c][i] = 0.f;
+
+  // XFragmentCopies: x_frag_byte(g, q, j) = xfrag + (j ^ xfswz) * 16. XRowCopies: this lane's A chunk c of rows g and
+  // g + 8 at x_chunk_byte(g, 4q + c) = xrow + ((4q + c) ^ xswz) * 16 and 8 rows (2048 bytes) further
+  const int xfrag = (g * 4 + q) * 128, xfswz = q ^ ((g & 1) << 2);
+  const int xrow = g * 256, xswz = ((q >> 1) & 1) | ((g & 1) << 1);
+
   for (int base = step_lo; base < step_hi; base += kDepth) {
 #pragma unroll
     for (int i = 0; i < kDepth; ++i) {
       const int step = base + i;
       if (step >= step_hi) break;
-      cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
-      __syncthreads();              // ... and everyone's; the stage read last step is free again
-      if (step + kDepth - 1 < step_hi)
-        xcopy.issue(xbytes + ((i + kDepth - 1) % kDepth) * kStage * 2, x, M, K, step + kDepth - 1);
-      cp_async_commit();
+      if constexpr (!RESIDENT) {
+        cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
+        __syncthreads();              // ... and everyone's; the stage read last step is free again
+        if (step + kDepth - 1 < step_hi)
+          xcopy.issue(xbytes + ((i + kDepth - 1) % kDepth) * kStage * 2, x, M, K, step + kDepth - 1);
+        cp_async_commit();
+      }
       uint32_t b[NT][16];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        decode_lane<FMT>(ring[i][nt], levels, b[nt]);
-        ring[i][nt] = step + kDepth < step_hi
-                          ? load_lane<FMT>(rows[nt], step + kDepth, q, K, nf4_shift)
-                          : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+        decode_lane<FMT>(ring[i][nt], levels, tables, b[nt]);
+        // (past the split's last step the slot is never decoded again: left as it is, no select, no second copy of
+        // the loop body)
+        if (step + kDepth < step_hi) ring[i][nt] = wts.load(rows[nt], step + kDepth, q, K, nf4_shift);
       }
-      const unsigned char* stage = xbytes + i * kStage * 2;
+      const unsigned char* stage = xbytes + (RESIDENT ? (step - step_lo) : i) * kStage * 2;
       if constexpr (MT == 1) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -382,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
           const uint4 a = *reinterpret_cast<const uint4*>(stage + xfrag + ((j ^ xfswz) << 4));
           const uint32_t frag[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt], frag, b[nt][2 * j], b[nt][2 * j + 1]);
+          for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt][j & 1], frag, b[nt][2 * j], b[nt][2 * j + 1]);
         }
       } else {
 #pragma unroll
@@ -398,13 +437,19 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
           const uint32_t f0[4] = {lo.x, hi.x, lo.y, hi.y}, f1[4] = {lo.z, hi.z, lo.w, hi.w};
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            mma_16816(acc[mt][nt], f0, b[nt][4 * c], b[nt][4 * c + 1]);
-            mma_16816(acc[mt][nt], f1, b[nt][4 * c + 2], b[nt][4 * c + 3]);
+            mma_16816(acc[mt][nt][0], f0, b[nt][4 * c], b[nt][4 * c + 1]);
+            mma_16816(acc[mt][nt][0], f1, b[nt][4 * c + 2], b[nt][4 * c + 3]);
           }
         }
       }
       }
     }
+  }
+  if constexpr (kChains == 2) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][nt][0][i] += acc[0][nt][1][i];
   }
   cp_async_wait<0>();
   __syncthreads();  // the x stages become the partial tile
@@ -416,10 +461,10 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int col = (warp * NT + nt) * 8 + 2 * q, row = mt * 16 + g;
-      partial[row * BN + col] = acc[mt][nt][0];
-      partial[row * BN + col + 1] = acc[mt][nt][1];
-      partial[(row + 8) * BN + col] = acc[mt][nt][2];
-      partial[(row + 8) * BN + col + 1] = acc[mt][nt][3];
+      partial[row * BN + col] = acc[mt][nt][0][0];
+      partial[row * BN + col + 1] = acc[mt][nt][0][1];
+      partial[(row + 8) * BN + col] = acc[mt][nt][0][2];
+      partial[(row + 8) * BN + col + 1] = acc[mt][nt][0][3];
     }
   const float gdec = gscale != nullptr ? *gscale : 1.f;
   const int E = M * BN;  // rows past M are zeros: not summed
@@ -446,27 +491,42 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
     const int64_t n = n_cta + e % BN;
     if (n < N) y[(int64_t)(e / BN) * N + n] = __float2bfloat16_rn(sum * gdec);
   }
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
+  // no CTA leaves while another still reads its shared memory. Relaxed: every remote load above has delivered its value
+  // (each fed a store), so nothing needs publishing, and the release form cost a GPU-scope memory barrier per CTA
+  // (Nsight Compute: ~10% of the warps' stall samples at 4096 x 4096, one token)
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
 
 // One compiled variant: its launch configuration, its shared-memory opt-in and how many of its clusters fit at once.
-template <int FMT, int MT, int NT>
+template <int FMT, int MT, int NT, bool RESIDENT>
 struct Variant {
   static constexpr int BN = 4 * NT * 8;
   static constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
-  static constexpr size_t kSmem = std::max<size_t>(kDepth * MT * 16 * kStep * 2, MT * 16 * BN * sizeof(float));
-  static constexpr int kMaxDevices = 64;
+  static constexpr size_t kStageBytes = MT * 16 * kStep * 2;
+  static constexpr size_t kPartialBytes = MT * 16 * BN * sizeof(float);
+  // staged: kDepth stages; resident: one per step of the split, up to what one SM holds (the planner also keeps the
+  // split the staged variant would get, so residency never costs occupancy there)
+  static constexpr size_t kMaxSmem = RESIDENT ? 200 * 1024 : std::max<size_t>(kDepth * kStageBytes, kPartialBytes);
+
+  // dynamic shared memory of a launch whose CTAs run steps_per_split steps (rounded up to 4 KiB: fewer occupancy
+  // queries)
+  static size_t smem(int steps_per_split) {
+    if (!RESIDENT) return kMaxSmem;
+    const size_t bytes = std::max<size_t>((size_t)steps_per_split * kStageBytes, kPartialBytes);
+    return (bytes + 4095) / 4096 * 4096;
+  }
 
   static cudaError_t prepare(int dev) {
     // opt in to more than 48 KiB of static + dynamic shared memory (levels[] is static), once per device (the
     // attribute is per device)
-    if constexpr (kSmem > 40 * 1024) {
+    if constexpr (kMaxSmem > 40 * 1024) {
       static std::atomic<unsigned long long> configured{0};
       const unsigned long long bit = 1ull << (dev % kMaxDevices);
       if (!(configured.load() & bit)) {
-        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT>,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
+        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT, RESIDENT>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem);
         if (err != cudaSuccess) return err;
         configured.fetch_or(bit);
       }
@@ -474,11 +534,12 @@ struct Variant {
     return cudaSuccess;
   }
 
-  static cudaLaunchConfig_t config(int N, int split, cudaLaunchAttribute* attr, cudaStream_t stream) {
+  static cudaLaunchConfig_t config(int N, int split, size_t smem_bytes, cudaLaunchAttribute* attr,
+                                   cudaStream_t stream) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)((N + BN - 1) / BN), (unsigned)split, 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmem;
+    cfg.dynamicSmemBytes = smem_bytes;
     cfg.stream = stream;
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 1;
@@ -489,23 +550,30 @@ struct Variant {
     return cfg;
   }
 
-  // clusters of `split` CTAs that can be resident at once on device dev (cached). A cluster's CTAs share one GPC,
-  // so this is below CTAs-per-SM x SMs / split: a grid past it runs a second, nearly empty wave (measured: 128
-  // clusters of 5 against 124 resident doubled a 4096 x 4096 call).
-  static int capacity(int dev, int split) {
-    static std::atomic<int> cache[kMaxDevices][kMaxSplit + 1];
-    std::atomic<int>& slot = cache[dev % kMaxDevices][split];
-    int n = slot.load();
-    if (n > 0) return n;
+  // clusters of `split` CTAs with smem_bytes each that can be resident at once on device dev (cached). A cluster's
+  // CTAs share one GPC, so this is below CTAs-per-SM x SMs / split: a grid past it runs a second, nearly empty wave
+  // (measured: 128 clusters of 5 against 124 resident doubled a 4096 x 4096 call).
+  static int capacity(int dev, int split, size_t smem_bytes) {
+    static std::mutex mutex;
+    static std::unordered_map<uint64_t, int> cache;
+    const uint64_t key = ((uint64_t)dev << 40) | ((uint64_t)split << 32) | (uint64_t)smem_bytes;
+    {
+      const std::lock_guard<std::mutex> lock(mutex);
+      const auto it = cache.find(key);
+      if (it != cache.end()) return it->second;
+    }
+    int n = 0;
     cudaLaunchAttribute attr[1];
-    cudaLaunchConfig_t cfg = config(BN, split, attr, nullptr);
+    cudaLaunchConfig_t cfg = config(BN, split, smem_bytes, attr, nullptr);
     cfg.numAttrs = 1;  // the occupancy query wants the cluster shape even for split 1
     if (prepare(dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT>, &cfg) != cudaSuccess || n < 1) {
+        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT, RESIDENT>, &cfg) != cudaSuccess ||
+        n < 1) {
       (void)cudaGetLastError();
       n = 1;
     }
-    slot.store(n);
+    const std::lock_guard<std::mutex> lock(mutex);
+    cache[key] = n;
     return n;
   }
 
@@ -515,35 +583,37 @@ struct Variant {
     const cudaError_t err = prepare(dev);
     if (err != cudaSuccess) return err;
     cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg = config(N, split, attr, stream);
-    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT>, (const __nv_bfloat16*)x, w, scales, absmax,
-                              levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
+    const cudaLaunchConfig_t cfg = config(N, split, smem(steps_per_split), attr, stream);
+    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT, RESIDENT>, (const __nv_bfloat16*)x, w, scales,
+                              absmax, levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
   }
 };
 
-// The K split of one variant: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose
-// clusters all fit at once; 1 (no cluster, any number of waves) where even 2 do not.
-template <typename V>
-void plan_split(int N, int K, int dev, int* split_out, int* steps_out) {
-  const int steps = (K + kStep - 1) / kStep, nb = (N + V::BN - 1) / V::BN;
+// The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
+// variant all fit at once; 1 (no cluster, any number of waves) where even 2 do not. Then the resident variant where
+// its shared memory keeps that split's clusters all resident too (with no cluster: no more memory than staged's).
+template <int FMT, int MT, int NT>
+cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                            const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                            int dev, cudaStream_t stream) {
+  using Staged = Variant<FMT, MT, NT, false>;
+  using Resident = Variant<FMT, MT, NT, true>;
+  const int steps = (K + kStep - 1) / kStep, nb = (N + Staged::BN - 1) / Staged::BN;
   int split = 1;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
-    if (nb <= V::capacity(dev, s)) {
+    if (nb <= Staged::capacity(dev, s, Staged::kMaxSmem)) {
       split = s;
       break;
     }
   const int per = (steps + split - 1) / split;
-  *split_out = (steps + per - 1) / per;  // no empty CTA
-  *steps_out = per;
-}
-
-template <typename V>
-cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
-                            const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
-                            int dev, cudaStream_t stream) {
-  int split, per;
-  plan_split<V>(N, K, dev, &split, &per);
-  return V::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
+  split = (steps + per - 1) / per;  // no empty CTA
+  const size_t resident_smem = Resident::smem(per);
+  const bool resident = resident_smem <= Resident::kMaxSmem &&
+                        (split == 1 ? resident_smem <= Staged::kMaxSmem
+                                    : nb <= Resident::capacity(dev, split, resident_smem));
+  if (resident)
+    return Resident::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
+  return Staged::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
 }
 
 // Tile width: NT = 2 n8 tiles per warp (4 with 17-32 tokens, where x is re-read per tile; 3-4 m16 tiles with 4
@@ -555,15 +625,15 @@ cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, co
   const int steps = (K + kStep - 1) / kStep;
   constexpr int kWide = MT == 2 ? 4 : 2;
   if ((int64_t)((N + 32 * kWide - 1) / (32 * kWide)) * std::min(kMaxSplit, steps) >= sms)
-    return plan_and_launch<Variant<FMT, MT, kWide>>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev,
-                                                    stream);
-  return plan_and_launch<Variant<FMT, MT, 1>>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
+    return plan_and_launch<FMT, MT, kWide>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
+  return plan_and_launch<FMT, MT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
 }
 
-// 1-16 tokens take one m16 tile (MT 1), 17-64 two to four, all routed here (kernels.paths.FEW_TOKEN_MAX_TOKENS). Kernel
-// time against the Triton split kernel on Llama-3.1-8B's linears (H200): 0.46-0.55x at 1-16 tokens, 0.6x at 17-32,
-// 0.7-0.9x at 64 (4096 x 4096 nvfp4 at 64 tokens: 22.2 vs 30.3 us). An earlier probe reported the 17-64-token tiles
-// 12-14x slower: it had called the op before the extension was loaded, and timed the op's reference path.
+// 1-16 tokens take one m16 tile (MT 1), 17-64 two to four, all routed here (kernels.paths.FEW_TOKEN_MAX_TOKENS). Against
+// bf16 cuBLAS on Llama-3.1-8B's linears (eight layers back to back in a CUDA graph, H100, benchmarks/results/
+// shapes_chain8_s20.md): nvfp4 1.50-1.87x at 1 token, 1.34-1.58x at 16, 0.65-0.97x at 64. An earlier probe reported
+// the 17-64-token tiles 12-14x slower: it had called the op before the extension was loaded, and timed the op's
+// reference path.
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
                        const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
