@@ -35,6 +35,10 @@ constexpr int kThreads = 128;  // 4 warps; warp w owns n8 tiles [w * NT, (w + 1)
 constexpr int kStep = 128;     // K per main-loop step: 4 lanes x 32 codes of each weight row
 constexpr int kMaxSplit = 8;   // the portable cluster size
 constexpr int kMaxDevices = 64;  // the per-device shared-memory opt-in is a bit mask
+// One m16 tile: x row-major from this many tokens on (see ROWS). With 9-16 tokens the fragment order's 4-byte copies,
+// one per row, cost more than the row-major order's register moves: at 16 tokens the Llama-3.1-8B linears gained
+// 0-9% and Qwen3-1.7B's -1-4% (H100, chained graphs); from 2 tokens on, 2-9% was lost at 4-8 tokens.
+constexpr int kRowMajorMinTokens = 9;
 constexpr int kStageTileBytes = 16 * kStep * 2;  // bytes of one m16 tile of an x stage (16 rows x kStep bf16)
 enum : int { kNVFP4 = 0, kMXFP4 = 1, kNF4 = 2 };
 
@@ -212,12 +216,11 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
 }
 
-// One m16 tile (1-16 tokens): x stages in shared memory in mma A-fragment order: 16 bytes per (m16 tile mt, row g,
-// lane group q, mma step j) = x[g][c], x[g + 8][c], x[g][c + 2], x[g + 8][c + 2] (pairs of bf16) with c = 32q + 4j,
-// so that one 16-byte load is the
-// four A registers of an mma (as a row-major tile they took two loads and ~7 register moves per mma). The 16-byte
-// slot of step j is j ^ q ^ 4 (g & 1): the 8 lanes of a quarter-warp (g = 2p, 2p + 1; q = 0..3) read 8 different
-// bank groups.
+// One m16 tile (1 to kRowMajorMinTokens - 1 tokens): x stages in shared memory in mma A-fragment order: 16 bytes per
+// (m16 tile mt, row g, lane group q, mma step j) = x[g][c], x[g + 8][c], x[g][c + 2], x[g + 8][c + 2] (pairs of bf16)
+// with c = 32q + 4j, so that one 16-byte load is the four A registers of an mma (as a row-major tile they took two
+// loads and ~7 register moves per mma). The 16-byte slot of step j is j ^ q ^ 4 (g & 1): the 8 lanes of a
+// quarter-warp (g = 2p, 2p + 1; q = 0..3) read 8 different bank groups.
 __device__ __forceinline__ int x_frag_byte(int g, int q, int j) { return ((g * 4 + q) * 8 + (j ^ q ^ ((g & 1) << 2))) * 16; }
 
 // A thread's x copies of one step: bf16 pair t % 64 (columns 2 (t % 64), + 1) of rows 2k + t / 64 (k = 0..7) of each
@@ -260,7 +263,8 @@ struct XFragmentCopies {
   }
 };
 
-// Two to four m16 tiles (17-64 tokens): x stages in shared memory, each m16 tile of a step row-major, 16 rows x 128
+// Two to four m16 tiles (17-64 tokens), and one from kRowMajorMinTokens on: x stages in shared memory, each m16 tile
+// of a step row-major, 16 rows x 128
 // columns (256 bytes a row), 16-byte chunk ch of row r at slot ch ^ ((ch >> 3) & 1 | (r & 1) << 1). The A fragments
 // of lane (g, q) for the 8 mma steps of a step are columns [32q, 32q + 32) of rows g and g + 8: chunks 4q .. 4q + 3,
 // one 16-byte load per row per two mma steps (the k permutation makes each lane's columns contiguous). The 8 lanes of
@@ -315,7 +319,9 @@ struct XRowCopies {
 // the loop has no barrier and no copies: each warp streams its weight rows at its own pace. Taken where that fits in
 // the shared memory of the split the staged variant would get (few_token_plan below). Otherwise x rotates through
 // kDepth stages, one barrier per step.
-template <int FMT, int MT, int NT, bool RESIDENT>
+// ROWS: x row-major in its stages (16-byte copies, fragments assembled from two loads) rather than in A-fragment order
+// (one load per mma, 4-byte copies): always with two to four m16 tiles, and with one from kRowMajorMinTokens tokens on
+template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS>
 __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
@@ -359,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
   if (M < MT * 16)
     for (int c = threadIdx.x; c < stages * kStage / 8; c += kThreads) reinterpret_cast<uint4*>(xs)[c] = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  const std::conditional_t<MT == 1, XFragmentCopies<MT>, XRowCopies<MT>> xcopy(K);
+  const std::conditional_t<!ROWS, XFragmentCopies<MT>, XRowCopies<MT>> xcopy(K);
   unsigned char* xbytes = reinterpret_cast<unsigned char*>(xs);
   if constexpr (RESIDENT) {
     for (int step = step_lo; step < step_hi; ++step) xcopy.issue(xbytes + (step - step_lo) * kStage * 2, x, M, K, step);
@@ -413,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
         if (step + kDepth < step_hi) ring[i][nt] = wts.load(rows[nt], step + kDepth, q, K, nf4_shift);
       }
       const unsigned char* stage = xbytes + (RESIDENT ? (step - step_lo) : i) * kStage * 2;
-      if constexpr (MT == 1) {
+      if constexpr (!ROWS) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           // A fragment of mma step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
@@ -438,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             mma_16816(acc[mt][nt][0], f0, b[nt][4 * c], b[nt][4 * c + 1]);
-            mma_16816(acc[mt][nt][0], f1, b[nt][4 * c + 2], b[nt][4 * c + 3]);
+            mma_16816(acc[mt][nt][kChains - 1], f1, b[nt][4 * c + 2], b[nt][4 * c + 3]);
           }
         }
       }
@@ -500,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 }
 
 // One compiled variant: its launch configuration, its shared-memory opt-in and how many of its clusters fit at once.
-template <int FMT, int MT, int NT, bool RESIDENT>
+template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS>
 struct Variant {
   static constexpr int BN = 4 * NT * 8;
   static constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
@@ -525,7 +531,7 @@ struct Variant {
       static std::atomic<unsigned long long> configured{0};
       const unsigned long long bit = 1ull << (dev % kMaxDevices);
       if (!(configured.load() & bit)) {
-        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT, RESIDENT>,
+        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem);
         if (err != cudaSuccess) return err;
         configured.fetch_or(bit);
@@ -567,7 +573,7 @@ struct Variant {
     cudaLaunchConfig_t cfg = config(BN, split, smem_bytes, attr, nullptr);
     cfg.numAttrs = 1;  // the occupancy query wants the cluster shape even for split 1
     if (prepare(dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT, RESIDENT>, &cfg) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>, &cfg) != cudaSuccess ||
         n < 1) {
       (void)cudaGetLastError();
       n = 1;
@@ -584,7 +590,7 @@ struct Variant {
     if (err != cudaSuccess) return err;
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = config(N, split, smem(steps_per_split), attr, stream);
-    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT, RESIDENT>, (const __nv_bfloat16*)x, w, scales,
+    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>, (const __nv_bfloat16*)x, w, scales,
                               absmax, levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
   }
 };
@@ -592,12 +598,12 @@ struct Variant {
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
 // variant all fit at once; 1 (no cluster, any number of waves) where even 2 do not. Then the resident variant where
 // its shared memory keeps that split's clusters all resident too (with no cluster: no more memory than staged's).
-template <int FMT, int MT, int NT>
+template <int FMT, int MT, int NT, bool ROWS>
 cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                             const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
                             int dev, cudaStream_t stream) {
-  using Staged = Variant<FMT, MT, NT, false>;
-  using Resident = Variant<FMT, MT, NT, true>;
+  using Staged = Variant<FMT, MT, NT, false, ROWS>;
+  using Resident = Variant<FMT, MT, NT, true, ROWS>;
   const int steps = (K + kStep - 1) / kStep, nb = (N + Staged::BN - 1) / Staged::BN;
   int split = 1;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
@@ -618,18 +624,20 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
 
 // Tile width: NT = 2 n8 tiles per warp (4 with 17-32 tokens, where x is re-read per tile; 3-4 m16 tiles with 4
 // would spill registers); 1 where the wider tile leaves fewer CTAs than SMs even split 8 ways (small weights).
-template <int FMT, int MT>
+template <int FMT, int MT, bool ROWS = (MT > 1)>
 cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
                       const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
                       cudaStream_t stream) {
   const int steps = (K + kStep - 1) / kStep;
   constexpr int kWide = MT == 2 ? 4 : 2;
   if ((int64_t)((N + 32 * kWide - 1) / (32 * kWide)) * std::min(kMaxSplit, steps) >= sms)
-    return plan_and_launch<FMT, MT, kWide>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
-  return plan_and_launch<FMT, MT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
+    return plan_and_launch<FMT, MT, kWide, ROWS>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev,
+                                                 stream);
+  return plan_and_launch<FMT, MT, 1, ROWS>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
 }
 
-// 1-16 tokens take one m16 tile (MT 1), 17-64 two to four, all routed here (kernels.paths.FEW_TOKEN_MAX_TOKENS). Against
+// 1-16 tokens take one m16 tile (MT 1; x row-major from kRowMajorMinTokens), 17-64 two to four, all routed here
+// (kernels.paths.FEW_TOKEN_MAX_TOKENS). Against
 // bf16 cuBLAS on Llama-3.1-8B's linears (eight layers back to back in a CUDA graph, H100, benchmarks/results/
 // shapes_chain8_s20.md): nvfp4 1.50-1.87x at 1 token, 1.34-1.58x at 16, 0.65-0.97x at 64. An earlier probe reported
 // the 17-64-token tiles 12-14x slower: it had called the op before the extension was loaded, and timed the op's
@@ -639,7 +647,10 @@ cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, c
                        const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
                        cudaStream_t stream) {
   switch ((M + 15) / 16) {
-    case 1: return launch_mt<FMT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    case 1:
+      if (M >= kRowMajorMinTokens)
+        return launch_mt<FMT, 1, true>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+      return launch_mt<FMT, 1, false>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
     case 2: return launch_mt<FMT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
     case 3: return launch_mt<FMT, 3>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
     default: return launch_mt<FMT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
