@@ -639,7 +639,7 @@ cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, co
 // 1-16 tokens take one m16 tile (MT 1; x row-major from kRowMajorMinTokens), 17-64 two to four, all routed here
 // (kernels.paths.FEW_TOKEN_MAX_TOKENS). Against
 // bf16 cuBLAS on Llama-3.1-8B's linears (eight layers back to back in a CUDA graph, H100, benchmarks/results/
-// shapes_chain8_s20.md): nvfp4 1.50-1.87x at 1 token, 1.34-1.58x at 16, 0.65-0.97x at 64. An earlier probe reported
+// shapes_chain8_s20.md): nvfp4 1.50-1.87x at 1 token, 1.38-1.61x at 16, 0.65-0.96x at 64. An earlier probe reported
 // the 17-64-token tiles 12-14x slower: it had called the op before the extension was loaded, and timed the op's
 // reference path.
 template <int FMT>
