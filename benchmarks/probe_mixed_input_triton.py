@@ -16,49 +16,49 @@ import triton.language as tl
 
 import surogate_hf.kernels  # noqa: F401  (the quantize ops' CUDA kernels)
 from surogate_hf import formats as F
+from surogate_hf.kernels.triton_gemm import _e2m1_bf16  # the route's exact E2M1 decode
 
 ops = torch.ops.surogate
 
 
 @triton.jit
-def _decode_fast(p, FMT: tl.constexpr):
-    # E2M1 code -> bf16 bits (s << 15) | (e1 e0 m << 6): the value times 2^-126 (0.5 lands on a bf16 subnormal)
-    lo = (p & 0xF).to(tl.int16)
-    hi = (p >> 4).to(tl.int16)
-    c = tl.join(lo, hi)
+def _cheap_e2m1_bf16(p):
+    """The probe's cheap decode of packed E2M1 bytes [R, C/2] -> [R, C/2, 2]: the bits (s << 15) | (e1 e0 m << 6),
+    i.e. the value times 2^-126 (0.5 lands on a bf16 subnormal); the caller folds 2^118 into the block scale and 2^8
+    into the epilogue. Same values as the route's decode (triton_gemm._e2m1_bf16) after those factors."""
+    c = tl.join((p & 0xF).to(tl.int16), (p >> 4).to(tl.int16))
     bits = ((c & 7) << 6) | ((c & 8) << 12)
     return bits.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def k_swap(x_ptr, p_ptr, s_ptr, y_ptr, M, N, K, gscale, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-           GROUP: tl.constexpr, CHEAP: tl.constexpr):
+def _tile(M, N, BN: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr):
+    """(weight rows, token rows) of this program: GROUP weight tiles walk the token tiles together (L2 reuse)."""
     pid = tl.program_id(0)
     n_n = tl.cdiv(N, BN)
     n_m = tl.cdiv(M, BM)
     width = GROUP * n_m
-    gid = pid // width
-    first_n = gid * GROUP
+    first_n = (pid // width) * GROUP
     gsz = min(n_n - first_n, GROUP)
     pid_n = first_n + (pid % width) % gsz
     pid_m = (pid % width) // gsz
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
+    return pid_n * BN + tl.arange(0, BN), pid_m * BM + tl.arange(0, BM)
+
+
+# (no masks: the probe's shapes are multiples of every tile below)
+@triton.jit
+def k_swap(x_ptr, p_ptr, s_ptr, y_ptr, M, N, K, gscale, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+           GROUP: tl.constexpr, CHEAP: tl.constexpr):
+    rn, rm = _tile(M, N, BN, BM, GROUP)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in tl.range(0, K, BK):
         p = tl.load(p_ptr + rn[:, None].to(tl.int64) * (K // 2) + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
         s8 = tl.load(s_ptr + rn[:, None].to(tl.int64) * (K // 16) + (k0 // 16 + tl.arange(0, BK // 16))[None, :])
         if CHEAP:
-            w = tl.reshape(_decode_fast(p, 0), (BN, BK))
+            w = tl.reshape(_cheap_e2m1_bf16(p), (BN, BK))
             sc = (s8.to(tl.float32) * 3.3230699894622904e+35).to(tl.bfloat16)  # scale * 2^118
         else:
-            lo = (p & 0xF).to(tl.int32)
-            hi = (p >> 4).to(tl.int32)
-            c = tl.reshape(tl.join(lo, hi), (BN, BK))
-            m = c & 7
-            bits = tl.where(m >= 2, (((m >> 1) + 126) << 7) | ((m & 1) << 6), tl.where(m == 1, 126 << 7, 0))
-            bits = bits | ((c & 8) << 12)
-            w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            w = _e2m1_bf16(tl.reshape(tl.join(p & 0xF, p >> 4), (BN, BK)))
             sc = s8.to(tl.bfloat16)
         w = tl.reshape(tl.reshape(w, (BN, BK // 16, 16)) * sc[:, :, None], (BN, BK)).to(tl.bfloat16)
         xt = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + (k0 + tl.arange(0, BK))[None, :])
@@ -72,17 +72,7 @@ def k_swap(x_ptr, p_ptr, s_ptr, y_ptr, M, N, K, gscale, BN: tl.constexpr, BM: tl
 
 @triton.jit
 def k_plain(x_ptr, w_ptr, y_ptr, M, N, K, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BN)
-    n_m = tl.cdiv(M, BM)
-    width = GROUP * n_m
-    gid = pid // width
-    first_n = gid * GROUP
-    gsz = min(n_n - first_n, GROUP)
-    pid_n = first_n + (pid % width) % gsz
-    pid_m = (pid % width) // gsz
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
+    rn, rm = _tile(M, N, BN, BM, GROUP)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in tl.range(0, K, BK):
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + (k0 + tl.arange(0, BK))[None, :])
