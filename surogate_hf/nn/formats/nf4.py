@@ -125,6 +125,11 @@ class NF4Format(Format):
             state2=state2,
         )
 
+    def _nested(self, t):
+        """Double quantization's (nested absmax, nested code values, offset) slots, which the decode ops take beside
+        the one-byte absmax codes; None for a plain fp32 absmax."""
+        return (t["_nested_absmax"], t["_nested_quant_map"], t["_offset"]) if self.double_quant else None
+
     def _absmax(self, t, n, k):
         return F.nf4_absmax(self.quant_state(t, n, k, torch.float32))
 
@@ -156,10 +161,7 @@ class NF4Format(Format):
         # de-nests it per block; the few-token and Python paths take a de-nested fp32 absmax, which the plan builds
         # on their first call and then holds (4 bytes per block, +0.0625 B/param at block 64; undoing double
         # quantization per call was a bitsandbytes call on every forward and dgrad).
-        if self.double_quant:
-            return _cuda.plan_nf4(t[""], t["_absmax"], t["_quant_map"], self.block_size, n, k,
-                                  nested=(t["_nested_absmax"], t["_nested_quant_map"], t["_offset"]))
-        return _cuda.plan_nf4(t[""], t["_absmax"], t["_quant_map"], self.block_size, n, k)
+        return _cuda.plan_nf4(t[""], t["_absmax"], t["_quant_map"], self.block_size, n, k, nested=self._nested(t))
 
     def decode_args(self, t, n, k):
         # a double-quantized absmax goes to the decode ops as stored, with its nested operands (as in the eager plan):
@@ -169,10 +171,9 @@ class NF4Format(Format):
         levels = t["_quant_map"]
         if levels.dtype != torch.float32 or not levels.is_contiguous():
             levels = levels.float().contiguous()
-        if self.double_quant:
-            return (t[""], t["_absmax"], None, levels, self.block_size,
-                    (t["_nested_absmax"], t["_nested_quant_map"], t["_offset"]))
-        return t[""], t["_absmax"].float().contiguous(), None, levels, self.block_size, None
+        nested = self._nested(t)
+        absmax = t["_absmax"] if nested is not None else t["_absmax"].float().contiguous()
+        return t[""], absmax, None, levels, self.block_size, nested
 
     def path_options(self):
         return {"nf4_block": self.block_size}
