@@ -25,6 +25,10 @@ void launch_nvfp4_scale_bias_cast(const float* acc, const float* ga, const float
 cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                                   const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
                                   int sms, cudaStream_t stream);
+bool mixed_input_gemm_supported(int dev);
+cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
+                                    const float* gscale, void* y, int M, int N, int K, bool accumulate, int sms,
+                                    int dev, cudaStream_t stream);
 }
 
 static int dtype_code(const torch::Tensor& x, const char* who) {
@@ -279,6 +283,44 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
   return y;
 }
 
+// y [M, N] = x [M, K] @ deq(W)^T for an NVFP4 / MXFP4 weight W [N, K] and x bf16, any M (the many-token kernel,
+// csrc/weight_only/mixed_input_gemm.cu; SM90a only). fmt 0 NVFP4 (w uint8 [N, K/2], scales E4M3 [N, K/16], gscale its
+// decode global), 1 MXFP4 (scales E8M0 [N, K/32]); K % 32 == 0 (surogate_hf.kernels.paths.mixed_input_kernel decides).
+torch::Tensor mixed_input_gemm(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scales,
+                               const c10::optional<torch::Tensor>& gscale, int64_t fmt, int64_t n, int64_t k) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              "mixed_input_gemm: x must be a 2-D bf16 CUDA tensor");
+  TORCH_CHECK(fmt == 0 || fmt == 1, "mixed_input_gemm: fmt must be 0 (nvfp4) or 1 (mxfp4)");
+  TORCH_CHECK(x_in.size(1) == k && k % 32 == 0 && k > 0 && n >= 0 && x_in.size(0) <= INT_MAX && n <= INT_MAX &&
+                  k <= INT_MAX,
+              "mixed_input_gemm: x [M, K] with K % 32 == 0 expected, got ", x_in.sizes(), " for K = ", k);
+  TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 && w.numel() == n * k / 2 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "mixed_input_gemm: w must hold N * K / 2 contiguous bytes, 16-byte aligned");
+  const int64_t scale_count = fmt == 0 ? n * k / 16 : n * k / 32;
+  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.numel() == scale_count && scales.element_size() == 1,
+              "mixed_input_gemm: scales must be ", scale_count, " contiguous one-byte values");
+  TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->scalar_type() == at::kFloat && gscale->numel() == 1),
+              "mixed_input_gemm: NVFP4 needs its fp32 decode global");
+  const torch::Tensor x = aligned_operand(x_in);
+  const at::cuda::CUDAGuard guard(x.device());
+  const int dev = x.get_device();
+  TORCH_CHECK(surogate::mixed_input_gemm_supported(dev),
+              "mixed_input_gemm: needs a compute capability 9.0 GPU and an extension built for sm_90a "
+              "(surogate_hf.kernels.ext builds it so unless TORCH_CUDA_ARCH_LIST names other targets)");
+  auto y = torch::empty({x.size(0), n}, x.options());
+  if (n == 0 || x.size(0) == 0) return y;
+  const torch::Tensor g = fmt == 0 ? gscale->to(x.device()).contiguous() : torch::Tensor();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const cudaError_t err = surogate::launch_mixed_input_gemm(
+      (int)fmt, x.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()),
+      reinterpret_cast<const uint8_t*>(scales.data_ptr()), fmt == 0 ? g.data_ptr<float>() : nullptr, y.data_ptr(),
+      (int)x.size(0), (int)n, (int)k, false, sms, dev, at::cuda::getCurrentCUDAStream());
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "mixed_input_gemm: launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
 // CUDA kernels of the surogate::ext_* ops. Their schemas, fake kernels and reference (CPU) kernels are declared in
 // Python (surogate_hf/ops/ext.py), which the package imports before this library can be loaded; torch.compile
 // graphs call them with no Python in between. On the H100 machine a TORCH_CHECK that threw in here ended the
@@ -294,4 +336,5 @@ TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_nvfp4_qdq", &nvfp4_qdq);
   m.impl("ext_nvfp4_gemm", &nvfp4_gemm);
   m.impl("ext_few_token_gemm", &few_token_gemm);
+  m.impl("ext_mixed_input_gemm", &mixed_input_gemm);
 }

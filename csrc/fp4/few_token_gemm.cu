@@ -26,6 +26,8 @@
 #include <unordered_map>
 #include <type_traits>
 
+#include "e2m1_decode.cuh"
+
 namespace surogate {
 namespace {
 
@@ -40,65 +42,7 @@ constexpr int kMaxDevices = 64;  // the per-device shared-memory opt-in is a bit
 // 0-9% and Qwen3-1.7B's -1-4% (H100, chained graphs); from 2 tokens on, 2-9% was lost at 4-8 tokens.
 constexpr int kRowMajorMinTokens = 9;
 constexpr int kStageTileBytes = 16 * kStep * 2;  // bytes of one m16 tile of an x stage (16 rows x kStep bf16)
-enum : int { kNVFP4 = 0, kMXFP4 = 1, kNF4 = 2 };
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  // PTX prmt in its default mode: a selector nibble with its top bit set replicates the selected byte's sign bit
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// The bf16 bit patterns of the 8 E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000 0x3F00 0x3F80 0x3FC0 0x4000
-// 0x4040 0x4080 0x40C0), split into low and high bytes, as prmt tables (byte i of the pair = magnitude i).
-constexpr uint32_t kLow03 = 0xC0800000u, kLow47 = 0xC0804000u;
-constexpr uint32_t kHigh03 = 0x3F3F3F00u, kHigh47 = 0x40404040u;
-
-// The two table words prmt needs in a register (the other two are its immediate), held in per-thread registers: as
-// constants the compiler kept them in uniform registers and copied one into a register before every prmt (one extra
-// instruction per 4 codes, ~10% of the main loop). `zero` is 0 at run time (a thread index times M <= 64, shifted
-// by 31) but not provably so, which keeps the words in per-thread registers.
-struct E2M1Tables {
-  uint32_t low03, high03;
-  __device__ __forceinline__ explicit E2M1Tables(uint32_t zero) : low03(kLow03 + zero), high03(kHigh03 + zero) {}
-};
-
-// 8 E2M1 codes (code i in bits 4i..4i+3, element order) -> 4 bf16x2 words, word j = elements (2j, 2j + 1).
-__device__ __forceinline__ void e2m1x8_to_bf16(uint32_t w, const E2M1Tables& t, uint32_t* out) {
-  const uint32_t mag_lo = w & 0x7777u, mag_hi = (w >> 16) & 0x7777u;
-  // sign bytes: byte j = 0xFF where code j is negative. The sign of code 2i is bit 7 of byte i of (w << 4),
-  // that of code 2i + 1 bit 7 of byte i of w; prmt replicates it (selector nibbles with bit 3 set).
-  const uint32_t w4 = w << 4;
-  const uint32_t sign_lo = prmt(w4, w, 0xD9C8u), sign_hi = prmt(w4, w, 0xFBEAu);
-  const uint32_t lo_a = prmt(t.low03, kLow47, mag_lo), lo_b = prmt(t.low03, kLow47, mag_hi);
-  uint32_t hi_a = prmt(t.high03, kHigh47, mag_lo), hi_b = prmt(t.high03, kHigh47, mag_hi);
-  hi_a |= sign_lo & 0x80808080u;
-  hi_b |= sign_hi & 0x80808080u;
-  out[0] = prmt(lo_a, hi_a, 0x5140u);
-  out[1] = prmt(lo_a, hi_a, 0x7362u);
-  out[2] = prmt(lo_b, hi_b, 0x5140u);
-  out[3] = prmt(lo_b, hi_b, 0x7362u);
-}
-
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-__device__ __forceinline__ uint32_t bf16_pair(uint32_t bits16) { return bits16 | (bits16 << 16); }
-
-// Two E4M3 bytes -> a bf16x2 (exact: 3 mantissa bits, exponents 2^-9 .. 2^8), one conversion for both
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_bytes & 0xFFFFu), __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
-// E8M0 byte -> bf16 bits of 2^(byte - 127) (bf16 keeps fp32's exponent field; 0 -> 2^-127, 255 -> NaN)
-__device__ __forceinline__ uint32_t e8m0_to_bf16_bits(uint32_t byte) {
-  return byte == 255u ? 0x7FC0u : (byte == 0u ? 0x0040u : byte << 7);
-}
+using namespace wdec;
 
 __device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -106,21 +50,6 @@ __device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
-  // the weight is read once per call: keep it out of L1
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// What one lane loads per step for one weight row: 32 codes and their scale(s).
-struct LaneWeights {
-  uint4 codes;
-  uint32_t scale;  // NVFP4: two E4M3 bytes (blocks k0/16, k0/16 + 1); MXFP4: one E8M0 byte; NF4: fp32 absmax bits
-};
 
 // The weight as a CTA reads it: its first row's codes and scales, from which each lane's row is one 32-bit byte
 // offset of its codes (the scale's index follows from it by a shift: K/16 scales per K/2 code bytes for NVFP4, K/32
@@ -162,41 +91,6 @@ struct CtaWeights {
     return lw;
   }
 };
-
-// The lane's 32 codes as 16 bf16x2 words, word i = elements (2i, 2i + 1) of its 32-column range.
-template <int FMT>
-__device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* levels, const E2M1Tables& tables,
-                                            uint32_t* out) {
-  const uint32_t words[4] = {lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w};
-  if (FMT == kNF4) {
-    const float am = __uint_as_float(lw.scale);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {  // bitsandbytes: the even element in the high nibble
-        const uint32_t byte = (words[i] >> (8 * b)) & 0xFFu;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(levels[byte >> 4] * am, levels[byte & 0xF] * am);
-        out[4 * i + b] = *reinterpret_cast<const uint32_t*>(&v);
-      }
-    }
-  } else {
-    uint32_t s0, s1;
-    if (FMT == kNVFP4) {
-      const uint32_t both = e4m3x2_to_bf16x2(lw.scale);  // (block k0/16, block k0/16 + 1)
-      s0 = prmt(both, both, 0x1010u);
-      s1 = prmt(both, both, 0x3232u);
-    } else {
-      s0 = s1 = bf16_pair(e8m0_to_bf16_bits(lw.scale));
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      e2m1x8_to_bf16(words[i], tables, out + 4 * i);
-      const uint32_t s = i < 2 ? s0 : s1;  // NVFP4: words 0-1 are block k0/16, words 2-3 the next one
-#pragma unroll
-      for (int j = 0; j < 4; ++j) out[4 * i + j] = bf16x2_mul(out[4 * i + j], s);  // exact: <= 5 significant bits
-    }
-  }
-}
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int PENDING>

@@ -22,6 +22,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
 #include <climits>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -32,6 +34,10 @@ void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, c
                           const float* gscale, const float* levels, const float* nested_absmax,
                           const float* nested_code, const float* nested_offset, void* out, int out_dtype, int64_t n,
                           int64_t k, int block, cudaStream_t stream);
+bool mixed_input_gemm_supported(int dev);
+cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
+                                    const float* gscale, void* y, int M, int N, int K, bool accumulate, int sms,
+                                    int dev, cudaStream_t stream);
 }
 
 namespace {
@@ -212,6 +218,41 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double alpha) {
 
 at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return scaled_mm(a, b, 1.0); }
 
+// The forward's base GEMM as the mixed-input kernel (csrc/weight_only/mixed_input_gemm.cu: the weight decoded inside
+// the GEMM, no dense pass): NVFP4 / MXFP4, bf16 x of at least kMixedInputMinTokens rows (this route's 4-bit calls all
+// have >= 512: kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an SM90a build on a cc 9.0 GPU;
+// surogate_hf.kernels.paths.mixed_input_kernel states the same rule. SUROGATE_HF_MIXED_INPUT=0 keeps decode + cuBLAS.
+constexpr int64_t kMixedInputMinTokens = 512;
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+bool mixed_input_applies(const at::Tensor& x2, const Operands& op) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("SUROGATE_HF_MIXED_INPUT");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled && op.fmt <= 1 && x2.scalar_type() == at::kBFloat16 && x2.size(0) >= kMixedInputMinTokens &&
+         x2.size(0) <= INT_MAX && op.n <= INT_MAX && op.k % 32 == 0 && x2.is_contiguous() && aligned16(x2) &&
+         op.w.is_contiguous() && aligned16(op.w) && op.scales.is_contiguous() &&
+         surogate::mixed_input_gemm_supported(x2.get_device());
+}
+
+// y [M, n] (+)= x2 @ deq(W)^T by the mixed-input kernel (y contiguous; accumulate: one rounding of y + the fp32 sum,
+// as cuBLAS's beta = 1)
+void mixed_input_into(at::Tensor& y, const at::Tensor& x2, const Operands& op, bool accumulate) {
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.size(0) == x2.size(0) && y.size(1) == op.n,
+              "ext_decoded_linear: the mixed-input GEMM's output must be a contiguous bf16 [M, n]");
+  const int dev = x2.get_device();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const cudaError_t err = surogate::launch_mixed_input_gemm(
+      (int)op.fmt, x2.const_data_ptr(), reinterpret_cast<const uint8_t*>(op.w.const_data_ptr()),
+      reinterpret_cast<const uint8_t*>(op.scales.const_data_ptr()),
+      op.fmt == 0 ? static_cast<const float*>(op.gscale.const_data_ptr()) : nullptr, y.mutable_data_ptr(),
+      (int)x2.size(0), (int)op.n, (int)op.k, accumulate, sms, dev, at::cuda::getCurrentCUDAStream());
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "ext_decoded_linear: mixed-input GEMM launch failed: ", cudaGetErrorString(err));
+}
+
 // y [M, n] for x2 [M, k]; h (the adapter's [M, r] intermediate, needed by the backward) is set when lora_a is defined.
 // With an adapter its GEMM runs first and the base GEMM last, accumulating (beta 1) onto the adapter's output: the
 // rank-r GEMM is bound by the bytes of its [M, n] output, so it should only write it; the base GEMM, bound by its
@@ -220,6 +261,21 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return scaled_mm(a, 
 at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operands& op, const at::Tensor& bias,
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
   const auto dt = x2.scalar_type();
+  if (mixed_input_applies(x2, op)) {  // the same sums as below, without the dense weight
+    at::Tensor y;
+    if (lora_a.defined()) {
+      at::Tensor h = gemm(xl2, lora_a.to(dt).t());
+      y = bias.defined() ? at::addmm(bias.to(dt), h, lora_b.to(dt).t(), 1.0, scaling)
+                         : scaled_mm(h, lora_b.to(dt).t(), scaling);
+      if (h_out) *h_out = h;
+    } else if (bias.defined()) {
+      y = bias.to(dt).expand({x2.size(0), op.n}).contiguous();
+    } else {
+      y = at::empty({x2.size(0), op.n}, x2.options());
+    }
+    mixed_input_into(y, x2, op, lora_a.defined() || bias.defined());
+    return y;
+  }
   const at::Tensor wt = op.decode(dt).t();
   if (!lora_a.defined()) return bias.defined() ? at::addmm(bias.to(dt), x2, wt) : gemm(x2, wt);
   at::Tensor h = gemm(xl2, lora_a.to(dt).t());

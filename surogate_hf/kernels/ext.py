@@ -10,6 +10,7 @@ Environment: SUROGATE_HF_EXT=0 disables it; SUROGATE_HF_EXT_DIR overrides the ca
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -19,8 +20,32 @@ NAME = "surogate_hf_ext"
 # build copies), so an installed wheel can build the extension as well as a checkout can
 _CSRC = Path(__file__).resolve().parent.parent / "_csrc"
 SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu", "fp8/scaled_mm.cpp", "fp8/fp8_linear.cpp",
-           "fp4/nvfp4_qdq.cu", "fp4/few_token_gemm.cu", "weight_only/decode.cu", "weight_only/decoded_linear.cpp",
+           "fp4/nvfp4_qdq.cu", "fp4/few_token_gemm.cu", "weight_only/decode.cu", "weight_only/mixed_input_gemm.cu", "weight_only/decoded_linear.cpp",
            "norm/rmsnorm.cu", "norm/rmsnorm_op.cpp")
+
+
+def arch_flags() -> list[str]:
+    """nvcc's targets: those torch would pick for the visible GPUs, except that a compute capability 9.0 GPU gets
+    sm_90a, the target with WGMMA (csrc/weight_only/mixed_input_gemm.cu compiles to an empty kernel elsewhere). A set
+    TORCH_CUDA_ARCH_LIST is kept as it is ([]: torch applies it)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or not torch.cuda.is_available():
+        return []
+    # as torch does: no target above what its toolkit supports
+    top = max(divmod(int(re.sub(r"\D", "", a[3:])), 10) for a in torch.cuda.get_arch_list() if a.startswith("sm_"))
+    caps = sorted({min(torch.cuda.get_device_capability(i), top) for i in range(torch.cuda.device_count())})
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}"
+             for a in (f"{ma}{mi}" + ("a" if (ma, mi) == (9, 0) else "") for ma, mi in caps)]
+    ma, mi = caps[-1]
+    return flags + [f"-gencode=arch=compute_{ma}{mi},code=compute_{ma}{mi}"]  # PTX for newer GPUs, as torch adds
+
+
+def sm90a_built() -> bool:
+    """Whether the extension's SM90a kernels (the WGMMA mixed-input GEMM) are compiled in: by arch_flags on a cc 9.0
+    GPU, or a TORCH_CUDA_ARCH_LIST naming 9.0a. (The kernel's launcher checks the loaded code itself as well.)"""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if env:
+        return "9.0a" in env.replace(" ", ";").split(";")
+    return any("sm_90a" in f for f in arch_flags())
 
 _module = None
 _error: str | None = None
@@ -91,7 +116,7 @@ def load(build: bool = False):
             sources=[str(_CSRC / s) for s in SOURCES],
             build_directory=str(d),
             extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "-std=c++17"],  # no fast-math: the casts must round exactly,
+            extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()],  # no fast-math: the casts must round exactly,
             verbose=bool(os.environ.get("SUROGATE_HF_EXT_VERBOSE")),
             is_python_module=False,
         )
@@ -108,5 +133,5 @@ def load(build: bool = False):
 
 
 OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm",
-       "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "dequantize", "decoded_linear", "decoded_linear_fwd",
+       "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "mixed_input_gemm", "dequantize", "decoded_linear", "decoded_linear_fwd",
        "decoded_linear_bwd", "rmsnorm", "fp8_scaled_mm", "fp8_linear")

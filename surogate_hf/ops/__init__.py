@@ -24,6 +24,7 @@ from .ext import (
     ext_decoded_linear_fwd,
     ext_dequantize,
     ext_few_token_gemm,
+    ext_mixed_input_gemm,
     ext_fp8_block_gemm,
     ext_fp8_cast_amax,
     ext_fp8_cast_transpose_amax,

@@ -476,6 +476,40 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk):
             assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
 
 
+MANY_TOKENS = (512, 777, 2048)
+
+
+@pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_mixed_input_kernel_over_the_shapes_table(fmt, nk):
+    """csrc's many-token mixed-input GEMM (surogate::ext_mixed_input_gemm, WGMMA with the weight decoded in the main
+    loop) on every linear of the table (and a K with a half 64-column stage, an odd N) at 512 to 2048 tokens: within
+    one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T, bit-identical from run to run,
+    and what the decode route's forward runs for bf16 x where paths.mixed_input_kernel plans it."""
+    from surogate_hf.kernels import ext
+
+    _built_extension()
+    if not paths.mixed_input_kernel(fmt, 2048, nk[0], torch.bfloat16, torch.cuda.get_device_capability(),
+                                    ext.sm90a_built()):
+        pytest.skip("the mixed-input kernel needs a compute capability 9.0 GPU (WGMMA, sm_90a)")
+    k, n = nk
+    fwd, _, args, wref = _quantized(fmt, _weight(n, k))
+    op_args = (args[0], args[1], args[2], 0) if fmt == "nvfp4" else (args[0], args[1], None, 1)
+    code = op_args[-1]
+    for m in MANY_TOKENS:
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k)
+        ref = x.float() @ wref.t()
+        slack = (x.float().abs() @ wref.abs().t()) * (k * 2.0**-24) + 1e-30
+        err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
+        assert err.max() <= 0, f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding"
+        assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k)), "not deterministic"
+        # the decode route's forward (the module's call from DENSE_MIN_TOKENS on) runs the same kernel
+        routed = torch.ops.surogate.ext_decoded_linear(x, None, args[0], args[1], op_args[2], None, None, None, None,
+                                                       1.0, code, n, k, 16 if fmt == "nvfp4" else 32)
+        assert torch.equal(routed, y), f"{fmt} [{n}, {k}] M={m}: the decode route took another kernel"
+
+
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 @pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)])
 @pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32])

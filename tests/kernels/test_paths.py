@@ -163,6 +163,25 @@ def test_few_token_split_fills_the_gpu_where_the_weight_is_large():
     assert P.splitk_plan(16, 256, 4096, 132) == (1, 256)  # one chunk of reduction: nothing to split
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_many_token_forwards_of_every_shapes_table_linear_take_the_mixed_input_kernel(fmt, monkeypatch):
+    """On a cc 9.0 GPU with the extension's sm_90a code, the decode route's bf16 forward (>= 512 tokens) runs the
+    mixed-input WGMMA kernel on every linear of the table (each K is a multiple of 32); not where it cannot run."""
+    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
+    for _, _, k, n in S.all_linears():
+        for m in (512, 777, 2048, 8192):
+            assert P.mixed_input_kernel(fmt, m, k, torch.bfloat16, SM90, True), f"{fmt} [{n}, {k}] M={m}"
+        assert not P.mixed_input_kernel(fmt, 511, k, torch.bfloat16, SM90, True)  # below the decode route's rows
+        assert not P.mixed_input_kernel(fmt, 2048, k, torch.float16, SM90, True)
+        assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, (10, 0), True)  # WGMMA is SM90a's
+        assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, SM90, False)  # built without sm_90a
+        assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, None, True)
+    assert not P.mixed_input_kernel(fmt, 2048, 48, torch.bfloat16, SM90, True)  # a lane's 32 codes
+    assert not P.mixed_input_kernel("nf4", 2048, 4096, torch.bfloat16, SM90, True)
+    monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "0")
+    assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True)
+
+
 @pytest.mark.parametrize("fmt", P.WEIGHT_ONLY)
 def test_few_token_forwards_of_every_shapes_table_linear_take_the_cuda_kernel(fmt):
     """With the extension built, a bf16 forward of <= 64 tokens on SM90 runs csrc's few-token kernel on every linear

@@ -85,6 +85,8 @@ def _cases():
         ("ext_few_token_gemm_nvfp4", O.ext_few_token_gemm, (x, nv[0], nv[1], nv[2], None, 0, 160, 256, 64), NO_SCHEMA),
         ("ext_few_token_gemm_mxfp4", O.ext_few_token_gemm, (x, mp, ms, None, None, 1, 160, 256, 64), ALL),
         ("ext_few_token_gemm_nf4", O.ext_few_token_gemm, (x, p4, absmax, None, code, 2, 160, 256, 64), ALL),
+        ("ext_mixed_input_gemm_nvfp4", O.ext_mixed_input_gemm, (x, nv[0], nv[1], nv[2], 0, 160, 256), NO_SCHEMA),
+        ("ext_mixed_input_gemm_mxfp4", O.ext_mixed_input_gemm, (x, mp, ms, None, 1, 160, 256), ALL),
         *[(f"ext_dequantize_{f}", O.ext_dequantize, (*d[:4], d[4], 160, 256, d[5], torch.bfloat16), ALL)
           for f, d in dec.items()],
         ("ext_decoded_linear_base", O.ext_decoded_linear,
