@@ -6,8 +6,8 @@
 // 4096 x 4096. Here the decode is a producer warpgroup's work, overlapped with the consumers' WGMMAs:
 //   - a CTA computes a 128-token x 256-row tile of y (128 rows where 256 leave SMs idle); warpgroup 0 produces,
 //     warpgroups 1 and 2 each run one m64n256k16 WGMMA per 16 columns of K on their 64 tokens;
-//   - per 64-column stage the producer copies the x tile into shared memory (cp.async, 128-byte swizzle, zeros past
-//     M and K) and decodes the stage's 256 x 64 weight codes (loaded into registers two stages ahead) into the bf16
+//   - per 64-column stage the producer copies the x tile into shared memory (cp.async two stages ahead, 128-byte
+//     swizzle, zeros past M and K) and decodes the stage's 256 x 64 weight codes (loaded into registers two stages ahead) into the bf16
 //     tile the WGMMAs read, in the same swizzle: lane pairs own a row's two 32-column halves, the E2M1 decode and the
 //     block-scale multiply of e2m1_decode.cuh (exact in bf16), one 16-byte store per 8 elements;
 //   - four stages in a ring of mbarriers: full (the producer's 128 threads, each after its copies landed and its
@@ -246,18 +246,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int p = 0; p < 2; ++p)
 #pragma unroll
       for (int i = 0; i < Weights::kRows; ++i) ring[p][i] = wts.load(i, p, K);
-    copy_x(0, 0);  // (stage 0's empty barrier is open on the first pass)
-    cp_async_commit();
+    // x copies run kXAhead stages ahead (an L2 round trip under load is about a stage's WGMMA time); the stages of
+    // the first pass are free (their empty barriers open)
+    constexpr int kXAhead = kStages - 2;
+#pragma unroll
+    for (int j = 0; j < kXAhead; ++j) {
+      if (j < kblocks) copy_x(j, j);
+      cp_async_commit();
+    }
     for (int kb0 = 0; kb0 < kblocks; kb0 += 2) {
 #pragma unroll
       for (int p = 0; p < 2; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
         const int kb = kb0 + p;
         if (kb >= kblocks) break;
         const int s = kb % kStages;
-        if (kb + 1 < kblocks) {
-          const int s1 = (kb + 1) % kStages;
-          mbar_wait(smem_addr(&empty[s1]), (((kb + 1) / kStages) & 1) ^ 1);
-          copy_x(kb + 1, s1);
+        // stage kb + kXAhead's previous round (kb - 2) has been consumed once the consumers are past stage kb - 1,
+        // which this producer released last iteration: no wait on the consumers' current stage
+        const int ahead = kb + kXAhead;
+        if (ahead < kblocks) {
+          mbar_wait(smem_addr(&empty[ahead % kStages]), ((ahead / kStages) & 1) ^ 1);
+          copy_x(ahead, ahead % kStages);
         }
         cp_async_commit();
         // stage s is free: its empty barrier was waited on before its x copies were issued
@@ -265,14 +273,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < Weights::kRows; ++i) {
           uint32_t v[16];
           decode_lane<FMT>(ring[p][i], nullptr, tables, v);
-          ring[p][i] = kb + 2 < kblocks ? wts.load(i, kb + 2, K) : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+          if (kb + 2 < kblocks) ring[p][i] = wts.load(i, kb + 2, K);  // (a slot past the end is not decoded again)
           const int row = (t >> 1) + 64 * i, c0 = 4 * (t & 1);
 #pragma unroll
           for (int c = 0; c < 4; ++c)
             st_shared16(b_tiles + s * kBTile + swizzled(row, c0 + c), v[4 * c], v[4 * c + 1], v[4 * c + 2],
                         v[4 * c + 3]);
         }
-        cp_async_wait<1>();  // this stage's x copies (the newest group is the next stage's)
+        cp_async_wait<kXAhead>();  // this stage's x copies (the kXAhead newer groups may still fly)
         fence_proxy_async();
         mbar_arrive(smem_addr(&full[s]));
       }
