@@ -4,22 +4,26 @@
 // Hopper has no FP4 tensor cores. The route this replaces decodes the whole weight into a bf16 buffer and runs cuBLAS:
 // at 2048 tokens the decode pass writes 2 bytes per element that the GEMM reads back, a fifth of cuBLAS's time at
 // 4096 x 4096. Here the decode is a producer warpgroup's work, overlapped with the consumers' WGMMAs:
-//   - a CTA computes a 128-token x 256-row tile of y (128 rows where 256 leave SMs idle); warpgroup 0 produces,
-//     warpgroups 1 and 2 each run one m64n256k16 WGMMA per 16 columns of K on their 64 tokens;
-//   - per 64-column stage the producer copies the x tile into shared memory (cp.async two stages ahead, 128-byte
-//     swizzle, zeros past M and K) and decodes the stage's 256 x 64 weight codes (loaded into registers two stages ahead) into the bf16
+//   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 would leave SMs idle); warpgroup 0
+//     produces, warpgroups 1 and 2 own BM / 2 tokens each: per 16 columns of K, BM / 128 m64n128k16 WGMMAs;
+//   - per 64-column stage the producer has the TMA copy the x tile into shared memory (128-byte swizzle, zeros past M
+//     and K) and decodes the stage's 128 x 64 weight codes (loaded into registers two stages ahead) into the bf16
 //     tile the WGMMAs read, in the same swizzle: lane pairs own a row's two 32-column halves, the E2M1 decode and the
 //     block-scale multiply of e2m1_decode.cuh (exact in bf16), one 16-byte store per 8 elements;
-//   - four stages in a ring of mbarriers: full (the producer's 128 threads, each after its copies landed and its
-//     stores were fenced for the async proxy) and empty (the consumers' 256 threads, once the WGMMAs that read the
-//     stage completed).
-// Each decoded element is used by the CTA's 128 tokens, so the decode costs ~2.5 instructions per element per 128
-// tokens: a small share of the issue slots, which the tensor cores' work leaves free.
+//   - four stages in a ring of mbarriers: full (the producer's 128 threads after their stores, fenced for the async
+//     proxy, plus the x tile's bytes) and empty (the consumers' 256 threads, once the WGMMAs that read the stage
+//     completed).
+// Each decoded element serves the CTA's BM tokens: at BM = 256 the decode costs ~2.5 instructions per element per 256
+// tokens, which one producer warp per scheduler issues within the WGMMAs' time. (A first version with 128-token x
+// 256-row tiles and cp.async copies of x ran at 0.4-0.5x cuBLAS: its producer, twice the decode per product and the
+// copies on top, was the bottleneck; Nsight Compute showed the consumers waiting on it.)
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits); products accumulate
 // in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel does. Only the fp32
 // summation order differs from x.float() @ deq(W).float().T.
 // Requirements (surogate_hf.kernels.paths.mixed_input_kernel checks them, the launcher again): K % 32 == 0 (a lane's
 // 32-column half is wholly in or out of range), 16-byte aligned codes and x, any M and N.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -33,15 +37,15 @@ namespace {
 
 using namespace wdec;
 
-constexpr int kBM = 128;        // tokens per CTA: two consumer warpgroups of 64
+constexpr int kBN = 128;        // weight rows per CTA: the WGMMA's N
 constexpr int kBK = 64;         // K per stage: one 128-byte swizzle row of bf16
 constexpr int kStages = 4;
 constexpr int kThreads = 384;   // warpgroup 0 produces, 1 and 2 consume
-constexpr int kATile = kBM * kBK * 2;  // bytes of a stage's x tile
-// BN weight rows per CTA (the WGMMA's N): 256, or 128 where 256 leaves SMs idle (launch_fmt)
-template <int BN>
+constexpr int kBTile = kBN * kBK * 2;  // bytes of a stage's decoded weight tile
+// BM tokens per CTA: 256, or 128 where 256 leaves SMs idle (launch_fmt)
+template <int BM>
 struct Tile {
-  static constexpr int kBTile = BN * kBK * 2;  // bytes of a stage's decoded weight tile
+  static constexpr int kATile = BM * kBK * 2;  // bytes of a stage's x tile
   static constexpr int kSmemBytes = kStages * (kATile + kBTile) + 1024;  // + slack to align the tiles to 1024 bytes
 };
 
@@ -74,21 +78,25 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  // 16 bytes global -> shared through L2 only; valid == false writes zeros
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+// the barrier's current phase also waits for `bytes` more transaction bytes (the TMA's), without an arrival
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+
+// TMA: the box at (col, row) of the 2-D tensor map into shared memory, its bytes counted on bar
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(bar)
+      : "memory");
 }
 
 __device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
-// generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy that WGMMA reads through
+// generic-proxy writes to shared memory (st.shared) made visible to the async proxy that WGMMA reads through
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -104,41 +112,6 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 // m64nBNk16 WGMMA into its fp32 fragment d
 template <int BN>
 __device__ __forceinline__ void wgmma_k16(float* d, uint64_t a, uint64_t b);
-template <>
-__device__ __forceinline__ void wgmma_k16<256>(float* d, uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
-      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, "
-      "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, "
-      "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "
-      "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
-      "%124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
-        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
-        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
-        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
-        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
-        "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
-        "+f"(d[126]), "+f"(d[127])
-      : "l"(a), "l"(b), "r"(1));
-}
 template <>
 __device__ __forceinline__ void wgmma_k16<128>(float* d, uint64_t a, uint64_t b) {
   asm volatile(
@@ -199,76 +172,57 @@ struct ProducerWeights {
   }
 };
 
-// accumulate: y += the product (y read in the epilogue, one rounding of the fp32 sum), else y = the product
-template <int FMT, int BN>
+// accumulate: y += the product (y read in the epilogue, one rounding of the fp32 sum), else y = the product.
+// x_map: x [M, K] bf16 as a TMA tensor map, box 64 columns x BM rows, 128-byte swizzle, zeros out of bounds.
+template <int FMT, int BM>
 __global__ void __launch_bounds__(kThreads, 1)
-    mixed_input_gemm_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
+    mixed_input_gemm_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
                             const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
                             __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate) {
-  constexpr int kBTile = Tile<BN>::kBTile;
-  using Weights = ProducerWeights<FMT, BN>;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kATile = Tile<BM>::kATile;
+  constexpr int kMB = BM / 128;  // m64 blocks per consumer warpgroup
+  using Weights = ProducerWeights<FMT, kBN>;
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
   const uint32_t a_tiles = base, b_tiles = base + kStages * kATile;
   const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
-  const int m0 = blockIdx.y * kBM;
-  const int64_t n0 = (int64_t)blockIdx.x * BN;
+  const int m0 = blockIdx.y * BM;
+  const int64_t n0 = (int64_t)blockIdx.x * kBN;
   const int kblocks = (K + kBK - 1) / kBK;
   if (threadIdx.x == 0) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_addr(&full[s]), 128);
       mbar_init(smem_addr(&empty[s]), 256);
     }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: x copies one stage ahead, weight codes two stages ahead (registers), the decode of this stage
+    // ---- producer: per stage, the x tile by TMA and the weight tile decoded from codes loaded two stages ahead
     const Weights wts(w, scales, n0, N, K, t);
     const E2M1Tables tables((threadIdx.x * (unsigned)M) >> 31);
-    // x: chunk t + 128 j (j = 0..7) of the 128 x 8 chunks of a stage: row (t >> 3) + 16 j, chunk t & 7; a warp's
-    // copies read 4 rows' 128 contiguous bytes each
-    const int xc = t & 7, xr = t >> 3;
-    auto copy_x = [&](int kb, int s) {
-      const int col = kb * kBK + xc * 8;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int r = xr + 16 * j;
-        const bool ok = m0 + r < M && col < K;
-        cp_async16(a_tiles + s * kATile + swizzled(r, xc), ok ? x + (int64_t)(m0 + r) * K + col : x, ok);
-      }
-    };
     LaneWeights ring[2][Weights::kRows];
 #pragma unroll
     for (int p = 0; p < 2; ++p)
 #pragma unroll
       for (int i = 0; i < Weights::kRows; ++i) ring[p][i] = wts.load(i, p, K);
-    // x copies run kXAhead stages ahead (an L2 round trip under load is about a stage's WGMMA time); the stages of
-    // the first pass are free (their empty barriers open)
-    constexpr int kXAhead = kStages - 2;
-#pragma unroll
-    for (int j = 0; j < kXAhead; ++j) {
-      if (j < kblocks) copy_x(j, j);
-      cp_async_commit();
-    }
     for (int kb0 = 0; kb0 < kblocks; kb0 += 2) {
 #pragma unroll
       for (int p = 0; p < 2; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
         const int kb = kb0 + p;
         if (kb >= kblocks) break;
         const int s = kb % kStages;
-        // stage kb + kXAhead's previous round (kb - 2) has been consumed once the consumers are past stage kb - 1,
-        // which this producer released last iteration: no wait on the consumers' current stage
-        const int ahead = kb + kXAhead;
-        if (ahead < kblocks) {
-          mbar_wait(smem_addr(&empty[ahead % kStages]), ((ahead / kStages) & 1) ^ 1);
-          copy_x(ahead, ahead % kStages);
+        const uint32_t full_s = smem_addr(&full[s]);
+        mbar_wait(smem_addr(&empty[s]), ((kb / kStages) & 1) ^ 1);  // (open on the first pass)
+        if (t == 0) {
+          mbar_expect_tx(full_s, kATile);
+          tma_load_2d(a_tiles + s * kATile, &x_map, kb * kBK, m0, full_s);
         }
-        cp_async_commit();
-        // stage s is free: its empty barrier was waited on before its x copies were issued
 #pragma unroll
         for (int i = 0; i < Weights::kRows; ++i) {
           uint32_t v[16];
@@ -280,64 +234,75 @@ __global__ void __launch_bounds__(kThreads, 1)
             st_shared16(b_tiles + s * kBTile + swizzled(row, c0 + c), v[4 * c], v[4 * c + 1], v[4 * c + 2],
                         v[4 * c + 3]);
         }
-        cp_async_wait<kXAhead>();  // this stage's x copies (the kXAhead newer groups may still fly)
         fence_proxy_async();
-        mbar_arrive(smem_addr(&full[s]));
+        mbar_arrive(full_s);
       }
     }
-    cp_async_wait<0>();
     return;
   }
 
-  // ---- consumers: warpgroup wg - 1 owns tokens 64 (wg - 1) .. + 64 of the tile
+  // ---- consumers: warpgroup wg - 1 owns tokens (wg - 1) BM / 2 .. + BM / 2 of the tile, kMB m64 blocks
   const int cw = wg - 1;
-  constexpr int kAcc = BN / 2;
-  float acc[kAcc];
+  float acc[kMB][kBN / 2];
 #pragma unroll
-  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[mb][i] = 0.f;
   for (int kb = 0; kb < kblocks; ++kb) {
     const int s = kb % kStages;
     mbar_wait(smem_addr(&full[s]), (kb / kStages) & 1);
-    const uint32_t a = a_tiles + s * kATile + cw * 64 * 128, b = b_tiles + s * kBTile;
+    const uint32_t a = a_tiles + s * kATile + cw * (BM / 2) * 128, b = b_tiles + s * kBTile;
 #pragma unroll
-    for (int i = 0; i < kAcc; ++i) fence_operand(acc[i]);
+    for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+      for (int i = 0; i < kBN / 2; ++i) fence_operand(acc[mb][i]);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < kBK / 16; ++k) wgmma_k16<BN>(acc, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
+    for (int k = 0; k < kBK / 16; ++k)
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb)
+        wgmma_k16<kBN>(acc[mb], smem_desc(a + mb * 64 * 128 + 32 * k), smem_desc(b + 32 * k));
     wgmma_commit();
 #pragma unroll
-    for (int i = 0; i < kAcc; ++i) fence_operand(acc[i]);
+    for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+      for (int i = 0; i < kBN / 2; ++i) fence_operand(acc[mb][i]);
     wgmma_wait<1>();  // the previous stage's WGMMAs are done: its tiles may be refilled
     if (kb > 0) mbar_arrive(smem_addr(&empty[(kb - 1) % kStages]));
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int i = 0; i < kAcc; ++i) fence_operand(acc[i]);
+  for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) fence_operand(acc[mb][i]);
 
-  // m64nBN fragment: acc[4j + 2h + e] at row 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e
+  // m64n128 fragment of block mb: acc[mb][4j + 2h + e] at row 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e
   const float g = FMT == kNVFP4 ? *gscale : 1.f;
   const int warp = t >> 5, lane = t & 31;
-  const int row0 = m0 + cw * 64 + warp * 16 + (lane >> 2);
   const bool pairs = (N & 1) == 0;  // bf16x2 stores need an even row length
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int64_t col = n0 + 8 * j + 2 * (lane & 3);
+  for (int mb = 0; mb < kMB; ++mb) {
+    const int row0 = m0 + cw * (BM / 2) + mb * 64 + warp * 16 + (lane >> 2);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row0 + 8 * h;
-      if (row >= M || col >= N) continue;
-      float v0 = acc[4 * j + 2 * h] * g, v1 = acc[4 * j + 2 * h + 1] * g;
-      __nv_bfloat16* dst = y + (int64_t)row * N + col;
-      const bool two = col + 1 < N;
-      if (accumulate) {
-        v0 += __bfloat162float(dst[0]);
-        if (two) v1 += __bfloat162float(dst[1]);
-      }
-      if (pairs) {
-        *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        dst[0] = __float2bfloat16_rn(v0);
-        if (two) dst[1] = __float2bfloat16_rn(v1);
+    for (int j = 0; j < kBN / 8; ++j) {
+      const int64_t col = n0 + 8 * j + 2 * (lane & 3);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        if (row >= M || col >= N) continue;
+        float v0 = acc[mb][4 * j + 2 * h] * g, v1 = acc[mb][4 * j + 2 * h + 1] * g;
+        __nv_bfloat16* dst = y + (int64_t)row * N + col;
+        const bool two = col + 1 < N;
+        if (accumulate) {
+          v0 += __bfloat162float(dst[0]);
+          if (two) v1 += __bfloat162float(dst[1]);
+        }
+        if (pairs) {
+          *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+        } else {
+          dst[0] = __float2bfloat16_rn(v0);
+          if (two) dst[1] = __float2bfloat16_rn(v1);
+        }
       }
     }
   }
@@ -346,28 +311,52 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 constexpr int kMaxDevices = 64;
 
-template <int FMT, int BN>
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda)
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+template <int FMT, int BM>
 cudaError_t launch_tile(const void* x, const uint8_t* w, const uint8_t* scales, const float* gscale, void* y, int M,
                         int N, int K, bool accumulate, int dev, cudaStream_t stream) {
   static std::once_flag opted[kMaxDevices];
   cudaError_t err = cudaSuccess;
   std::call_once(opted[dev], [&] {
-    err = cudaFuncSetAttribute(mixed_input_gemm_kernel<FMT, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               Tile<BN>::kSmemBytes);
+    err = cudaFuncSetAttribute(mixed_input_gemm_kernel<FMT, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Tile<BM>::kSmemBytes);
   });
   if (err != cudaSuccess) return err;
-  const dim3 grid((unsigned)((N + BN - 1) / BN), (unsigned)((M + kBM - 1) / kBM));
-  mixed_input_gemm_kernel<FMT, BN><<<grid, kThreads, Tile<BN>::kSmemBytes, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(x), w, scales, gscale, reinterpret_cast<__nv_bfloat16*>(y), M, N, K,
-      accumulate);
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  // x [M, K] bf16 row-major: dims innermost first; boxes of 64 columns (128 bytes, the swizzle span) x BM rows
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M};
+  const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)kBK, (cuuint32_t)BM};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box, elem_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return cudaErrorInvalidValue;
+  const dim3 grid((unsigned)((N + kBN - 1) / kBN), (unsigned)((M + BM - 1) / BM));
+  mixed_input_gemm_kernel<FMT, BM><<<grid, kThreads, Tile<BM>::kSmemBytes, stream>>>(
+      map, w, scales, gscale, reinterpret_cast<__nv_bfloat16*>(y), M, N, K, accumulate);
   return cudaGetLastError();
 }
 
-// 256-row tiles where they make at least one full wave of CTAs (one per SM), else 128-row ones (twice the CTAs)
+// 256-token tiles where they make at least one full wave of CTAs (one per SM), else 128-token ones (twice the CTAs)
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* gscale, void* y, int M,
                        int N, int K, bool accumulate, int sms, int dev, cudaStream_t stream) {
-  const int64_t wide = (int64_t)((N + 255) / 256) * ((M + kBM - 1) / kBM);
+  const int64_t wide = (int64_t)((N + kBN - 1) / kBN) * ((M + 255) / 256);
   if (wide >= sms) return launch_tile<FMT, 256>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
   return launch_tile<FMT, 128>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
 }
