@@ -4,8 +4,10 @@
 // Hopper has no FP4 tensor cores. The route this replaces decodes the whole weight into a bf16 buffer and runs cuBLAS:
 // at 2048 tokens the decode pass writes 2 bytes per element that the GEMM reads back, a fifth of cuBLAS's time at
 // 4096 x 4096. Here the decode is a producer warpgroup's work, overlapped with the consumers' WGMMAs:
-//   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 would leave SMs idle); warpgroup 0
-//     produces, warpgroups 1 and 2 own BM / 2 tokens each: per 16 columns of K, BM / 128 m64n128k16 WGMMAs;
+//   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 would leave SMs idle) as its transpose
+//     y^T = W x^T: warpgroup 0 produces, warpgroups 1 and 2 own 64 weight rows each, one m64nBMk16 WGMMA per 16
+//     columns of K with the decoded weight as A and x as B (N = 256 tokens: the WGMMA shape that reads the least
+//     shared memory per product, which the stores of both tiles share);
 //   - per 64-column stage the producer has the TMA copy the x tile into shared memory (128-byte swizzle, zeros past M
 //     and K) and decodes the stage's 128 x 64 weight codes (loaded into registers two stages ahead) into the bf16
 //     tile the WGMMAs read, in the same swizzle: lane pairs own a row's two 32-column halves, the E2M1 decode and the
@@ -14,9 +16,11 @@
 //     proxy, plus the x tile's bytes) and empty (the consumers' 256 threads, once the WGMMAs that read the stage
 //     completed).
 // Each decoded element serves the CTA's BM tokens: at BM = 256 the decode costs ~2.5 instructions per element per 256
-// tokens, which one producer warp per scheduler issues within the WGMMAs' time. (A first version with 128-token x
-// 256-row tiles and cp.async copies of x ran at 0.4-0.5x cuBLAS: its producer, twice the decode per product and the
-// copies on top, was the bottleneck; Nsight Compute showed the consumers waiting on it.)
+// tokens, which one producer warp per scheduler issues within the WGMMAs' time. Earlier versions (H200, 4096 x 4096,
+// 2048 tokens): 128-token x 256-row tiles with cp.async copies of x, 0.4-0.5x cuBLAS (the producer, with twice the
+// decode per product and the copies on top, was the bottleneck); 256 tokens x 128 rows as y = x W^T (m64n128
+// WGMMAs, x by TMA), 0.66x, and 0.73x with the decode left out (shared-memory bandwidth: an m64n128k16 WGMMA reads
+// 6 KB per 131k products where m64n256k16 reads 10 KB per 262k).
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits); products accumulate
 // in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel does. Only the fp32
 // summation order differs from x.float() @ deq(W).float().T.
@@ -113,6 +117,41 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 template <int BN>
 __device__ __forceinline__ void wgmma_k16(float* d, uint64_t a, uint64_t b);
 template <>
+__device__ __forceinline__ void wgmma_k16<256>(float* d, uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, "
+      "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, "
+      "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "
+      "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
+      "%124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+        "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+        "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(1));
+}
+template <>
 __device__ __forceinline__ void wgmma_k16<128>(float* d, uint64_t a, uint64_t b) {
   asm volatile(
       "{\n"
@@ -174,6 +213,7 @@ struct ProducerWeights {
 
 // accumulate: y += the product (y read in the epilogue, one rounding of the fp32 sum), else y = the product.
 // x_map: x [M, K] bf16 as a TMA tensor map, box 64 columns x BM rows, 128-byte swizzle, zeros out of bounds.
+// Tiles: a_tiles holds x (BM rows), b_tiles the decoded weight (128 rows), each K-major with 128-byte rows.
 template <int FMT, int BM>
 __global__ void __launch_bounds__(kThreads, 1)
     mixed_input_gemm_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
@@ -181,7 +221,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                             __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kATile = Tile<BM>::kATile;
-  constexpr int kMB = BM / 128;  // m64 blocks per consumer warpgroup
   using Weights = ProducerWeights<FMT, kBN>;
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   extern __shared__ unsigned char smem_raw[];
@@ -241,69 +280,79 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // ---- consumers: warpgroup wg - 1 owns tokens (wg - 1) BM / 2 .. + BM / 2 of the tile, kMB m64 blocks
+  // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64 of the tile, all BM tokens: one
+  // m64nBMk16 WGMMA per 16 columns of K, A the decoded weight tile, B the x tile (the product is y^T)
   const int cw = wg - 1;
-  float acc[kMB][kBN / 2];
+  float acc[BM / 2];
 #pragma unroll
-  for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) acc[mb][i] = 0.f;
+  for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kblocks; ++kb) {
     const int s = kb % kStages;
     mbar_wait(smem_addr(&full[s]), (kb / kStages) & 1);
-    const uint32_t a = a_tiles + s * kATile + cw * (BM / 2) * 128, b = b_tiles + s * kBTile;
+    const uint32_t a = b_tiles + s * kBTile + cw * 64 * 128, b = a_tiles + s * kATile;
 #pragma unroll
-    for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) fence_operand(acc[mb][i]);
+    for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < kBK / 16; ++k)
-#pragma unroll
-      for (int mb = 0; mb < kMB; ++mb)
-        wgmma_k16<kBN>(acc[mb], smem_desc(a + mb * 64 * 128 + 32 * k), smem_desc(b + 32 * k));
+    for (int k = 0; k < kBK / 16; ++k) wgmma_k16<BM>(acc, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
     wgmma_commit();
 #pragma unroll
-    for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) fence_operand(acc[mb][i]);
+    for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
     wgmma_wait<1>();  // the previous stage's WGMMAs are done: its tiles may be refilled
     if (kb > 0) mbar_arrive(smem_addr(&empty[(kb - 1) % kStages]));
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) fence_operand(acc[mb][i]);
+  for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
 
-  // m64n128 fragment of block mb: acc[mb][4j + 2h + e] at row 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e
+  // Epilogue through shared memory (the stages are free once both consumer warpgroups are done; the producer left
+  // after its last stage): the fp32 tile out[token][row], then rows of y written 16 bytes at a time. m64nBM fragment:
+  // acc[4j + 2h + e] = weight row 16 warp + lane / 4 + 8h, token 8j + 2 (lane % 4) + e. Row stride kOutLd floats:
+  // the 32 lanes of a fragment store hit 32 different banks.
+  constexpr int kOutLd = kBN + 4;
+  static_assert(BM * kOutLd * 4 <= kStages * (Tile<BM>::kATile + kBTile), "the output tile fits the stages");
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups: the last WGMMAs have read the stages
+  float* out = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)));
   const float g = FMT == kNVFP4 ? *gscale : 1.f;
-  const int warp = t >> 5, lane = t & 31;
-  const bool pairs = (N & 1) == 0;  // bf16x2 stores need an even row length
+  {
+    const int warp = t >> 5, lane = t & 31;
+    const int r = cw * 64 + warp * 16 + (lane >> 2), tok = 2 * (lane & 3);
 #pragma unroll
-  for (int mb = 0; mb < kMB; ++mb) {
-    const int row0 = m0 + cw * (BM / 2) + mb * 64 + warp * 16 + (lane >> 2);
+    for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-      const int64_t col = n0 + 8 * j + 2 * (lane & 3);
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 8 * h;
-        if (row >= M || col >= N) continue;
-        float v0 = acc[mb][4 * j + 2 * h] * g, v1 = acc[mb][4 * j + 2 * h + 1] * g;
-        __nv_bfloat16* dst = y + (int64_t)row * N + col;
-        const bool two = col + 1 < N;
+        for (int e = 0; e < 2; ++e) out[(8 * j + tok + e) * kOutLd + r + 8 * h] = acc[4 * j + 2 * h + e] * g;
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  // 256 threads: each writes 8 consecutive columns (16 bytes) of a token row; 16 threads per row
+  const int ct = threadIdx.x - 128, c8 = (ct & 15) * 8;
+  const int64_t col = n0 + c8;
+  const bool vec = (N & 7) == 0 && col + 8 <= N;
+  for (int tr = ct >> 4; tr < BM; tr += 16) {
+    const int row = m0 + tr;
+    if (row >= M || col >= N) continue;
+    const float4 lo = *reinterpret_cast<const float4*>(out + tr * kOutLd + c8);
+    const float4 hi = *reinterpret_cast<const float4*>(out + tr * kOutLd + c8 + 4);
+    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    __nv_bfloat16* dst = y + (int64_t)row * N + col;
+    if (vec) {
+      uint4 old = make_uint4(0, 0, 0, 0);
+      if (accumulate) old = *reinterpret_cast<const uint4*>(dst);
+      const __nv_bfloat16* o = reinterpret_cast<const __nv_bfloat16*>(&old);
+      __align__(16) __nv_bfloat162 packed[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
         if (accumulate) {
-          v0 += __bfloat162float(dst[0]);
-          if (two) v1 += __bfloat162float(dst[1]);
+          v[2 * i] += __bfloat162float(o[2 * i]);
+          v[2 * i + 1] += __bfloat162float(o[2 * i + 1]);
         }
-        if (pairs) {
-          *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
-        } else {
-          dst[0] = __float2bfloat16_rn(v0);
-          if (two) dst[1] = __float2bfloat16_rn(v1);
-        }
+        packed[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
       }
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
+    } else {
+      for (int i = 0; i < 8 && col + i < N; ++i)
+        dst[i] = __float2bfloat16_rn(accumulate ? v[i] + __bfloat162float(dst[i]) : v[i]);
     }
   }
 #endif
