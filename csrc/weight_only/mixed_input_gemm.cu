@@ -201,8 +201,10 @@ struct ProducerWeights {
     if (kb * kBK + half_col < K) {
       const int o = off[i] + kb * (kBK / 2);  // bytes: 2 elements each
       lw.codes = ld_stream(codes + o);
-      if (FMT == kNVFP4) {  // scale bytes of elements 2o .. 2o + 31: (2o / 16, + 1); byte loads, as K / 16 may be odd
-        lw.scale = (uint32_t)scale[o >> 3] | ((uint32_t)scale[(o >> 3) + 1] << 8);
+      if (FMT == kNVFP4) {
+        // the scale bytes of elements 2o .. 2o + 31, (2o / 16, + 1), as one 16-bit load (o / 8 is even: K % 32 == 0).
+        // Two byte loads merged here made the producer wait for them at once (Nsight Compute: its top stall)
+        lw.scale = *reinterpret_cast<const uint16_t*>(scale + (o >> 3));
       } else {
         lw.scale = scale[o >> 4];
       }
