@@ -219,18 +219,19 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double alpha) {
 at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return scaled_mm(a, b, 1.0); }
 
 // The forward's base GEMM as the mixed-input kernel (csrc/weight_only/mixed_input_gemm.cu: the weight decoded inside
-// the GEMM, no dense pass): NVFP4 / MXFP4, bf16 x of at least kMixedInputMinTokens rows (this route's 4-bit calls all
-// have >= 512: kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an SM90a build on a cc 9.0 GPU;
-// surogate_hf.kernels.paths.mixed_input_kernel states the same rule. SUROGATE_HF_MIXED_INPUT=0 keeps decode + cuBLAS.
+// the GEMM, no dense pass), opted into with SUROGATE_HF_MIXED_INPUT=1: it is correct on every shape but still slower
+// than decode + cuBLAS (docs/kernels.md has the measurements), so the dense route stays the default. Where opted in:
+// NVFP4 / MXFP4, bf16 x of at least kMixedInputMinTokens rows (this route's 4-bit calls all have >= 512:
+// kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an SM90a build on a cc 9.0 GPU;
+// surogate_hf.kernels.paths.mixed_input_kernel states the same rule. (The variable is read per call, as the Python
+// rule reads it.)
 constexpr int64_t kMixedInputMinTokens = 512;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
 bool mixed_input_applies(const at::Tensor& x2, const Operands& op) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("SUROGATE_HF_MIXED_INPUT");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  const char* opt_in = std::getenv("SUROGATE_HF_MIXED_INPUT");
+  const bool enabled = opt_in != nullptr && std::string(opt_in) == "1";
   return enabled && op.fmt <= 1 && x2.scalar_type() == at::kBFloat16 && x2.size(0) >= kMixedInputMinTokens &&
          x2.size(0) <= INT_MAX && op.n <= INT_MAX && op.k % 32 == 0 && x2.is_contiguous() && aligned16(x2) &&
          op.w.is_contiguous() && aligned16(op.w) && op.scales.is_contiguous() &&

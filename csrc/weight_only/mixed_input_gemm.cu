@@ -9,7 +9,7 @@
 //     columns of K with the decoded weight as A and x as B (N = 256 tokens: the WGMMA shape that reads the least
 //     shared memory per product, which the stores of both tiles share);
 //   - per 64-column stage the producer has the TMA copy the x tile into shared memory (128-byte swizzle, zeros past M
-//     and K) and decodes the stage's 128 x 64 weight codes (loaded into registers two stages ahead) into the bf16
+//     and K) and decodes the stage's 128 x 64 weight codes (loaded into registers three stages ahead) into the bf16
 //     tile the WGMMAs read, in the same swizzle: lane pairs own a row's two 32-column halves, the E2M1 decode and the
 //     block-scale multiply of e2m1_decode.cuh (exact in bf16), one 16-byte store per 8 elements;
 //   - four stages in a ring of mbarriers: full (the producer's 128 threads after their stores, fenced for the async
@@ -46,7 +46,7 @@ constexpr int kBK = 64;         // K per stage: one 128-byte swizzle row of bf16
 constexpr int kStages = 4;
 constexpr int kThreads = 384;   // warpgroup 0 produces, 1 and 2 consume
 constexpr int kBTile = kBN * kBK * 2;  // bytes of a stage's decoded weight tile
-// BM tokens per CTA: 256, or 128 where 256 leaves SMs idle (launch_fmt)
+// BM tokens per CTA: 256, or 128 where 256 would leave half the SMs idle (launch_fmt)
 template <int BM>
 struct Tile {
   static constexpr int kATile = BM * kBK * 2;  // bytes of a stage's x tile
@@ -247,28 +247,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- producer: per stage, the x tile by TMA and the weight tile decoded from codes loaded two stages ahead
     const Weights wts(w, scales, n0, N, K, t);
     const E2M1Tables tables((threadIdx.x * (unsigned)M) >> 31);
-    LaneWeights ring[2][Weights::kRows];
+    LaneWeights ring[3][Weights::kRows];
 #pragma unroll
-    for (int p = 0; p < 2; ++p)
+    for (int p = 0; p < 3; ++p)
 #pragma unroll
       for (int i = 0; i < Weights::kRows; ++i) ring[p][i] = wts.load(i, p, K);
-    for (int kb0 = 0; kb0 < kblocks; kb0 += 2) {
+    // x tiles go one stage ahead of the decode: the TMA's round trip overlaps a stage's decode. A stage is free for
+    // both once its empty barrier has passed, which is waited on here before its x tile is requested.
+    auto request_x = [&](int kb) {
+      const int s = kb % kStages;
+      mbar_wait(smem_addr(&empty[s]), ((kb / kStages) & 1) ^ 1);  // (open on the first pass)
+      if (t == 0) {
+        mbar_expect_tx(smem_addr(&full[s]), kATile);
+        tma_load_2d(a_tiles + s * kATile, &x_map, kb * kBK, m0, smem_addr(&full[s]));
+      }
+    };
+    request_x(0);
+    for (int kb0 = 0; kb0 < kblocks; kb0 += 3) {
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
+      for (int p = 0; p < 3; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
         const int kb = kb0 + p;
         if (kb >= kblocks) break;
         const int s = kb % kStages;
         const uint32_t full_s = smem_addr(&full[s]);
-        mbar_wait(smem_addr(&empty[s]), ((kb / kStages) & 1) ^ 1);  // (open on the first pass)
-        if (t == 0) {
-          mbar_expect_tx(full_s, kATile);
-          tma_load_2d(a_tiles + s * kATile, &x_map, kb * kBK, m0, full_s);
-        }
+        if (kb + 1 < kblocks) request_x(kb + 1);
 #pragma unroll
         for (int i = 0; i < Weights::kRows; ++i) {
           uint32_t v[16];
           decode_lane<FMT>(ring[p][i], nullptr, tables, v);
-          if (kb + 2 < kblocks) ring[p][i] = wts.load(i, kb + 2, K);  // (a slot past the end is not decoded again)
+          if (kb + 3 < kblocks) ring[p][i] = wts.load(i, kb + 3, K);  // (a slot past the end is not decoded again)
           const int row = (t >> 1) + 64 * i, c0 = 4 * (t & 1);
 #pragma unroll
           for (int c = 0; c < 4; ++c)
@@ -403,12 +410,12 @@ cudaError_t launch_tile(const void* x, const uint8_t* w, const uint8_t* scales, 
   return cudaGetLastError();
 }
 
-// 256-token tiles where they make at least one full wave of CTAs (one per SM), else 128-token ones (twice the CTAs)
+// 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs)
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* gscale, void* y, int M,
                        int N, int K, bool accumulate, int sms, int dev, cudaStream_t stream) {
   const int64_t wide = (int64_t)((N + kBN - 1) / kBN) * ((M + 255) / 256);
-  if (wide >= sms) return launch_tile<FMT, 256>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
+  if (2 * wide > sms) return launch_tile<FMT, 256>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
   return launch_tile<FMT, 128>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
 }
 

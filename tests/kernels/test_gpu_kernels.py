@@ -481,14 +481,15 @@ MANY_TOKENS = (512, 777, 2048)
 
 @pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_mixed_input_kernel_over_the_shapes_table(fmt, nk):
+def test_mixed_input_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
     """csrc's many-token mixed-input GEMM (surogate::ext_mixed_input_gemm, WGMMA with the weight decoded in the main
     loop) on every linear of the table (and a K with a half 64-column stage, an odd N) at 512 to 2048 tokens: within
     one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T, bit-identical from run to run,
-    and what the decode route's forward runs for bf16 x where paths.mixed_input_kernel plans it."""
+    and, opted in (SUROGATE_HF_MIXED_INPUT=1), what the decode route's forward runs for bf16 x."""
     from surogate_hf.kernels import ext
 
     _built_extension()
+    monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
     if not paths.mixed_input_kernel(fmt, 2048, nk[0], torch.bfloat16, torch.cuda.get_device_capability(),
                                     ext.sm90a_built()):
         pytest.skip("the mixed-input kernel needs a compute capability 9.0 GPU (WGMMA, sm_90a)")

@@ -164,10 +164,13 @@ def test_few_token_split_fills_the_gpu_where_the_weight_is_large():
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_many_token_forwards_of_every_shapes_table_linear_take_the_mixed_input_kernel(fmt, monkeypatch):
-    """On a cc 9.0 GPU with the extension's sm_90a code, the decode route's bf16 forward (>= 512 tokens) runs the
-    mixed-input WGMMA kernel on every linear of the table (each K is a multiple of 32); not where it cannot run."""
+def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_input_kernel(fmt, monkeypatch):
+    """Opted in (SUROGATE_HF_MIXED_INPUT=1), on a cc 9.0 GPU with the extension's sm_90a code, the decode route's bf16
+    forward (>= 512 tokens) runs the mixed-input WGMMA kernel on every linear of the table (each K is a multiple of
+    32); not where it cannot run, and not by default (decode + cuBLAS is faster)."""
     monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
+    assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True)
+    monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
     for _, _, k, n in S.all_linears():
         for m in (512, 777, 2048, 8192):
             assert P.mixed_input_kernel(fmt, m, k, torch.bfloat16, SM90, True), f"{fmt} [{n}, {k}] M={m}"
