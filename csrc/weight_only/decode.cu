@@ -6,7 +6,6 @@
 // in a way the vector path does not cover (a ragged tail, an FP8 row length that is not a multiple of 16, NF4 blocks
 // that are not multiples of 32) or misaligned codes decode element by element with the same functions.
 #include "../common/device.cuh"
-#include "../fp4/e2m1_decode.cuh"
 #include "decode_math.cuh"
 
 namespace surogate {
@@ -58,30 +57,21 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(Weight a, int64_t byte
       vals[2 * j] = from_f32<T>(decode::nf4_element(lv[codes[j] >> 4], s));
       vals[2 * j + 1] = from_f32<T>(decode::nf4_element(lv[codes[j] & 0xFu], s));
     }
-  } else {
-    // E2M1 by byte permutes (e2m1_decode.cuh), ~2.5 instructions per element where decode::element's fp32 math took
-    // ~12 and bound the kernel (Nsight Compute, H200, 4096 x 4096: 22 us, SM throughput 62%, DRAM 16%). Bit for bit
-    // the same values: NVFP4's e2m1 * s is exact in bf16 (at most 5 significant bits, >= 2^-10), so its fp32 product
-    // with the global rounds as decode::nvfp4_element's; MXFP4's power-of-two scale multiplies in fp32 (2^-127 is an
-    // fp32 subnormal), as decode::mxfp4_element does.
-    const wdec::E2M1Tables tables((uint32_t)(bytes >> 62));  // 0, but not provably (keeps the tables in registers)
-    uint32_t words[16];  // bf16x2: element pairs (2i, 2i + 1)
-    float s = 1.f;
-    if constexpr (FMT == 0) {
-      // the two 16-element blocks' scales, as decode_lane reads them: (block e0 / 16, + 1) in one 16-bit word
-      const wdec::LaneWeights lw{raw, (uint32_t)a.scales_u8[e0 >> 4] | ((uint32_t)a.scales_u8[(e0 >> 4) + 1] << 8)};
-      wdec::decode_lane<wdec::kNVFP4>(lw, nullptr, tables, words);
-      s = *a.gscale;
-    } else {
-      const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+  } else if constexpr (FMT == 0) {
+    const float g = *a.gscale;
+    const float s0 = decode::e4m3_value(a.scales_u8[e0 >> 4]), s1 = decode::e4m3_value(a.scales_u8[(e0 >> 4) + 1]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) wdec::e2m1x8_to_bf16(w4[i], tables, words + 4 * i);
-      s = decode::e8m0_value(a.scales_u8[e0 >> 5]);
+    for (int j = 0; j < kChunk; ++j) {
+      const float s = j < kChunk / 2 ? s0 : s1;
+      vals[2 * j] = from_f32<T>(decode::nvfp4_element(codes[j] & 0xFu, s, g));
+      vals[2 * j + 1] = from_f32<T>(decode::nvfp4_element(codes[j] >> 4, s, g));
     }
+  } else {
+    const float s = decode::e8m0_value(a.scales_u8[e0 >> 5]);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      vals[2 * i] = from_f32<T>(decode::mul(__uint_as_float(words[i] << 16), s));
-      vals[2 * i + 1] = from_f32<T>(decode::mul(__uint_as_float(words[i] & 0xFFFF0000u), s));
+    for (int j = 0; j < kChunk; ++j) {
+      vals[2 * j] = from_f32<T>(decode::mxfp4_element(codes[j] & 0xFu, s));
+      vals[2 * j + 1] = from_f32<T>(decode::mxfp4_element(codes[j] >> 4, s));
     }
   }
   uint4* dst = reinterpret_cast<uint4*>(out + e0);
