@@ -106,7 +106,7 @@ def mixed_input_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability:
     """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) is the extension's
     mixed-input WGMMA kernel (csrc/weight_only/mixed_input_gemm.cu, the weight decoded inside the GEMM) rather than a
     dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the kernel is correct on every shape but still slower
-    than decode + cuBLAS (0.76-0.82x bf16 cuBLAS against 0.85-0.88x on the H200's Llama-3.1-8B linears at 2048 tokens;
+    than decode + cuBLAS (0.77-0.82x bf16 cuBLAS against 0.85-0.92x on the H200's Llama-3.1-8B linears at 2048 tokens;
     docs/kernels.md). Where opted in: NVFP4 or MXFP4, >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute
     capability 9.0 GPU (WGMMA) and an extension compiled for sm_90a (kernels.ext.sm90a_built). The C++
     (mixed_input_applies) decides by the same rule, plus 16-byte aligned contiguous operands. The input gradient keeps
