@@ -4,10 +4,10 @@
 // Hopper has no FP4 tensor cores. The route this replaces decodes the whole weight into a bf16 buffer and runs cuBLAS:
 // at 2048 tokens the decode pass writes 2 bytes per element that the GEMM reads back, a fifth of cuBLAS's time at
 // 4096 x 4096. Here the decode is a producer warpgroup's work, overlapped with the consumers' WGMMAs:
-//   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 would leave SMs idle) as its transpose
-//     y^T = W x^T: warpgroup 0 produces, warpgroups 1 and 2 own 64 weight rows each, one m64nBMk16 WGMMA per 16
-//     columns of K with the decoded weight as A and x as B (N = 256 tokens: the WGMMA shape that reads the least
-//     shared memory per product, which the stores of both tiles share);
+//   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 fills at most half the SMs) as its
+//     transpose y^T = W x^T: warpgroup 0 produces, warpgroups 1 and 2 own 64 weight rows each, one m64nBMk16 WGMMA
+//     per 16 columns of K with the decoded weight as A and x as B (N = 256 tokens: the WGMMA shape that reads the
+//     least shared memory per product, which the stores of both tiles share);
 //   - per 64-column stage the producer has the TMA copy the x tile into shared memory (128-byte swizzle, zeros past M
 //     and K) and decodes the stage's 128 x 64 weight codes (loaded into registers three stages ahead) into the bf16
 //     tile the WGMMAs read, in the same swizzle: lane pairs own a row's two 32-column halves, the E2M1 decode and the
@@ -16,8 +16,10 @@
 //     proxy, plus the x tile's bytes) and empty (the consumers' 256 threads, once the WGMMAs that read the stage
 //     completed).
 // Each decoded element serves the CTA's BM tokens: at BM = 256 the decode costs ~2.5 instructions per element per 256
-// tokens, which one producer warp per scheduler issues within the WGMMAs' time. Earlier versions (H200, 4096 x 4096,
-// 2048 tokens): 128-token x 256-row tiles with cp.async copies of x, 0.4-0.5x cuBLAS (the producer, with twice the
+// tokens. One producer warp per scheduler (the register file holds no more beside the consumers' accumulators) is
+// still the limit: 0.77-0.82x cuBLAS on the H200's Llama-3.1-8B linears at 2048 tokens, below decode + cuBLAS's
+// 0.85-0.92x, so the route runs this kernel only when opted in (decoded_linear.cpp). Earlier versions (H200,
+// 4096 x 4096, 2048 tokens): 128-token x 256-row tiles with cp.async copies of x, 0.4-0.5x cuBLAS (the producer, with twice the
 // decode per product and the copies on top, was the bottleneck); 256 tokens x 128 rows as y = x W^T (m64n128
 // WGMMAs, x by TMA), 0.66x, and 0.73x with the decode left out (shared-memory bandwidth: an m64n128k16 WGMMA reads
 // 6 KB per 131k products where m64n256k16 reads 10 KB per 262k).
