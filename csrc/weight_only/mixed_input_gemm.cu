@@ -115,7 +115,8 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // d[BN / 2] += A (64 x 16) * B (16 x BN), both bf16 K-major tiles in shared memory (descriptors a, b): one warpgroup's
-// m64nBNk16 WGMMA into its fp32 fragment d
+// m64nBNk16 WGMMA into its fp32 fragment d. One specialization per shape: the instruction names each accumulator
+// register (as CUTLASS's wrappers do); its scale-d operand is a predicate, set to accumulate.
 template <int BN>
 __device__ __forceinline__ void wgmma_k16(float* d, uint64_t a, uint64_t b);
 template <>
