@@ -32,9 +32,11 @@ def arch_flags() -> list[str]:
         return []
     # as torch does: no target above what its toolkit supports
     top = max(divmod(int(re.sub(r"\D", "", a[3:])), 10) for a in torch.cuda.get_arch_list() if a.startswith("sm_"))
-    caps = sorted({min(torch.cuda.get_device_capability(i), top) for i in range(torch.cuda.device_count())})
+    real = {tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())}
+    caps = sorted({min(c, top) for c in real})
+    # (sm_90a code runs on cc 9.0 only: not for a newer GPU clamped to 9.0, which gets the PTX)
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}"
-             for a in (f"{ma}{mi}" + ("a" if (ma, mi) == (9, 0) else "") for ma, mi in caps)]
+             for a in (f"{ma}{mi}" + ("a" if (ma, mi) == (9, 0) and (9, 0) in real else "") for ma, mi in caps)]
     ma, mi = caps[-1]
     return flags + [f"-gencode=arch=compute_{ma}{mi},code=compute_{ma}{mi}"]  # PTX for newer GPUs, as torch adds
 

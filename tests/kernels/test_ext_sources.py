@@ -3,12 +3,14 @@ wheel can build the optional extension, not only a source checkout."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from surogate_hf.kernels import ext
 
@@ -29,3 +31,45 @@ def test_the_wheel_ships_the_sources(tmp_path):
     (wheel,) = tmp_path.glob("surogate_hf-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"surogate_hf/_csrc/{s}" for s in ext.SOURCES} <= names
+    # and every header they include, transitively
+    csrc, todo, headers = REPO / "csrc", [REPO / "csrc" / s for s in ext.SOURCES], set()
+    while todo:
+        src = todo.pop()
+        for inc in re.findall(r'^#include "([^"]+)"', src.read_text(), re.M):
+            h = (src.parent / inc).resolve()
+            if h not in headers:
+                headers.add(h)
+                todo.append(h)
+    assert headers and {f"surogate_hf/_csrc/{h.relative_to(csrc).as_posix()}" for h in headers} <= names
+
+
+def _gpus(monkeypatch, caps, arch_list):
+    """torch.cuda as seen by ext.arch_flags: these capabilities, a toolkit with these targets"""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: caps[i])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
+
+
+def test_a_hopper_gpu_is_built_for_sm90a(monkeypatch):
+    """A cc 9.0 GPU gets sm_90a (WGMMA: the mixed-input GEMM); other GPUs what torch would pick, PTX for the newest."""
+    _gpus(monkeypatch, [(9, 0), (8, 0)], ["sm_80", "sm_90", "sm_100"])
+    assert ext.arch_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+                                "-gencode=arch=compute_90,code=compute_90"]
+    assert ext.sm90a_built()
+    _gpus(monkeypatch, [(10, 0)], ["sm_80", "sm_90", "sm_100"])
+    assert ext.arch_flags() == ["-gencode=arch=compute_100,code=sm_100", "-gencode=arch=compute_100,code=compute_100"]
+    assert not ext.sm90a_built()
+    # a GPU newer than the toolkit is clamped as torch clamps it, and runs the PTX: no sm_90a code for it
+    _gpus(monkeypatch, [(12, 0)], ["sm_80", "sm_90"])
+    assert ext.arch_flags() == ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+    assert not ext.sm90a_built()
+
+
+def test_a_set_arch_list_is_kept(monkeypatch):
+    _gpus(monkeypatch, [(9, 0)], ["sm_90"])
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert ext.arch_flags() == [] and not ext.sm90a_built()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    assert ext.arch_flags() == [] and ext.sm90a_built()
