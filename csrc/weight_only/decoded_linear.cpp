@@ -232,9 +232,13 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const
 bool mixed_input_applies(const at::Tensor& x2, const Operands& op) {
   const char* opt_in = std::getenv("SUROGATE_HF_MIXED_INPUT");
   const bool enabled = opt_in != nullptr && std::string(opt_in) == "1";
+  // (the operands' own checks are dequantize_weight's, which this path does not call: the ones the kernel relies on)
   return enabled && op.fmt <= 1 && x2.scalar_type() == at::kBFloat16 && x2.size(0) >= kMixedInputMinTokens &&
          x2.size(0) <= INT_MAX && op.n <= INT_MAX && op.k % 32 == 0 && x2.is_contiguous() && aligned16(x2) &&
-         op.w.is_contiguous() && aligned16(op.w) && op.scales.is_contiguous() &&
+         op.w.is_contiguous() && aligned16(op.w) && op.w.element_size() == 1 && op.w.numel() == op.n * op.k / 2 &&
+         op.scales.is_contiguous() && op.scales.element_size() == 1 &&
+         op.scales.numel() == op.n * op.k / (op.fmt == 0 ? 16 : 32) &&
+         (op.fmt != 0 || (op.gscale.defined() && op.gscale.numel() == 1 && op.gscale.element_size() == 4)) &&
          surogate::mixed_input_gemm_supported(x2.get_device());
 }
 

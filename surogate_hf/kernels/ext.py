@@ -20,8 +20,8 @@ NAME = "surogate_hf_ext"
 # build copies), so an installed wheel can build the extension as well as a checkout can
 _CSRC = Path(__file__).resolve().parent.parent / "_csrc"
 SOURCES = ("bindings.cpp", "fp8/cast_amax.cu", "fp8/block_gemm.cu", "fp8/scaled_mm.cpp", "fp8/fp8_linear.cpp",
-           "fp4/nvfp4_qdq.cu", "fp4/few_token_gemm.cu", "weight_only/decode.cu", "weight_only/mixed_input_gemm.cu", "weight_only/decoded_linear.cpp",
-           "norm/rmsnorm.cu", "norm/rmsnorm_op.cpp")
+           "fp4/nvfp4_qdq.cu", "fp4/few_token_gemm.cu", "weight_only/decode.cu", "weight_only/mixed_input_gemm.cu",
+           "weight_only/decoded_linear.cpp", "norm/rmsnorm.cu", "norm/rmsnorm_op.cpp")
 
 
 def arch_flags() -> list[str]:
@@ -135,5 +135,5 @@ def load(build: bool = False):
 
 
 OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm",
-       "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "mixed_input_gemm", "dequantize", "decoded_linear", "decoded_linear_fwd",
-       "decoded_linear_bwd", "rmsnorm", "fp8_scaled_mm", "fp8_linear")
+       "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "mixed_input_gemm", "dequantize", "decoded_linear",
+       "decoded_linear_fwd", "decoded_linear_bwd", "rmsnorm", "fp8_scaled_mm", "fp8_linear")
