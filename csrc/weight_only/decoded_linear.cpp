@@ -21,6 +21,7 @@
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <string>
@@ -73,10 +74,11 @@ Nested nested_of(const c10::optional<at::Tensor>& absmax, const c10::optional<at
   return {or_undef(absmax), or_undef(code), or_undef(offset)};
 }
 
-// The caller (surogate_hf.nn.linear, building a layer's plan) validated the operands once; these checks guard misuse.
-at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
-                             const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
-                             at::ScalarType dtype, const Nested& nested = {}) {
+// The caller (surogate_hf.nn.linear, building a layer's plan) validated the operands once; these checks guard misuse,
+// for the dense decode and the mixed-input GEMM alike.
+void check_weight_operands(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                           const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                           const Nested& nested) {
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "ext_dequantize: fmt must be 0 (nvfp4), 1 (mxfp4), 2 (nf4) or 3 (fp8)");
   TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 && w.numel() == (fmt == 3 ? n * k : n * k / 2),
               "ext_dequantize: w must be contiguous one-byte CUDA data of the weight's size");
@@ -85,9 +87,15 @@ at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, cons
   TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.element_size() == (fmt >= 2 && !nested_nf4 ? 4 : 1),
               "ext_dequantize: scales must be contiguous (fp32 for nf4 / fp8, one byte for nvfp4 / mxfp4 and a "
               "double-quantized nf4 absmax)");
+  // one scale per block, as kernels.registry.decode_operands counts them (a short tensor would be read past its end)
+  const int64_t bl = std::max<int64_t>(block, 1);
+  const int64_t scale_count =
+      fmt == 0 ? n * k / 16 : fmt == 1 ? n * k / 32 : fmt == 2 ? n * k / bl : ((n + bl - 1) / bl) * ((k + bl - 1) / bl);
+  TORCH_CHECK(scales.numel() == scale_count, "ext_dequantize: scales must hold ", scale_count,
+              " values for a [", n, ", ", k, "] weight in this format, got ", scales.numel());
   // fp32 operands may come as their int32 bytes (a quantized module's slot as stored: surogate_hf/nn/slots.py)
   auto fp32_bytes = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kInt; };
-  TORCH_CHECK(!nested_nf4 || (block >= 1 && scales.numel() == n * k / block && nested.absmax.is_cuda() &&
+  TORCH_CHECK(!nested_nf4 || (block >= 1 && nested.absmax.is_cuda() &&
                               nested.absmax.is_contiguous() && fp32_bytes(nested.absmax) &&
                               nested.absmax.numel() == (scales.numel() + 255) / 256 && nested.code.is_cuda() &&
                               nested.code.is_contiguous() && fp32_bytes(nested.code) && nested.code.numel() == 256 &&
@@ -99,6 +107,13 @@ at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, cons
   TORCH_CHECK(fmt != 2 || (levels.has_value() && levels->is_cuda() && levels->is_contiguous() && fp32_bytes(*levels) &&
                            levels->numel() == 16 && block >= 1),
               "ext_dequantize: nf4 needs its 16 fp32 levels and a block size");
+}
+
+at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                             const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                             at::ScalarType dtype, const Nested& nested = {}) {
+  check_weight_operands(w, scales, gscale, levels, fmt, n, k, block, nested);
+  const bool nested_nf4 = nested.defined();
   const int code = out_dtype_code(dtype);
   const at::cuda::CUDAGuard guard(w.device());
   auto out = at::empty({n, k}, w.options().dtype(dtype));
@@ -132,6 +147,7 @@ struct Operands {
   at::Tensor decode(at::ScalarType dtype) const {
     return dequantize_weight(w, scales, opt(gscale), opt(levels), fmt, n, k, block, dtype, nested);
   }
+  void check() const { check_weight_operands(w, scales, opt(gscale), opt(levels), fmt, n, k, block, nested); }
 };
 
 // How ATen hands a row-major [R, C] operand to column-major cuBLAS (prepare_matrix_for_cublas): a contiguous one is
@@ -229,17 +245,13 @@ constexpr int64_t kMixedInputMinTokens = 512;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
+// (the operands' sizes and dtypes are check_weight_operands', which the mixed-input path runs too: this is the rule)
 bool mixed_input_applies(const at::Tensor& x2, const Operands& op) {
   const char* opt_in = std::getenv("SUROGATE_HF_MIXED_INPUT");
   const bool enabled = opt_in != nullptr && std::string(opt_in) == "1";
-  // (the operands' own checks are dequantize_weight's, which this path does not call: the ones the kernel relies on)
   return enabled && op.fmt <= 1 && x2.scalar_type() == at::kBFloat16 && x2.size(0) >= kMixedInputMinTokens &&
          x2.size(0) <= INT_MAX && op.n <= INT_MAX && op.k % 32 == 0 && x2.is_contiguous() && aligned16(x2) &&
-         op.w.is_contiguous() && aligned16(op.w) && op.w.element_size() == 1 && op.w.numel() == op.n * op.k / 2 &&
-         op.scales.is_contiguous() && op.scales.element_size() == 1 &&
-         op.scales.numel() == op.n * op.k / (op.fmt == 0 ? 16 : 32) &&
-         (op.fmt != 0 || (op.gscale.defined() && op.gscale.numel() == 1 && op.gscale.element_size() == 4)) &&
-         surogate::mixed_input_gemm_supported(x2.get_device());
+         aligned16(op.w) && surogate::mixed_input_gemm_supported(x2.get_device());
 }
 
 // y [M, n] (+)= x2 @ deq(W)^T by the mixed-input kernel (y contiguous; accumulate: one rounding of y + the fp32 sum,
@@ -263,31 +275,33 @@ void mixed_input_into(at::Tensor& y, const at::Tensor& x2, const Operands& op, b
 // rank-r GEMM is bound by the bytes of its [M, n] output, so it should only write it; the base GEMM, bound by its
 // math, reads it in the epilogue at little cost. (The other order made the rank-r GEMM read and write y: a profiled
 // compiled Qwen3-1.7B step spent ~16 ms of its 168 ms in those accumulating GEMMs.)
+// The adapter's share of the forward, (+ bias) + scaling * (xl2 A^T) B^T, which the base GEMM then accumulates onto;
+// h = xl2 A^T goes to *h_out.
+at::Tensor adapter_output(const at::Tensor& xl2, const at::Tensor& bias, const at::Tensor& lora_a,
+                          const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
+  const auto dt = xl2.scalar_type();
+  at::Tensor h = gemm(xl2, lora_a.to(dt).t());
+  const at::Tensor bt = lora_b.to(dt).t();
+  at::Tensor y = bias.defined() ? at::addmm(bias.to(dt), h, bt, 1.0, scaling) : scaled_mm(h, bt, scaling);
+  if (h_out) *h_out = h;
+  return y;
+}
+
 at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operands& op, const at::Tensor& bias,
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
   const auto dt = x2.scalar_type();
   if (mixed_input_applies(x2, op)) {  // the same sums as below, without the dense weight
-    at::Tensor y;
-    if (lora_a.defined()) {
-      at::Tensor h = gemm(xl2, lora_a.to(dt).t());
-      y = bias.defined() ? at::addmm(bias.to(dt), h, lora_b.to(dt).t(), 1.0, scaling)
-                         : scaled_mm(h, lora_b.to(dt).t(), scaling);
-      if (h_out) *h_out = h;
-    } else if (bias.defined()) {
-      y = bias.to(dt).expand({x2.size(0), op.n}).contiguous();
-    } else {
-      y = at::empty({x2.size(0), op.n}, x2.options());
-    }
+    op.check();
+    at::Tensor y = lora_a.defined() ? adapter_output(xl2, bias, lora_a, lora_b, scaling, h_out)
+                   : bias.defined() ? bias.to(dt).expand({x2.size(0), op.n}).contiguous()
+                                    : at::empty({x2.size(0), op.n}, x2.options());
     mixed_input_into(y, x2, op, lora_a.defined() || bias.defined());
     return y;
   }
   const at::Tensor wt = op.decode(dt).t();
   if (!lora_a.defined()) return bias.defined() ? at::addmm(bias.to(dt), x2, wt) : gemm(x2, wt);
-  at::Tensor h = gemm(xl2, lora_a.to(dt).t());
-  const at::Tensor bt = lora_b.to(dt).t();
-  at::Tensor y = bias.defined() ? at::addmm(bias.to(dt), h, bt, 1.0, scaling) : scaled_mm(h, bt, scaling);
+  at::Tensor y = adapter_output(xl2, bias, lora_a, lora_b, scaling, h_out);
   gemm_into(y, x2, wt, 1.0, 1.0);
-  if (h_out) *h_out = h;
   return y;
 }
 
