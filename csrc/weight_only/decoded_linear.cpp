@@ -276,10 +276,9 @@ void mixed_input_into(at::Tensor& y, const at::Tensor& x2, const Operands& op, b
 // math, reads it in the epilogue at little cost. (The other order made the rank-r GEMM read and write y: a profiled
 // compiled Qwen3-1.7B step spent ~16 ms of its 168 ms in those accumulating GEMMs.)
 // The adapter's share of the forward, (+ bias) + scaling * (xl2 A^T) B^T, which the base GEMM then accumulates onto;
-// h = xl2 A^T goes to *h_out.
+// h = xl2 A^T goes to *h_out. dt: x's dtype, which A, B and the bias are cast to.
 at::Tensor adapter_output(const at::Tensor& xl2, const at::Tensor& bias, const at::Tensor& lora_a,
-                          const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
-  const auto dt = xl2.scalar_type();
+                          const at::Tensor& lora_b, double scaling, at::ScalarType dt, at::Tensor* h_out) {
   at::Tensor h = gemm(xl2, lora_a.to(dt).t());
   const at::Tensor bt = lora_b.to(dt).t();
   at::Tensor y = bias.defined() ? at::addmm(bias.to(dt), h, bt, 1.0, scaling) : scaled_mm(h, bt, scaling);
@@ -292,7 +291,7 @@ at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operand
   const auto dt = x2.scalar_type();
   if (mixed_input_applies(x2, op)) {  // the same sums as below, without the dense weight
     op.check();
-    at::Tensor y = lora_a.defined() ? adapter_output(xl2, bias, lora_a, lora_b, scaling, h_out)
+    at::Tensor y = lora_a.defined() ? adapter_output(xl2, bias, lora_a, lora_b, scaling, dt, h_out)
                    : bias.defined() ? bias.to(dt).expand({x2.size(0), op.n}).contiguous()
                                     : at::empty({x2.size(0), op.n}, x2.options());
     mixed_input_into(y, x2, op, lora_a.defined() || bias.defined());
@@ -300,7 +299,7 @@ at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operand
   }
   const at::Tensor wt = op.decode(dt).t();
   if (!lora_a.defined()) return bias.defined() ? at::addmm(bias.to(dt), x2, wt) : gemm(x2, wt);
-  at::Tensor y = adapter_output(xl2, bias, lora_a, lora_b, scaling, h_out);
+  at::Tensor y = adapter_output(xl2, bias, lora_a, lora_b, scaling, dt, h_out);
   gemm_into(y, x2, wt, 1.0, 1.0);
   return y;
 }
