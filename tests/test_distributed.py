@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -46,14 +47,31 @@ def _write_case(root, name, kind, fmt, targets):
     return str(d)
 
 
+def _native_crashes(root) -> str:
+    """The Python stacks faulthandler wrote for each rank that died of a fatal signal in native code (dist_worker
+    enables it per rank); empty when none did."""
+    dumps = [(f.name, f.read_text()) for f in sorted(root.glob("fault_rank*.txt"))]
+    return "\n".join(f"--- {name}\n{text}" for name, text in dumps if text.strip())
+
+
 def _launch(root, dirs, extra_env=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            "-m", "surogate_hf.testing.dist_worker", str(root), *dirs]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"distributed worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    # A rank that dies of a signal (CI once saw rank 0 SIGSEGV inside a gloo collective, not reproduced in 20 local
+    # launches) gets one relaunch, reported as a warning with its stacks; a second failure, or any Python error, fails.
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        crashes = _native_crashes(root)
+        if proc.returncode == 0:
+            break
+        if attempt == 1 and crashes:
+            warnings.warn(f"distributed worker: a rank died of a signal in native code (rc {proc.returncode}); "
+                          f"relaunched once. Its stacks:\n{crashes[-6000:]}")
+            continue
+        pytest.fail(f"distributed worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+                    f"\n{crashes[-6000:]}")
     with open(root / "results.json") as f:
         out = {r["name"]: r for r in json.load(f)}
     with open(root / "results_rank1.json") as f:
@@ -64,6 +82,18 @@ def _launch(root, dirs, extra_env=None):
         print(f"[{name}] packed base per rank {f['packed_local_bytes']} / {f['packed_total_bytes']} B "
               f"({f['packed_local_bytes'] / f['packed_total_bytes']:.3f}); DDP broadcast/step {r['ddp']['broadcast_bytes_per_step']} B")
     return out
+
+
+def test_a_rank_that_dies_of_a_signal_is_relaunched_once_with_its_stacks(tmp_path):
+    """_launch's one relaunch: rank 0 segfaults in the first launch (the worker's SUROGATE_DIST_SEGFAULT_ONCE switch),
+    the second passes, and the warning carries the dead rank's Python stacks; without the switch nothing is dumped."""
+    marker = tmp_path / "crashed"
+    with pytest.warns(UserWarning, match="died of a signal") as record:
+        assert _launch(tmp_path, [], {"SUROGATE_DIST_SEGFAULT_ONCE": str(marker)}) == {}
+    assert marker.exists()
+    message = str(next(r.message for r in record if "died of a signal" in str(r.message)))
+    assert "fault_rank0.txt" in message and "Segmentation fault" in message and "dist_worker.py" in message, message
+    assert _native_crashes(tmp_path) == ""  # the relaunch truncated the dump: a clean run leaves none
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +206,13 @@ def test_fully_shard_probe_matches_this_torch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _two_gpus(), reason=f"needs {WORLD} CUDA GPUs")
 def test_same_checks_on_gpus_over_nccl(tmp_path):
+    """The gloo checks on one GPU per rank (NCCL, the CUDA kernels and their cached GEMM plans under FSDP2's
+    unshard / reshard). The single-process reference runs the same kernels on a batch twice as large, so the
+    step matches to GEMM rounding rather than to the reduction order."""
     from surogate_hf.distributed import fully_shard_takes_integer_params
 
     if not fully_shard_takes_integer_params():
         pytest.skip(f"torch {torch.__version__}: fully_shard cannot shard integer Parameters (pytorch#177844)")
-    """The gloo checks on one GPU per rank (NCCL, the CUDA kernels and their cached GEMM plans under FSDP2's
-    unshard / reshard). The single-process reference runs the same kernels on a batch twice as large, so the
-    step matches to GEMM rounding rather than to the reduction order."""
     out = _launch(tmp_path, [_write_case(tmp_path, *c) for c in CASES], {"SUROGATE_DIST_DEVICE": "cuda"})
     for name, r in out.items():
         for f in (r["fsdp"], r["rank1_fsdp"]):

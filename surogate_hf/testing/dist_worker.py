@@ -24,6 +24,7 @@ and rank 0 writes OUT_DIR/results.json (rank 1 writes its own byte counts to res
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import os
 import sys
@@ -225,6 +226,13 @@ def run_case(case_dir: str, out_dir: str) -> dict:
 
 def main():
     out_dir, case_dirs = sys.argv[1], sys.argv[2:]
+    # a crash in native code (a signal, no Python exception) leaves this rank's Python stacks here for the test to show
+    fault_log = open(os.path.join(out_dir, f"fault_rank{os.environ.get('RANK', '0')}.txt"), "w")
+    faulthandler.enable(file=fault_log, all_threads=True)
+    crash_marker = os.environ.get("SUROGATE_DIST_SEGFAULT_ONCE")  # the test of tests/test_distributed.py's relaunch
+    if crash_marker and os.environ.get("RANK") == "0" and not os.path.exists(crash_marker):
+        open(crash_marker, "w").close()
+        faulthandler._sigsegv()
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
