@@ -23,6 +23,11 @@
 // decode per product and the copies on top, was the bottleneck); 256 tokens x 128 rows as y = x W^T (m64n128
 // WGMMAs, x by TMA), 0.66x, and 0.73x with the decode left out (shared-memory bandwidth: an m64n128k16 WGMMA reads
 // 6 KB per 131k products where m64n256k16 reads 10 KB per 262k).
+// A register-operand variant (mixed_input_gemm_rs_kernel below, SUROGATE_HF_MIXED_INPUT_KERNEL=rs) moves the decode
+// into the consumer warpgroups: the producer only stages codes and scales, and each consumer thread decodes its own
+// WGMMA A fragment (8 warps share the decode, overlapped with the asynchronous WGMMAs; setmaxnreg gives the consumers
+// the registers for four fragments in flight). It compiles without spills or serialized WGMMAs and has not run yet:
+// the GPU test compares it with this kernel bit for bit, bench_large_m.py times both.
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits); products accumulate
 // in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel does. Only the fp32
 // summation order differs from x.float() @ deq(W).float().T.
@@ -34,6 +39,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdlib>
 #include <mutex>
 
 #include "../fp4/e2m1_decode.cuh"
@@ -177,6 +183,69 @@ __device__ __forceinline__ void wgmma_k16<128>(float* d, uint64_t a, uint64_t b)
       : "l"(a), "l"(b), "r"(1));
 }
 
+// d[BN / 2] += A (64 x 16, bf16 in registers: the warpgroup's m64k16 A fragment, 4 words per thread) * B (16 x BN,
+// a K-major tile in shared memory, descriptor b): the register-operand form of wgmma_k16 (mixed_input_gemm_rs_kernel).
+// Fragment word j of a thread (lane l of warp w): row 16 w + l / 4 + 8 (j & 1), columns 2 (l % 4) + 8 (j >> 1) + {0, 1}.
+template <int BN>
+__device__ __forceinline__ void wgmma_rs_k16(float* d, const uint32_t* a, uint64_t b);
+template <>
+__device__ __forceinline__ void wgmma_rs_k16<256>(float* d, const uint32_t* a, uint64_t b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, "
+      "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, "
+      "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, "
+      "%105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, "
+      "%122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+        "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+        "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs_k16<128>(float* d, const uint32_t* a, uint64_t b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
 // The producer's weight rows: thread t decodes the 32-column half t % 2 of rows t / 2 + 64 i (i < BN / 64) of the CTA's
 // BN, so a warp's 16-byte loads cover 16 rows' 32 contiguous bytes each. Rows past N read row N - 1 (in bounds; their
 // sums are never stored).
@@ -215,6 +284,62 @@ struct ProducerWeights {
     return lw;
   }
 };
+
+// Epilogue of both kernels, run by the 256 consumer threads once their last WGMMAs completed: the fp32 tile
+// out[token][row] in shared memory (over the stage buffers, which both consumer warpgroups are done with), then rows
+// of y written 16 bytes at a time (accumulate: y + the sum, one rounding). m64nBM fragment of warpgroup cw:
+// acc[4j + 2h + e] = weight row 64 cw + 16 warp + lane / 4 + 8h, token 8j + 2 (lane % 4) + e. Row stride kOutLd
+// floats: the 32 lanes of a fragment store hit 32 different banks.
+constexpr int kOutLd = kBN + 4;
+
+template <int FMT, int BM>
+__device__ __forceinline__ void store_tile(const float* acc, float* out, const float* __restrict__ gscale,
+                                           __nv_bfloat16* __restrict__ y, int M, int N, int m0, int64_t n0, int cw,
+                                           int t, bool accumulate) {
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups: the last WGMMAs have read the stages
+  const float g = FMT == kNVFP4 ? *gscale : 1.f;
+  {
+    const int warp = t >> 5, lane = t & 31;
+    const int r = cw * 64 + warp * 16 + (lane >> 2), tok = 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) out[(8 * j + tok + e) * kOutLd + r + 8 * h] = acc[4 * j + 2 * h + e] * g;
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  // 256 threads: each writes 8 consecutive columns (16 bytes) of a token row; 16 threads per row
+  const int ct = cw * 128 + t, c8 = (ct & 15) * 8;
+  const int64_t col = n0 + c8;
+  const bool vec = (N & 7) == 0 && col + 8 <= N;
+  for (int tr = ct >> 4; tr < BM; tr += 16) {
+    const int row = m0 + tr;
+    if (row >= M || col >= N) continue;
+    const float4 lo = *reinterpret_cast<const float4*>(out + tr * kOutLd + c8);
+    const float4 hi = *reinterpret_cast<const float4*>(out + tr * kOutLd + c8 + 4);
+    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    __nv_bfloat16* dst = y + (int64_t)row * N + col;
+    if (vec) {
+      uint4 old = make_uint4(0, 0, 0, 0);
+      if (accumulate) old = *reinterpret_cast<const uint4*>(dst);
+      const __nv_bfloat16* o = reinterpret_cast<const __nv_bfloat16*>(&old);
+      __align__(16) __nv_bfloat162 packed[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (accumulate) {
+          v[2 * i] += __bfloat162float(o[2 * i]);
+          v[2 * i + 1] += __bfloat162float(o[2 * i + 1]);
+        }
+        packed[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+      }
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
+    } else {
+      for (int i = 0; i < 8 && col + i < N; ++i)
+        dst[i] = __float2bfloat16_rn(accumulate ? v[i] + __bfloat162float(dst[i]) : v[i]);
+    }
+  }
+}
 
 // accumulate: y += the product (y read in the epilogue, one rounding of the fp32 sum), else y = the product.
 // x_map: x [M, K] bf16 as a TMA tensor map, box 64 columns x BM rows, 128-byte swizzle, zeros out of bounds.
@@ -317,56 +442,203 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
 
-  // Epilogue through shared memory (the stages are free once both consumer warpgroups are done; the producer left
-  // after its last stage): the fp32 tile out[token][row], then rows of y written 16 bytes at a time. m64nBM fragment:
-  // acc[4j + 2h + e] = weight row 16 warp + lane / 4 + 8h, token 8j + 2 (lane % 4) + e. Row stride kOutLd floats:
-  // the 32 lanes of a fragment store hit 32 different banks.
-  constexpr int kOutLd = kBN + 4;
+  // the stages are free once both consumer warpgroups are done (the producer left after its last stage)
   static_assert(BM * kOutLd * 4 <= kStages * (Tile<BM>::kATile + kBTile), "the output tile fits the stages");
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups: the last WGMMAs have read the stages
-  float* out = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)));
-  const float g = FMT == kNVFP4 ? *gscale : 1.f;
-  {
-    const int warp = t >> 5, lane = t & 31;
-    const int r = cw * 64 + warp * 16 + (lane >> 2), tok = 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) out[(8 * j + tok + e) * kOutLd + r + 8 * h] = acc[4 * j + 2 * h + e] * g;
+  store_tile<FMT, BM>(acc, reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw))), gscale, y, M, N, m0, n0,
+                      cw, t, accumulate);
+#endif
+}
+
+// ---- The register-operand variant (SUROGATE_HF_MIXED_INPUT_KERNEL=rs): the consumers decode their own A fragments.
+// The kernel above leaves the decode to one producer warp per scheduler, which the profile shows the consumers
+// waiting on. Here the producer only moves bytes: per 64-column stage the TMA copies the x tile, and the producer's
+// 128 threads store the stage's 128 x 64 weight codes (4 KiB) and scales into shared memory, the codes regrouped so
+// that a consumer thread's fragment bytes are 8 contiguous bytes per row. Each consumer warpgroup then decodes its
+// own m64k16 A fragments into registers (8 warps share the decode, overlapped with the asynchronous WGMMAs) and
+// issues register-operand WGMMAs (wgmma_rs_k16) against the x tile. Same tile, ring, epilogue and numerics as the
+// kernel above: the decoded element is the reference's, exact in bf16; the NVFP4 global multiplies the fp32 sum.
+//
+// Codes tile of a stage: 128 rows x 32 bytes; row r's bytes 8q .. 8q + 7 are, for q = 0..3, byte q of each of the
+// row's 8 code words in K order (word i = codes of columns 8i .. 8i + 7). A consumer thread with lane % 4 == q
+// needs, for k16 step s, the bytes of columns 16s + 2q (+1) and 16s + 2q + 8 (+9): bytes q of words 2s and 2s + 1,
+// i.e. bytes 2s, 2s + 1 of its 8: one 8-byte load per row serves the whole stage. Scales tile: 128 rows x 4 bytes
+// (NVFP4: the E4M3 scale of k16 step s in byte s; MXFP4: the E8M0 scale of 32-column half h in byte h).
+constexpr int kCodeTile = kBN * 32;
+constexpr int kScaleTile = kBN * 4;
+template <int BM>
+struct RsTile {
+  static constexpr int kATile = BM * kBK * 2;
+  static constexpr int kSmemBytes = kStages * (kATile + kCodeTile + kScaleTile) + 1024;
+};
+
+// byte q of each of four words, in word order: the regrouping of the codes tile (prmt: a transpose of 4 x 4 bytes)
+__device__ __forceinline__ void byte_transpose4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t* q) {
+  const uint32_t t0 = prmt(w0, w1, 0x5140u), t1 = prmt(w2, w3, 0x5140u);  // bytes 0, 1 of each
+  const uint32_t t2 = prmt(w0, w1, 0x7362u), t3 = prmt(w2, w3, 0x7362u);  // bytes 2, 3 of each
+  q[0] = prmt(t0, t1, 0x5410u);
+  q[1] = prmt(t0, t1, 0x7632u);
+  q[2] = prmt(t2, t3, 0x5410u);
+  q[3] = prmt(t2, t3, 0x7632u);
+}
+
+__device__ __forceinline__ uint2 ld_shared8(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_shared4(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared4(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared2(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"((unsigned short)v) : "memory");
+}
+
+// The block scales of one row for the stage as bf16 pairs, one per k16 step (both halves the same scale)
+template <int FMT>
+__device__ __forceinline__ void step_scales(uint32_t word, uint32_t* pairs) {
+  if (FMT == kNVFP4) {
+    const uint32_t s01 = e4m3x2_to_bf16x2(word), s23 = e4m3x2_to_bf16x2(word >> 16);
+    pairs[0] = prmt(s01, s01, 0x1010u);
+    pairs[1] = prmt(s01, s01, 0x3232u);
+    pairs[2] = prmt(s23, s23, 0x1010u);
+    pairs[3] = prmt(s23, s23, 0x3232u);
+  } else {
+    pairs[0] = pairs[1] = bf16_pair(e8m0_to_bf16_bits(word & 0xFFu));
+    pairs[2] = pairs[3] = bf16_pair(e8m0_to_bf16_bits((word >> 8) & 0xFFu));
   }
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  // 256 threads: each writes 8 consecutive columns (16 bytes) of a token row; 16 threads per row
-  const int ct = threadIdx.x - 128, c8 = (ct & 15) * 8;
-  const int64_t col = n0 + c8;
-  const bool vec = (N & 7) == 0 && col + 8 <= N;
-  for (int tr = ct >> 4; tr < BM; tr += 16) {
-    const int row = m0 + tr;
-    if (row >= M || col >= N) continue;
-    const float4 lo = *reinterpret_cast<const float4*>(out + tr * kOutLd + c8);
-    const float4 hi = *reinterpret_cast<const float4*>(out + tr * kOutLd + c8 + 4);
-    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    __nv_bfloat16* dst = y + (int64_t)row * N + col;
-    if (vec) {
-      uint4 old = make_uint4(0, 0, 0, 0);
-      if (accumulate) old = *reinterpret_cast<const uint4*>(dst);
-      const __nv_bfloat16* o = reinterpret_cast<const __nv_bfloat16*>(&old);
-      __align__(16) __nv_bfloat162 packed[4];
+}
+
+template <int FMT, int BM>
+__global__ void __launch_bounds__(kThreads, 1)
+    mixed_input_gemm_rs_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
+                               const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
+                               __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kATile = RsTile<BM>::kATile;
+  using Weights = ProducerWeights<FMT, kBN>;
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
+  const uint32_t x_tiles = base, code_tiles = base + kStages * kATile, scale_tiles = code_tiles + kStages * kCodeTile;
+  const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
+  const int m0 = blockIdx.y * BM;
+  const int64_t n0 = (int64_t)blockIdx.x * kBN;
+  const int kblocks = (K + kBK - 1) / kBK;
+  if (threadIdx.x == 0) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (accumulate) {
-          v[2 * i] += __bfloat162float(o[2 * i]);
-          v[2 * i + 1] += __bfloat162float(o[2 * i + 1]);
-        }
-        packed[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-      }
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
-    } else {
-      for (int i = 0; i < 8 && col + i < N; ++i)
-        dst[i] = __float2bfloat16_rn(accumulate ? v[i] + __bfloat162float(dst[i]) : v[i]);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_addr(&full[s]), 128);
+      mbar_init(smem_addr(&empty[s]), 256);
     }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer: per stage, the x tile by TMA and the codes and scales (loaded three stages ahead) regrouped
+    // into shared memory. Thread t holds the 32-column half t % 2 of rows t / 2 + 64 i: code words 4h .. 4h + 3 of
+    // the row's stage segment, whose bytes q go to bytes 8q + 4h .. + 3 of the row in the codes tile.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");  // registers to the consumers' fragments
+    const Weights wts(w, scales, n0, N, K, t);
+    const int h = t & 1;
+    LaneWeights ring[3][Weights::kRows];
+#pragma unroll
+    for (int p = 0; p < 3; ++p)
+#pragma unroll
+      for (int i = 0; i < Weights::kRows; ++i) ring[p][i] = wts.load(i, p, K);
+    for (int kb0 = 0; kb0 < kblocks; kb0 += 3) {
+#pragma unroll
+      for (int p = 0; p < 3; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
+        const int kb = kb0 + p;
+        if (kb >= kblocks) break;
+        const int s = kb % kStages;
+        mbar_wait(smem_addr(&empty[s]), ((kb / kStages) & 1) ^ 1);  // (open on the first pass)
+        if (t == 0) {
+          mbar_expect_tx(smem_addr(&full[s]), kATile);
+          tma_load_2d(x_tiles + s * kATile, &x_map, kb * kBK, m0, smem_addr(&full[s]));
+        }
+#pragma unroll
+        for (int i = 0; i < Weights::kRows; ++i) {
+          const LaneWeights lw = ring[p][i];
+          if (kb + 3 < kblocks) ring[p][i] = wts.load(i, kb + 3, K);
+          const int row = (t >> 1) + 64 * i;
+          uint32_t q[4];
+          byte_transpose4(lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w, q);
+          const uint32_t dst = code_tiles + s * kCodeTile + row * 32 + 4 * h;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) st_shared4(dst + 8 * j, q[j]);
+          const uint32_t sdst = scale_tiles + s * kScaleTile + row * 4;
+          if (FMT == kNVFP4) {
+            st_shared2(sdst + 2 * h, lw.scale);  // the E4M3 scales of steps 2h, 2h + 1
+          } else {
+            asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(sdst + h), "h"((unsigned short)lw.scale) : "memory");
+          }
+        }
+        mbar_arrive(smem_addr(&full[s]));  // (generic-proxy stores read by ld.shared: no proxy fence)
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64, all BM tokens; per k16 step one
+  // register-operand m64nBMk16 WGMMA with the thread's decoded fragment of rows r0 = 64 cw + 16 warp + lane / 4 and
+  // r0 + 8 as A and the x tile as B (the product is y^T)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  const int cw = wg - 1, lane = t & 31;
+  const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
+  const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 4;
+  const E2M1Tables tables((uint32_t)(M >> 31));  // 0 (M > 0), not provably: the tables stay in registers
+  float acc[BM / 2];
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
+  for (int kb = 0; kb < kblocks; ++kb) {
+    const int s = kb % kStages;
+    mbar_wait(smem_addr(&full[s]), (kb / kStages) & 1);
+    const uint32_t ct = code_tiles + s * kCodeTile + code_off, st = scale_tiles + s * kScaleTile + scale_off;
+    const uint2 c0 = ld_shared8(ct), c1 = ld_shared8(ct + 8 * 32);  // rows r0, r0 + 8
+    uint32_t sp0[4], sp1[4];
+    step_scales<FMT>(ld_shared4(st), sp0);
+    step_scales<FMT>(ld_shared4(st + 8 * 4), sp1);
+    const uint32_t x_tile = x_tiles + s * kATile;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // words 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); words 2, 3: step 2 half + 1
+      uint32_t d0[4], d1[4];
+      e2m1x8_to_bf16(half ? c0.y : c0.x, tables, d0);
+      e2m1x8_to_bf16(half ? c1.y : c1.x, tables, d1);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int step = 2 * half + e;
+        uint32_t a[4];  // exact: e2m1 times a block scale has at most 5 significant bits
+        a[0] = bf16x2_mul(d0[2 * e], sp0[step]);
+        a[1] = bf16x2_mul(d1[2 * e], sp1[step]);
+        a[2] = bf16x2_mul(d0[2 * e + 1], sp0[step]);
+        a[3] = bf16x2_mul(d1[2 * e + 1], sp1[step]);
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+        wgmma_rs_k16<BM>(acc, a, smem_desc(x_tile + 32 * step));
+        wgmma_commit();
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+    // all but this stage's last WGMMAs are done: the previous stage's x tile may be refilled
+    wgmma_wait<kBK / 16 - 1>();
+    if (kb > 0) mbar_arrive(smem_addr(&empty[(kb - 1) % kStages]));
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+  static_assert(BM * kOutLd * 4 <= kStages * (kATile + kCodeTile + kScaleTile), "the output tile fits the stages");
+  store_tile<FMT, BM>(acc, reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw))), gscale, y, M, N, m0, n0,
+                      cw, t, accumulate);
 #endif
 }
 
@@ -385,14 +657,15 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-template <int FMT, int BM>
+template <int FMT, int BM, bool RS>
 cudaError_t launch_tile(const void* x, const uint8_t* w, const uint8_t* scales, const float* gscale, void* y, int M,
                         int N, int K, bool accumulate, int dev, cudaStream_t stream) {
+  auto* kernel = RS ? mixed_input_gemm_rs_kernel<FMT, BM> : mixed_input_gemm_kernel<FMT, BM>;
+  constexpr int smem_bytes = RS ? RsTile<BM>::kSmemBytes : Tile<BM>::kSmemBytes;
   static std::once_flag opted[kMaxDevices];
   cudaError_t err = cudaSuccess;
   std::call_once(opted[dev], [&] {
-    err = cudaFuncSetAttribute(mixed_input_gemm_kernel<FMT, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               Tile<BM>::kSmemBytes);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   });
   if (err != cudaSuccess) return err;
   const auto encode = tensor_map_encoder();
@@ -408,18 +681,24 @@ cudaError_t launch_tile(const void* x, const uint8_t* w, const uint8_t* scales, 
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
   const dim3 grid((unsigned)((N + kBN - 1) / kBN), (unsigned)((M + BM - 1) / BM));
-  mixed_input_gemm_kernel<FMT, BM><<<grid, kThreads, Tile<BM>::kSmemBytes, stream>>>(
-      map, w, scales, gscale, reinterpret_cast<__nv_bfloat16*>(y), M, N, K, accumulate);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(map, w, scales, gscale, reinterpret_cast<__nv_bfloat16*>(y), M, N,
+                                                 K, accumulate);
   return cudaGetLastError();
 }
 
 // 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs)
-template <int FMT>
+template <int FMT, bool RS>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* gscale, void* y, int M,
                        int N, int K, bool accumulate, int sms, int dev, cudaStream_t stream) {
   const int64_t wide = (int64_t)((N + kBN - 1) / kBN) * ((M + 255) / 256);
-  if (2 * wide > sms) return launch_tile<FMT, 256>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
-  return launch_tile<FMT, 128>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
+  if (2 * wide > sms) return launch_tile<FMT, 256, RS>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
+  return launch_tile<FMT, 128, RS>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
+}
+
+// SUROGATE_HF_MIXED_INPUT_KERNEL=rs: the register-operand kernel (read per call, so that one process can time both)
+bool rs_kernel_chosen() {
+  const char* v = std::getenv("SUROGATE_HF_MIXED_INPUT_KERNEL");
+  return v != nullptr && v[0] == 'r' && v[1] == 's' && v[2] == '\0';
 }
 
 }  // namespace
@@ -450,8 +729,12 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
                                     const float* gscale, void* y, int M, int N, int K, bool accumulate, int sms,
                                     int dev, cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
-  if (fmt == kNVFP4) return launch_fmt<kNVFP4>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
-  return launch_fmt<kMXFP4>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
+  if (rs_kernel_chosen()) {
+    if (fmt == kNVFP4) return launch_fmt<kNVFP4, true>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
+    return launch_fmt<kMXFP4, true>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
+  }
+  if (fmt == kNVFP4) return launch_fmt<kNVFP4, false>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
+  return launch_fmt<kMXFP4, false>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
 }
 
 }  // namespace surogate

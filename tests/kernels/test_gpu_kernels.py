@@ -481,15 +481,19 @@ MANY_TOKENS = (512, 777, 2048)
 
 @pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_mixed_input_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
-    """csrc's many-token mixed-input GEMM (surogate::ext_mixed_input_gemm, WGMMA with the weight decoded in the main
-    loop) on every linear of the table (and a K with a half 64-column stage, an odd N) at 512 to 2048 tokens: within
-    one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T, bit-identical from run to run,
-    and, opted in (SUROGATE_HF_MIXED_INPUT=1), what the decode route's forward runs for bf16 x."""
+@pytest.mark.parametrize("kernel", ["smem", "rs"])
+def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
+    """csrc's many-token mixed-input GEMMs (surogate::ext_mixed_input_gemm, WGMMA with the weight decoded in the main
+    loop: into shared memory by a producer warpgroup, or into register operands by the consumers with
+    SUROGATE_HF_MIXED_INPUT_KERNEL=rs) on every linear of the table (and a K with a half 64-column stage, an odd N) at
+    512 to 2048 tokens: within one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T,
+    bit-identical from run to run, and, opted in (SUROGATE_HF_MIXED_INPUT=1), what the decode route's forward runs for
+    bf16 x. The two kernels issue the same WGMMA sequence on the same exact bf16 operands: their outputs are equal."""
     from surogate_hf.kernels import ext
 
     _built_extension()
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
+    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL", raising=False)
     if not paths.mixed_input_kernel(fmt, 2048, nk[0], torch.bfloat16, torch.cuda.get_device_capability(),
                                     ext.sm90a_built()):
         pytest.skip("the mixed-input kernel needs a compute capability 9.0 GPU (WGMMA, sm_90a)")
@@ -499,7 +503,13 @@ def test_mixed_input_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
     code = op_args[-1]
     for m in MANY_TOKENS:
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        if kernel == "rs":
+            monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL", raising=False)
+            y_smem = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k)
+            monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
         y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k)
+        if kernel == "rs":
+            assert torch.equal(y, y_smem), f"{fmt} [{n}, {k}] M={m}: the rs kernel differs from the smem kernel"
         ref = x.float() @ wref.t()
         slack = (x.float().abs() @ wref.abs().t()) * (k * 2.0**-24) + 1e-30
         err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
