@@ -5,6 +5,8 @@
 #   bash benchmarks/device_run.sh bench     [OUTDIR]   # eager end-to-end benchmarks of the open targets (~6 min)
 #   bash benchmarks/device_run.sh compiled  [OUTDIR]   # compiled layers: CUDA graphs, the casts as one op (~9 min)
 #   bash benchmarks/device_run.sh rows      [OUTDIR]   # QLoRA on the shapes.md rows below 2B, eager (~5 min)
+#   bash benchmarks/device_run.sh large_m   [OUTDIR]   # the weight-only route's GPU tests (decode, both mixed-input
+#                                                      # kernels, the module route), then bench_large_m (~8 min)
 # The QLoRA rows of small models are host-bound: run them with nothing else on the machine (not beside a job on
 # the other GPU; measured: a busy host read SmolLM2-360M nf4 at 0.52x instead of 0.76x), with the extension built.
 # OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
@@ -63,5 +65,16 @@ case "$what" in
     done
     cp results/e2e_row_*.md "$out/results/" 2>/dev/null
     ;;
-  *) echo "usage: device_run.sh tests|bench|compiled|rows [OUTDIR]"; exit 2 ;;
+  large_m)
+    step build 150 python3 -m surogate_hf.kernels.build
+    step gpu_weight_only 240 python3 -m pytest -q tests/kernels/test_gpu_decoded_linear.py \
+        tests/integrations/test_decoded_route.py tests/kernels/test_gpu_kernels.py \
+        -k "test_gpu_decoded_linear or test_decoded_route or mixed_input or modules_match_cpu" -p no:cacheprovider \
+        -p no:logging --tb=short
+    cd benchmarks
+    step large_m 200 python3 bench_large_m.py --name large_m --models Llama-3.1-8B,Qwen3-1.7B,SmolLM2-135M \
+        --tokens 2048,8192
+    cp results/large_m.md "$out/results/" 2>/dev/null
+    ;;
+  *) echo "usage: device_run.sh tests|bench|compiled|rows|large_m [OUTDIR]"; exit 2 ;;
 esac
