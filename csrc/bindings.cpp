@@ -27,8 +27,10 @@ cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, cons
                                   int sms, cudaStream_t stream);
 bool mixed_input_gemm_supported(int dev);
 cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
-                                    const float* gscale, void* y, int M, int N, int K, bool accumulate, int sms,
-                                    int dev, cudaStream_t stream);
+                                    const float* gscale, const float* levels, int nf4_block,
+                                    const float* nested_absmax, const float* nested_code, const float* nested_offset,
+                                    void* y, int M, int N, int K, bool accumulate, int sms, int dev,
+                                    cudaStream_t stream);
 }
 
 static int dtype_code(const torch::Tensor& x, const char* who) {
@@ -283,25 +285,48 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
   return y;
 }
 
-// y [M, N] = x [M, K] @ deq(W)^T for an NVFP4 / MXFP4 weight W [N, K] and x bf16, any M (the many-token kernel,
-// csrc/weight_only/mixed_input_gemm.cu; SM90a only). fmt 0 NVFP4 (w uint8 [N, K/2], scales E4M3 [N, K/16], gscale its
-// decode global), 1 MXFP4 (scales E8M0 [N, K/32]); K % 32 == 0 (surogate_hf.kernels.paths.mixed_input_kernel decides).
+// y [M, N] = x [M, K] @ deq(W)^T for an NVFP4 / MXFP4 / NF4 weight W [N, K] and x bf16, any M (the many-token
+// kernels, csrc/weight_only/mixed_input_gemm.cu; SM90a only). fmt 0 NVFP4 (w uint8 [N, K/2], scales E4M3 [N, K/16],
+// gscale its decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4 (w bitsandbytes-packed; scales the fp32 absmax per
+// nf4_block elements, or their one-byte codes with nested_absmax / nested_code / nested_offset; levels its 16
+// values; blocks a power of two >= 32 dividing K). K % 32 == 0 (surogate_hf.kernels.paths.mixed_input_kernel decides).
 torch::Tensor mixed_input_gemm(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scales,
-                               const c10::optional<torch::Tensor>& gscale, int64_t fmt, int64_t n, int64_t k) {
+                               const c10::optional<torch::Tensor>& gscale, const c10::optional<torch::Tensor>& levels,
+                               int64_t fmt, int64_t n, int64_t k, int64_t nf4_block,
+                               const c10::optional<torch::Tensor>& nested_absmax,
+                               const c10::optional<torch::Tensor>& nested_code,
+                               const c10::optional<torch::Tensor>& nested_offset) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "mixed_input_gemm: x must be a 2-D bf16 CUDA tensor");
-  TORCH_CHECK(fmt == 0 || fmt == 1, "mixed_input_gemm: fmt must be 0 (nvfp4) or 1 (mxfp4)");
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "mixed_input_gemm: fmt must be 0 (nvfp4), 1 (mxfp4) or 2 (nf4)");
   TORCH_CHECK(x_in.size(1) == k && k % 32 == 0 && k > 0 && n >= 0 && x_in.size(0) <= INT_MAX && n <= INT_MAX &&
                   k <= INT_MAX,
               "mixed_input_gemm: x [M, K] with K % 32 == 0 expected, got ", x_in.sizes(), " for K = ", k);
   TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 && w.numel() == n * k / 2 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "mixed_input_gemm: w must hold N * K / 2 contiguous bytes, 16-byte aligned");
-  const int64_t scale_count = fmt == 0 ? n * k / 16 : n * k / 32;
-  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.numel() == scale_count && scales.element_size() == 1,
-              "mixed_input_gemm: scales must be ", scale_count, " contiguous one-byte values");
+  const bool nested = nested_code.has_value();
+  TORCH_CHECK(nested == nested_absmax.has_value() && nested == nested_offset.has_value() && (!nested || fmt == 2),
+              "mixed_input_gemm: nested_absmax, nested_code and nested_offset go together, for nf4 only");
+  const int64_t scale_count = fmt == 0 ? n * k / 16 : fmt == 1 ? n * k / 32 : n * k / std::max<int64_t>(nf4_block, 1);
+  const int64_t scale_bytes = fmt == 2 && !nested ? 4 : 1;
+  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.numel() == scale_count &&
+                  scales.element_size() == scale_bytes,
+              "mixed_input_gemm: scales must be ", scale_count, " contiguous ", scale_bytes == 4 ? "fp32" : "one-byte",
+              " values");
   TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->scalar_type() == at::kFloat && gscale->numel() == 1),
               "mixed_input_gemm: NVFP4 needs its fp32 decode global");
+  auto fp32_on = [&](const c10::optional<torch::Tensor>& t, int64_t count) {
+    return t.has_value() && t->is_cuda() && t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == count;
+  };
+  TORCH_CHECK(fmt != 2 || (nf4_block >= 32 && (nf4_block & (nf4_block - 1)) == 0 && k % nf4_block == 0 &&
+                           fp32_on(levels, 16)),
+              "mixed_input_gemm: NF4 needs blocks that are a power of two >= 32 dividing K, and 16 fp32 levels on the "
+              "GPU");
+  TORCH_CHECK(!nested || (fp32_on(nested_absmax, (scale_count + 255) / 256) && fp32_on(nested_code, 256) &&
+                          fp32_on(nested_offset, 1)),
+              "mixed_input_gemm: a double-quantized NF4 absmax needs the fp32 nested absmax of each 256 blocks, the 256 "
+              "fp32 nested code values and the fp32 offset, on the GPU");
   const torch::Tensor x = aligned_operand(x_in);
   const at::cuda::CUDAGuard guard(x.device());
   const int dev = x.get_device();
@@ -311,11 +336,13 @@ torch::Tensor mixed_input_gemm(const torch::Tensor& x_in, const torch::Tensor& w
   auto y = torch::empty({x.size(0), n}, x.options());
   if (n == 0 || x.size(0) == 0) return y;
   const torch::Tensor g = fmt == 0 ? gscale->to(x.device()).contiguous() : torch::Tensor();
+  auto f32 = [](const c10::optional<torch::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; };
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const cudaError_t err = surogate::launch_mixed_input_gemm(
       (int)fmt, x.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()),
-      reinterpret_cast<const uint8_t*>(scales.data_ptr()), fmt == 0 ? g.data_ptr<float>() : nullptr, y.data_ptr(),
-      (int)x.size(0), (int)n, (int)k, false, sms, dev, at::cuda::getCurrentCUDAStream());
+      reinterpret_cast<const uint8_t*>(scales.data_ptr()), fmt == 0 ? g.data_ptr<float>() : nullptr,
+      fmt == 2 ? f32(levels) : nullptr, (int)nf4_block, f32(nested_absmax), f32(nested_code), f32(nested_offset),
+      y.data_ptr(), (int)x.size(0), (int)n, (int)k, false, sms, dev, at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) (void)cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, "mixed_input_gemm: launch failed: ", cudaGetErrorString(err));
   return y;

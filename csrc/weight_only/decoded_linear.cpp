@@ -37,8 +37,10 @@ void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, c
                           int64_t k, int block, cudaStream_t stream);
 bool mixed_input_gemm_supported(int dev);
 cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
-                                    const float* gscale, void* y, int M, int N, int K, bool accumulate, int sms,
-                                    int dev, cudaStream_t stream);
+                                    const float* gscale, const float* levels, int nf4_block,
+                                    const float* nested_absmax, const float* nested_code, const float* nested_offset,
+                                    void* y, int M, int N, int K, bool accumulate, int sms, int dev,
+                                    cudaStream_t stream);
 }
 
 namespace {
@@ -237,8 +239,9 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return scaled_mm(a, 
 // The forward's base GEMM as the mixed-input kernel (csrc/weight_only/mixed_input_gemm.cu: the weight decoded inside
 // the GEMM, no dense pass), opted into with SUROGATE_HF_MIXED_INPUT=1: it is correct on every shape but still slower
 // than decode + cuBLAS (docs/kernels.md has the measurements), so the dense route stays the default. Where opted in:
-// NVFP4 / MXFP4, bf16 x of at least kMixedInputMinTokens rows (this route's 4-bit calls all have >= 512:
-// kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an SM90a build on a cc 9.0 GPU;
+// NVFP4 / MXFP4 / NF4 (blocks a power of two >= 32 dividing K), bf16 x of at least kMixedInputMinTokens rows (this
+// route's 4-bit calls all have >= 512: kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an
+// SM90a build on a cc 9.0 GPU;
 // surogate_hf.kernels.paths.mixed_input_kernel states the same rule. (The variable is read per call, as the Python
 // rule reads it.)
 constexpr int64_t kMixedInputMinTokens = 512;
@@ -249,7 +252,9 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const
 bool mixed_input_applies(const at::Tensor& x2, const Operands& op) {
   const char* opt_in = std::getenv("SUROGATE_HF_MIXED_INPUT");
   const bool enabled = opt_in != nullptr && std::string(opt_in) == "1";
-  return enabled && op.fmt <= 1 && x2.scalar_type() == at::kBFloat16 && x2.size(0) >= kMixedInputMinTokens &&
+  const bool nf4_blocks_ok = op.block >= 32 && (op.block & (op.block - 1)) == 0 && op.k % op.block == 0;
+  return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x2.scalar_type() == at::kBFloat16 &&
+         x2.size(0) >= kMixedInputMinTokens &&
          x2.size(0) <= INT_MAX && op.n <= INT_MAX && op.k % 32 == 0 && x2.is_contiguous() && aligned16(x2) &&
          aligned16(op.w) && surogate::mixed_input_gemm_supported(x2.get_device());
 }
@@ -261,10 +266,14 @@ void mixed_input_into(at::Tensor& y, const at::Tensor& x2, const Operands& op, b
               "ext_decoded_linear: the mixed-input GEMM's output must be a contiguous bf16 [M, n]");
   const int dev = x2.get_device();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // (fp32 operands may be their int32 bytes: the kernels read the bits)
+  auto f32 = [](const at::Tensor& t) { return t.defined() ? static_cast<const float*>(t.const_data_ptr()) : nullptr; };
+  const bool nf4 = op.fmt == 2;
   const cudaError_t err = surogate::launch_mixed_input_gemm(
       (int)op.fmt, x2.const_data_ptr(), reinterpret_cast<const uint8_t*>(op.w.const_data_ptr()),
-      reinterpret_cast<const uint8_t*>(op.scales.const_data_ptr()),
-      op.fmt == 0 ? static_cast<const float*>(op.gscale.const_data_ptr()) : nullptr, y.mutable_data_ptr(),
+      reinterpret_cast<const uint8_t*>(op.scales.const_data_ptr()), op.fmt == 0 ? f32(op.gscale) : nullptr,
+      nf4 ? f32(op.levels) : nullptr, (int)op.block, nf4 ? f32(op.nested.absmax) : nullptr,
+      nf4 ? f32(op.nested.code) : nullptr, nf4 ? f32(op.nested.offset) : nullptr, y.mutable_data_ptr(),
       (int)x2.size(0), (int)op.n, (int)op.k, accumulate, sms, dev, at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) (void)cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, "ext_decoded_linear: mixed-input GEMM launch failed: ", cudaGetErrorString(err));

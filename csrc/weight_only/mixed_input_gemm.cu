@@ -197,6 +197,17 @@ __device__ __forceinline__ void wgmma_rs_k16<128>(float* d, const uint32_t* a, u
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
+// NF4's operands besides codes and absmax (the register-operand kernel only; unused by the other formats): its 16
+// levels, the absmax block as a shift (a power of two >= 32 dividing K), and a double-quantized absmax's nested
+// operands (null when the absmax is fp32: then `scales` holds it; else `scales` holds its one-byte codes).
+struct Nf4Operands {
+  const float* levels = nullptr;
+  const float* nested_absmax = nullptr;  // fp32, one per 256 blocks
+  const float* nested_code = nullptr;    // fp32 [256]
+  const float* offset = nullptr;         // fp32 [1]
+  int shift = 0;                         // log2(block)
+};
+
 // The producer's weight rows: thread t decodes the 32-column half t % 2 of rows t / 2 + 64 i (i < BN / 64) of the CTA's
 // BN, so a warp's 16-byte loads cover 16 rows' 32 contiguous bytes each. Rows past N read row N - 1 (in bounds; their
 // sums are never stored).
@@ -204,12 +215,21 @@ template <int FMT, int BN>
 struct ProducerWeights {
   static constexpr int kRows = BN / 64;
   const uint8_t* codes;   // w + n0 * K/2
-  const uint8_t* scale;   // NVFP4: + n0 * K/16; MXFP4: + n0 * K/32
+  const uint8_t* scale;   // NVFP4: + n0 * K/16; MXFP4: + n0 * K/32; NF4: the absmax (fp32 or nested codes), unshifted
+  int64_t n0k;            // NF4: n0 * K, the flat index of the CTA's first element
+  int nf4_shift;          // NF4: log2(block)
+  bool nested;            // NF4: the absmax is one-byte codes
   int off[kRows];         // byte offset of the half's codes at stage 0, from codes
   int half_col;           // first column of the half at stage 0
 
-  __device__ __forceinline__ ProducerWeights(const uint8_t* w, const uint8_t* scales, int64_t n0, int N, int K, int t)
-      : codes(w + n0 * (K / 2)), scale(scales + n0 * (FMT == kNVFP4 ? K / 16 : K / 32)), half_col(32 * (t & 1)) {
+  __device__ __forceinline__ ProducerWeights(const uint8_t* w, const uint8_t* scales, int64_t n0, int N, int K, int t,
+                                             const Nf4Operands& nf4 = {})
+      : codes(w + n0 * (K / 2)),
+        scale(FMT == kNF4 ? scales : scales + n0 * (FMT == kNVFP4 ? K / 16 : K / 32)),
+        n0k(n0 * K),
+        nf4_shift(nf4.shift),
+        nested(nf4.nested_code != nullptr),
+        half_col(32 * (t & 1)) {
     const int last = (int)(N - 1 - n0);
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
@@ -228,8 +248,14 @@ struct ProducerWeights {
         // the scale bytes of elements 2o .. 2o + 31, (2o / 16, + 1), as one 16-bit load (o / 8 is even: K % 32 == 0).
         // Two byte loads merged here made the producer wait for them at once (Nsight Compute: its top stall)
         lw.scale = *reinterpret_cast<const uint16_t*>(scale + (o >> 3));
-      } else {
+      } else if (FMT == kMXFP4) {
         lw.scale = scale[o >> 4];
+      } else {
+        // the half's block (it lies in one: block % 32 == 0 and K % block == 0): the fp32 absmax, or its one-byte code
+        // with the block's nested index above it (b / 256 < 2^24 for any weight of fewer than 2^38 elements)
+        const int64_t b = (n0k + 2 * (int64_t)o) >> nf4_shift;
+        lw.scale = nested ? (uint32_t)scale[b] | (uint32_t)((b >> 8) << 8)
+                          : reinterpret_cast<const uint32_t*>(scale)[b];
       }
     }
     return lw;
@@ -314,7 +340,7 @@ template <int FMT, int BM>
 __global__ void __launch_bounds__(kThreads, 1)
     mixed_input_gemm_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
                             const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
-                            __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate) {
+                            __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate, Nf4Operands) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kATile = Tile<BM>::kATile;
   using Weights = ProducerWeights<FMT, kBN>;
@@ -418,10 +444,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Codes tile of a stage: 128 rows x 32 bytes; row r's bytes 8q .. 8q + 7 are, for q = 0..3, byte q of each of the
 // row's 8 code words in K order (word i = codes of columns 8i .. 8i + 7). A consumer thread with lane % 4 == q
 // needs, for k16 step s, the bytes of columns 16s + 2q (+1) and 16s + 2q + 8 (+9): bytes q of words 2s and 2s + 1,
-// i.e. bytes 2s, 2s + 1 of its 8: one 8-byte load per row serves the whole stage. Scales tile: 128 rows x 4 bytes
-// (NVFP4: the E4M3 scale of k16 step s in byte s; MXFP4: the E8M0 scale of 32-column half h in byte h).
+// i.e. bytes 2s, 2s + 1 of its 8: one 8-byte load per row serves the whole stage. Scales tile: 128 rows x 8 bytes
+// (NVFP4: the E4M3 scale of k16 step s in byte s; MXFP4: the E8M0 scale of 32-column half h in byte h; NF4: the fp32
+// absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
 constexpr int kCodeTile = kBN * 32;
-constexpr int kScaleTile = kBN * 4;
+constexpr int kScaleTile = kBN * 8;
 template <int BM>
 struct RsTile {
   static constexpr int kATile = BM * kBK * 2;
@@ -455,6 +482,14 @@ __device__ __forceinline__ void st_shared2(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"((unsigned short)v) : "memory");
 }
 
+// NF4: the low byte of `byte` (two codes, bitsandbytes-packed: the even column in the high nibble) -> a bf16 pair of
+// levels[code] * absmax, each product in fp32 and rounded once, as the reference decode
+__device__ __forceinline__ uint32_t nf4_pair(uint32_t byte, const float* levels, float absmax) {
+  const __nv_bfloat162 v =
+      __floats2bfloat162_rn(levels[(byte >> 4) & 0xFu] * absmax, levels[byte & 0xFu] * absmax);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // The block scales of one row for the stage as bf16 pairs, one per k16 step (both halves the same scale)
 template <int FMT>
 __device__ __forceinline__ void step_scales(uint32_t word, uint32_t* pairs) {
@@ -474,7 +509,8 @@ template <int FMT, int BM>
 __global__ void __launch_bounds__(kThreads, 1)
     mixed_input_gemm_rs_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
                                const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
-                               __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate) {
+                               __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate,
+                               const Nf4Operands nf4) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kATile = RsTile<BM>::kATile;
   using Weights = ProducerWeights<FMT, kBN>;
@@ -486,15 +522,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m0 = blockIdx.y * BM;
   const int64_t n0 = (int64_t)blockIdx.x * kBN;
   const int kblocks = (K + kBK - 1) / kBK;
-  init_ring(&x_map, full, empty);
+  __shared__ float levels[16];  // NF4: a 16-word table in 16 banks, so any lookup pattern is conflict-free
+  if (FMT == kNF4 && threadIdx.x < 16) levels[threadIdx.x] = nf4.levels[threadIdx.x];
+  init_ring(&x_map, full, empty);  // (its CTA barrier publishes the table too)
 
   if (wg == 0) {
     // ---- producer: per stage, the x tile by TMA and the codes and scales (loaded three stages ahead) regrouped
     // into shared memory. Thread t holds the 32-column half t % 2 of rows t / 2 + 64 i: code words 4h .. 4h + 3 of
     // the row's stage segment, whose bytes q go to bytes 8q + 4h .. + 3 of the row in the codes tile.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");  // registers to the consumers' fragments
-    const Weights wts(w, scales, n0, N, K, t);
+    const Weights wts(w, scales, n0, N, K, t, nf4);
     const int h = t & 1;
+    const float nf4_offset = FMT == kNF4 && wts.nested ? *nf4.offset : 0.f;
     LaneWeights ring[3][Weights::kRows];
 #pragma unroll
     for (int p = 0; p < 3; ++p)
@@ -521,11 +560,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t dst = code_tiles + s * kCodeTile + row * 32 + 4 * h;
 #pragma unroll
           for (int j = 0; j < 4; ++j) st_shared4(dst + 8 * j, q[j]);
-          const uint32_t sdst = scale_tiles + s * kScaleTile + row * 4;
+          const uint32_t sdst = scale_tiles + s * kScaleTile + row * 8;
           if (FMT == kNVFP4) {
             st_shared2(sdst + 2 * h, lw.scale);  // the E4M3 scales of steps 2h, 2h + 1
-          } else {
+          } else if (FMT == kMXFP4) {
             asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(sdst + h), "h"((unsigned short)lw.scale) : "memory");
+          } else {
+            uint32_t absmax = lw.scale;
+            if (wts.nested) {  // formats.nf4.nf4_absmax: nested_code[q] * nested_absmax[b / 256] + offset, each rounded
+              const float code = nf4.nested_code[lw.scale & 0xFFu], scale = nf4.nested_absmax[lw.scale >> 8];
+              absmax = __float_as_uint(__fadd_rn(__fmul_rn(code, scale), nf4_offset));
+            }
+            st_shared4(sdst + 4 * h, absmax);
           }
         }
         mbar_arrive(smem_addr(&full[s]));  // (generic-proxy stores read by ld.shared: no proxy fence)
@@ -540,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
   const int cw = wg - 1, lane = t & 31;
   const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
-  const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 4;
+  const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 8;
   const E2M1Tables tables((uint32_t)(M >> 31));  // 0 (M > 0), not provably: the tables stay in registers
   float acc[BM / 2];
 #pragma unroll
@@ -551,23 +597,40 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t ct = code_tiles + s * kCodeTile + code_off, st = scale_tiles + s * kScaleTile + scale_off;
     const uint2 c0 = ld_shared8(ct), c1 = ld_shared8(ct + 8 * 32);  // rows r0, r0 + 8
     uint32_t sp0[4], sp1[4];
-    step_scales<FMT>(ld_shared4(st), sp0);
-    step_scales<FMT>(ld_shared4(st + 8 * 4), sp1);
+    uint2 am0, am1;  // NF4: the rows' fp32 absmax bits of halves 0 and 1
+    if (FMT == kNF4) {
+      am0 = ld_shared8(st);
+      am1 = ld_shared8(st + 8 * 8);
+    } else {
+      step_scales<FMT>(ld_shared4(st), sp0);
+      step_scales<FMT>(ld_shared4(st + 8 * 8), sp1);
+    }
     const uint32_t x_tile = x_tiles + s * kATile;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // words 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); words 2, 3: step 2 half + 1
+      // bytes 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); bytes 2, 3: step 2 half + 1
+      const uint32_t w0 = half ? c0.y : c0.x, w1 = half ? c1.y : c1.x;
       uint32_t d0[4], d1[4];
-      e2m1x8_to_bf16(half ? c0.y : c0.x, tables, d0);
-      e2m1x8_to_bf16(half ? c1.y : c1.x, tables, d1);
+      if (FMT != kNF4) {
+        e2m1x8_to_bf16(w0, tables, d0);
+        e2m1x8_to_bf16(w1, tables, d1);
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int step = 2 * half + e;
-        uint32_t a[4];  // exact: e2m1 times a block scale has at most 5 significant bits
-        a[0] = bf16x2_mul(d0[2 * e], sp0[step]);
-        a[1] = bf16x2_mul(d1[2 * e], sp1[step]);
-        a[2] = bf16x2_mul(d0[2 * e + 1], sp0[step]);
-        a[3] = bf16x2_mul(d1[2 * e + 1], sp1[step]);
+        uint32_t a[4];
+        if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
+          const float m0f = __uint_as_float(half ? am0.y : am0.x), m1f = __uint_as_float(half ? am1.y : am1.x);
+          a[0] = nf4_pair(w0 >> (16 * e), levels, m0f);
+          a[1] = nf4_pair(w1 >> (16 * e), levels, m1f);
+          a[2] = nf4_pair(w0 >> (16 * e + 8), levels, m0f);
+          a[3] = nf4_pair(w1 >> (16 * e + 8), levels, m1f);
+        } else {  // exact: e2m1 times a block scale has at most 5 significant bits
+          a[0] = bf16x2_mul(d0[2 * e], sp0[step]);
+          a[1] = bf16x2_mul(d1[2 * e], sp1[step]);
+          a[2] = bf16x2_mul(d0[2 * e + 1], sp0[step]);
+          a[3] = bf16x2_mul(d1[2 * e + 1], sp1[step]);
+        }
 #pragma unroll
         for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
         wgmma_fence();
@@ -605,10 +668,24 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+// One call's operands, as the launchers pass them on
+struct Call {
+  const void* x;
+  const uint8_t* w;
+  const uint8_t* scales;
+  const float* gscale;
+  Nf4Operands nf4;
+  void* y;
+  int M, N, K;
+  bool accumulate;
+};
+
 template <int FMT, int BM, bool RS>
-cudaError_t launch_tile(const void* x, const uint8_t* w, const uint8_t* scales, const float* gscale, void* y, int M,
-                        int N, int K, bool accumulate, int dev, cudaStream_t stream) {
-  auto* kernel = RS ? mixed_input_gemm_rs_kernel<FMT, BM> : mixed_input_gemm_kernel<FMT, BM>;
+cudaError_t launch_tile(const Call& c, int dev, cudaStream_t stream) {
+  auto* kernel = [] {  // (one of the two instantiated: the shared-memory kernel has no NF4)
+    if constexpr (RS) return mixed_input_gemm_rs_kernel<FMT, BM>;
+    else return mixed_input_gemm_kernel<FMT, BM>;
+  }();
   constexpr int smem_bytes = RS ? RsTile<BM>::kSmemBytes : Tile<BM>::kSmemBytes;
   static std::once_flag opted[kMaxDevices];
   cudaError_t err = cudaSuccess;
@@ -620,27 +697,26 @@ cudaError_t launch_tile(const void* x, const uint8_t* w, const uint8_t* scales, 
   if (encode == nullptr) return cudaErrorNotSupported;
   // x [M, K] bf16 row-major: dims innermost first; boxes of 64 columns (128 bytes, the swizzle span) x BM rows
   CUtensorMap map;
-  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M};
-  const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+  const cuuint64_t dims[2] = {(cuuint64_t)c.K, (cuuint64_t)c.M};
+  const cuuint64_t strides[1] = {(cuuint64_t)c.K * 2};
   const cuuint32_t box[2] = {(cuuint32_t)kBK, (cuuint32_t)BM};
   const cuuint32_t elem_strides[2] = {1, 1};
-  if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box, elem_strides,
+  if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(c.x), dims, strides, box, elem_strides,
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
-  const dim3 grid((unsigned)((N + kBN - 1) / kBN), (unsigned)((M + BM - 1) / BM));
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(map, w, scales, gscale, reinterpret_cast<__nv_bfloat16*>(y), M, N,
-                                                 K, accumulate);
+  const dim3 grid((unsigned)((c.N + kBN - 1) / kBN), (unsigned)((c.M + BM - 1) / BM));
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(map, c.w, c.scales, c.gscale, reinterpret_cast<__nv_bfloat16*>(c.y),
+                                                 c.M, c.N, c.K, c.accumulate, c.nf4);
   return cudaGetLastError();
 }
 
 // 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs)
 template <int FMT, bool RS>
-cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* gscale, void* y, int M,
-                       int N, int K, bool accumulate, int sms, int dev, cudaStream_t stream) {
-  const int64_t wide = (int64_t)((N + kBN - 1) / kBN) * ((M + 255) / 256);
-  if (2 * wide > sms) return launch_tile<FMT, 256, RS>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
-  return launch_tile<FMT, 128, RS>(x, w, scales, gscale, y, M, N, K, accumulate, dev, stream);
+cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
+  const int64_t wide = (int64_t)((c.N + kBN - 1) / kBN) * ((c.M + 255) / 256);
+  if (2 * wide > sms) return launch_tile<FMT, 256, RS>(c, dev, stream);
+  return launch_tile<FMT, 128, RS>(c, dev, stream);
 }
 
 // SUROGATE_HF_MIXED_INPUT_KERNEL=rs: the register-operand kernel (read per call, so that one process can time both)
@@ -671,18 +747,33 @@ bool mixed_input_gemm_supported(int dev) {
 }
 
 // y [M, N] bf16 (+)= x [M, K] bf16 @ deq(W)^T; fmt 0 NVFP4 (scales E4M3 [N, K/16], gscale the fp32 decode global),
-// 1 MXFP4 (scales E8M0 [N, K/32]). K % 32 == 0, x and w 16-byte aligned, y contiguous (the caller checks,
-// mixed_input_gemm_supported first).
+// 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4 (bitsandbytes packing; scales the fp32 absmax per nf4_block elements, or its
+// one-byte codes with nested_absmax / nested_code / nested_offset; levels its 16 values; the register-operand kernel
+// only: nf4_block a power of two >= 32 dividing K). K % 32 == 0, x and w 16-byte aligned, y contiguous (the caller
+// checks, mixed_input_gemm_supported first). NVFP4 / MXFP4 take the register-operand kernel where
+// SUROGATE_HF_MIXED_INPUT_KERNEL=rs, else the shared-memory one.
 cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
-                                    const float* gscale, void* y, int M, int N, int K, bool accumulate, int sms,
-                                    int dev, cudaStream_t stream) {
+                                    const float* gscale, const float* levels, int nf4_block,
+                                    const float* nested_absmax, const float* nested_code, const float* nested_offset,
+                                    void* y, int M, int N, int K, bool accumulate, int sms, int dev,
+                                    cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
-  if (rs_kernel_chosen()) {
-    if (fmt == kNVFP4) return launch_fmt<kNVFP4, true>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
-    return launch_fmt<kMXFP4, true>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
+  Call c{x, w, scales, gscale, {}, y, M, N, K, accumulate};
+  if (fmt == kNF4) {
+    int shift = 0;
+    while (shift < 30 && (1 << shift) < nf4_block) ++shift;
+    if (levels == nullptr || nf4_block < 32 || (1 << shift) != nf4_block || K % nf4_block != 0 ||
+        (nested_code != nullptr && (nested_absmax == nullptr || nested_offset == nullptr)))
+      return cudaErrorInvalidValue;
+    c.nf4 = Nf4Operands{levels, nested_absmax, nested_code, nested_offset, shift};
+    return launch_fmt<kNF4, true>(c, sms, dev, stream);
   }
-  if (fmt == kNVFP4) return launch_fmt<kNVFP4, false>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
-  return launch_fmt<kMXFP4, false>(x, w, scales, gscale, y, M, N, K, accumulate, sms, dev, stream);
+  if (rs_kernel_chosen()) {
+    if (fmt == kNVFP4) return launch_fmt<kNVFP4, true>(c, sms, dev, stream);
+    return launch_fmt<kMXFP4, true>(c, sms, dev, stream);
+  }
+  if (fmt == kNVFP4) return launch_fmt<kNVFP4, false>(c, sms, dev, stream);
+  return launch_fmt<kMXFP4, false>(c, sms, dev, stream);
 }
 
 }  // namespace surogate

@@ -102,18 +102,20 @@ MIXED_INPUT_MIN_TOKENS = 512  # csrc/weight_only/decoded_linear.cpp: kMixedInput
 
 
 def mixed_input_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
-                       sm90a_built: bool) -> bool:
+                       sm90a_built: bool, nf4_block: int = 64) -> bool:
     """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) is the extension's
     mixed-input WGMMA kernel (csrc/weight_only/mixed_input_gemm.cu, the weight decoded inside the GEMM) rather than a
-    dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the kernel is correct on every shape but still slower
-    than decode + cuBLAS (0.77-0.82x bf16 cuBLAS against 0.85-0.92x on the H200's Llama-3.1-8B linears at 2048 tokens;
-    docs/kernels.md). Where opted in: NVFP4 or MXFP4, >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute
-    capability 9.0 GPU (WGMMA) and an extension compiled for sm_90a (kernels.ext.sm90a_built). The C++
-    (mixed_input_applies) decides by the same rule, plus 16-byte aligned contiguous operands. The input gradient keeps
-    decode + cuBLAS."""
-    return (fmt in ("nvfp4", "mxfp4") and m >= MIXED_INPUT_MIN_TOKENS and dtype == torch.bfloat16 and k % 32 == 0
-            and capability is not None and tuple(capability) == (9, 0) and sm90a_built
-            and os.environ.get("SUROGATE_HF_MIXED_INPUT") == "1")
+    dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the shared-memory kernel is correct on every shape but
+    still slower than decode + cuBLAS (0.77-0.82x bf16 cuBLAS against 0.85-0.92x on the H200's Llama-3.1-8B linears at
+    2048 tokens; docs/kernels.md); the register-operand kernel (NVFP4 / MXFP4 with SUROGATE_HF_MIXED_INPUT_KERNEL=rs,
+    and NF4's only one) has not run on a GPU yet. Where opted in: NVFP4, MXFP4 or NF4 (blocks a power of two >= 32
+    dividing K), >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute capability 9.0 GPU (WGMMA) and an
+    extension compiled for sm_90a (kernels.ext.sm90a_built). The C++ (mixed_input_applies) decides by the same rule,
+    plus 16-byte aligned contiguous operands. The input gradient keeps decode + cuBLAS."""
+    nf4_ok = nf4_block >= 32 and nf4_block & (nf4_block - 1) == 0 and k % nf4_block == 0
+    return (fmt in ("nvfp4", "mxfp4", "nf4") and (fmt != "nf4" or nf4_ok) and m >= MIXED_INPUT_MIN_TOKENS
+            and dtype == torch.bfloat16 and k % 32 == 0 and capability is not None and tuple(capability) == (9, 0)
+            and sm90a_built and os.environ.get("SUROGATE_HF_MIXED_INPUT") == "1")
 
 
 _ELEMENT_BLOCK = {"nvfp4": 16, "mxfp4": 32}

@@ -68,7 +68,9 @@ _lib.define("ext_nvfp4_qdq(Tensor x, Tensor? amax, Tensor? signs, int axis, bool
 _lib.define("ext_nvfp4_gemm(Tensor a, Tensor b, Tensor ga, Tensor gb, Tensor? bias, ScalarType out_dtype) -> Tensor")
 _lib.define("ext_few_token_gemm(Tensor x, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, "
             "int nf4_block) -> Tensor")
-_lib.define("ext_mixed_input_gemm(Tensor x, Tensor w, Tensor scales, Tensor? gscale, int fmt, int n, int k) -> Tensor")
+_lib.define("ext_mixed_input_gemm(Tensor x, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, "
+            "int k, int nf4_block, Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None) "
+            "-> Tensor")
 _lib.define("ext_dequantize(Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, int block, "
             "ScalarType dtype) -> Tensor")
 # (nested_*: NF4 double quantization's operands, as the module stores them: decode_reference)
@@ -301,11 +303,12 @@ def _ext_few_token_gemm(x: Tensor, w: Tensor, scales: Tensor, gscale: Tensor | N
     return _weight_only_gemm_reference(x, w, scales, gscale, levels, fmt, n, k, nf4_block)
 
 
-def _weight_only_gemm_reference(x, w, scales, gscale, levels, fmt, n, k, nf4_block):
+def _weight_only_gemm_reference(x, w, scales, gscale, levels, fmt, n, k, nf4_block, nested=None):
     """The weight-only GEMM kernels' numerics (ext_few_token_gemm, ext_mixed_input_gemm)."""
     # (FEW_TOKEN_FORMATS indexes like DECODE_FORMATS) NVFP4 decoded without its global, NF4 rounded to x's dtype
     one = torch.ones((), dtype=torch.float32, device=x.device)
-    wd = decode_reference(w, scales, one, levels, fmt, n, k, nf4_block, x.dtype if fmt == 2 else torch.float32).float()
+    wd = decode_reference(w, scales, one, levels, fmt, n, k, nf4_block, x.dtype if fmt == 2 else torch.float32,
+                          nested).float()
     y = x.float() @ wd.t()
     return (y * gscale.float().reshape(()) if fmt == 0 else y).to(x.dtype)
 
@@ -318,20 +321,24 @@ def _(x, w, scales, gscale, levels, fmt, n, k, nf4_block):
 @torch.library.impl(f"{NS}::ext_mixed_input_gemm", "CompositeExplicitAutograd", lib=_lib)
 @warns_on_cuda
 @fresh_outputs
-def _ext_mixed_input_gemm(x: Tensor, w: Tensor, scales: Tensor, gscale: Tensor | None, fmt: int, n: int,
-                          k: int) -> Tensor:
-    """y [M, N] = x [M, K] @ deq(W)^T for an NVFP4 (fmt 0) or MXFP4 (fmt 1) weight W [N, K], any M: the reference of
-    the many-token kernel (csrc/weight_only/mixed_input_gemm.cu), with ext_few_token_gemm's numerics: each element
-    decoded exactly (NVFP4 without its decode global), products summed in fp32, the NVFP4 global applied to the fp32
-    sum, one rounding. The kernel differs by fp32 summation order only."""
-    if fmt not in (0, 1) or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"ext_mixed_input_gemm: fmt 0 (nvfp4) or 1 (mxfp4) and x [M, {k}] expected, got fmt {fmt}, "
-                         f"x {tuple(x.shape)}")
-    return _weight_only_gemm_reference(x, w, scales, gscale, None, fmt, n, k, 0)
+def _ext_mixed_input_gemm(x: Tensor, w: Tensor, scales: Tensor, gscale: Tensor | None, levels: Tensor | None,
+                          fmt: int, n: int, k: int, nf4_block: int, nested_absmax: Tensor | None = None,
+                          nested_code: Tensor | None = None, nested_offset: Tensor | None = None) -> Tensor:
+    """y [M, N] = x [M, K] @ deq(W)^T for an NVFP4 (fmt 0), MXFP4 (fmt 1) or NF4 (fmt 2) weight W [N, K], any M: the
+    reference of the many-token kernels (csrc/weight_only/mixed_input_gemm.cu), with ext_few_token_gemm's operands
+    and numerics: each element decoded as the reference decodes it (NVFP4 without its decode global, exact; NF4 rounded
+    to x's dtype), products summed in fp32, the NVFP4 global applied to the fp32 sum, one rounding. NF4 may come with
+    a double-quantized absmax (scales its one-byte codes, plus the nested operands, as ext_decoded_linear takes them).
+    The kernels differ by fp32 summation order only."""
+    if fmt not in (0, 1, 2) or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"ext_mixed_input_gemm: fmt 0 (nvfp4), 1 (mxfp4) or 2 (nf4) and x [M, {k}] expected, got "
+                         f"fmt {fmt}, x {tuple(x.shape)}")
+    nested = _nested(nested_absmax, nested_code, nested_offset)
+    return _weight_only_gemm_reference(x, w, scales, gscale, levels, fmt, n, k, nf4_block, nested)
 
 
 @torch.library.register_fake(f"{NS}::ext_mixed_input_gemm", lib=_lib)
-def _(x, w, scales, gscale, fmt, n, k):
+def _(x, w, scales, gscale, levels, fmt, n, k, nf4_block, nested_absmax=None, nested_code=None, nested_offset=None):
     return x.new_empty((x.shape[0], n))
 
 

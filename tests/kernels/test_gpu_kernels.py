@@ -479,45 +479,71 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk):
 MANY_TOKENS = (512, 777, 2048)
 
 
+def _mixed_input_operands(fmt, n, k):
+    """(op args after x up to k's block: w, scales, gscale, levels, fmt code; the nested NF4 operands or (); the dense
+    reference weight as the kernels decode it, fp32) of a random [n, k] weight quantized on the GPU. nf4_nested: the
+    absmax double-quantized as bitsandbytes stores it (one-byte codes plus the nested operands)."""
+    if fmt in ("nvfp4", "mxfp4"):
+        _, _, args, wref = _quantized(fmt, _weight(n, k))
+        if fmt == "nvfp4":
+            return (args[0], args[1], args[2], None, 0), (), wref
+        return (args[0], args[1], None, None, 1), (), wref
+    packed, st = F.quantize_nf4(_weight(n, k).to(DEV).bfloat16(), 64, True)
+    absmax, levels = F.nf4_absmax(st).float().contiguous(), st.code.float().contiguous()
+    # NF4 elements are rounded to bf16 by every decode
+    wk = F.dequantize_nf4_raw(packed, absmax, levels, 64, (n, k), torch.bfloat16).float()
+    if fmt == "nf4":
+        return (packed, absmax, None, levels, 2), (), wk
+    assert st.nested
+    nested = (st.state2.absmax.float().contiguous(), st.state2.code.float().contiguous(),
+              torch.as_tensor(st.offset, dtype=torch.float32, device=DEV).reshape(1))
+    return (packed, st.absmax.contiguous(), None, levels, 2), nested, wk
+
+
 @pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("kernel", ["smem", "rs"])
+@pytest.mark.parametrize("kernel, fmt", [("smem", "nvfp4"), ("smem", "mxfp4"), ("rs", "nvfp4"), ("rs", "mxfp4"),
+                                         ("rs", "nf4"), ("rs", "nf4_nested")])
 def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
     """csrc's many-token mixed-input GEMMs (surogate::ext_mixed_input_gemm, WGMMA with the weight decoded in the main
     loop: into shared memory by a producer warpgroup, or into register operands by the consumers with
-    SUROGATE_HF_MIXED_INPUT_KERNEL=rs) on every linear of the table (and a K with a half 64-column stage, an odd N) at
-    512 to 2048 tokens: within one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T,
-    bit-identical from run to run, and, opted in (SUROGATE_HF_MIXED_INPUT=1), what the decode route's forward runs for
-    bf16 x. The two kernels issue the same WGMMA sequence on the same exact bf16 operands: their outputs are equal."""
+    SUROGATE_HF_MIXED_INPUT_KERNEL=rs, NF4's only kernel) on every linear of the table (and a K with a half 64-column
+    stage, an odd N) at 512 to 2048 tokens: within one bf16 rounding (plus fp32 summation-order slack) of
+    x.float() @ deq(W).float().T, bit-identical from run to run, and, opted in (SUROGATE_HF_MIXED_INPUT=1), what the
+    decode route's forward runs for bf16 x. The two NVFP4 / MXFP4 kernels issue the same WGMMA sequence on the same
+    exact bf16 operands: their outputs are equal."""
     from surogate_hf.kernels import ext
 
     _built_extension()
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
     monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL", raising=False)
-    if not paths.mixed_input_kernel(fmt, 2048, nk[0], torch.bfloat16, torch.cuda.get_device_capability(),
+    k, n = nk
+    base_fmt = fmt.split("_")[0]
+    if base_fmt == "nf4" and k % 64:
+        pytest.skip("NF4's 64-element blocks must divide K")
+    if not paths.mixed_input_kernel(base_fmt, 2048, k, torch.bfloat16, torch.cuda.get_device_capability(),
                                     ext.sm90a_built()):
         pytest.skip("the mixed-input kernel needs a compute capability 9.0 GPU (WGMMA, sm_90a)")
-    k, n = nk
-    fwd, _, args, wref = _quantized(fmt, _weight(n, k))
-    op_args = (args[0], args[1], args[2], 0) if fmt == "nvfp4" else (args[0], args[1], None, 1)
-    code = op_args[-1]
+    op_args, nested, wref = _mixed_input_operands(fmt, n, k)
+    block = {"nvfp4": 16, "mxfp4": 32}.get(base_fmt, 64)
     for m in MANY_TOKENS:
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
-        if kernel == "rs":
+        if kernel == "rs" and base_fmt != "nf4":
             monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL", raising=False)
-            y_smem = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k)
+            y_smem = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block)
             monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
-        y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k)
-        if kernel == "rs":
+        y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
+        if kernel == "rs" and base_fmt != "nf4":
             assert torch.equal(y, y_smem), f"{fmt} [{n}, {k}] M={m}: the rs kernel differs from the smem kernel"
         ref = x.float() @ wref.t()
         slack = (x.float().abs() @ wref.abs().t()) * (k * 2.0**-24) + 1e-30
         err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
         assert err.max() <= 0, f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding"
-        assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k)), "not deterministic"
+        assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)), \
+            "not deterministic"
         # the decode route's forward (the module's call from DENSE_MIN_TOKENS on) runs the same kernel
-        routed = torch.ops.surogate.ext_decoded_linear(x, None, args[0], args[1], op_args[2], None, None, None, None,
-                                                       1.0, code, n, k, 16 if fmt == "nvfp4" else 32)
+        w, scales, gscale, levels, code = op_args
+        routed = torch.ops.surogate.ext_decoded_linear(x, None, w, scales, gscale, levels, None, None, None, 1.0, code,
+                                                       n, k, block, *nested)
         assert torch.equal(routed, y), f"{fmt} [{n}, {k}] M={m}: the decode route took another kernel"
 
 

@@ -163,11 +163,11 @@ def test_few_token_split_fills_the_gpu_where_the_weight_is_large():
     assert P.splitk_plan(16, 256, 4096, 132) == (1, 256)  # one chunk of reduction: nothing to split
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
 def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_input_kernel(fmt, monkeypatch):
     """Opted in (SUROGATE_HF_MIXED_INPUT=1), on a cc 9.0 GPU with the extension's sm_90a code, the decode route's bf16
     forward (>= 512 tokens) runs the mixed-input WGMMA kernel on every linear of the table (each K is a multiple of
-    32); not where it cannot run, and not by default (decode + cuBLAS is faster)."""
+    32, and of NF4's 64-element blocks); not where it cannot run, and not by default (decode + cuBLAS is faster)."""
     monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
     assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True)
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
@@ -180,7 +180,12 @@ def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_inp
         assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, SM90, False)  # built without sm_90a
         assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, None, True)
     assert not P.mixed_input_kernel(fmt, 2048, 48, torch.bfloat16, SM90, True)  # a lane's 32 codes
-    assert not P.mixed_input_kernel("nf4", 2048, 4096, torch.bfloat16, SM90, True)
+    if fmt == "nf4":  # a 32-column half of a stage lies in one absmax block: blocks of 2^j >= 32 dividing K
+        assert P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=32)
+        assert P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=4096)
+        assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=16)
+        assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=96)
+        assert not P.mixed_input_kernel(fmt, 2048, 2880, torch.bfloat16, SM90, True, nf4_block=128)
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "0")
     assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True)
 
