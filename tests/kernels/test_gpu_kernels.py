@@ -479,6 +479,19 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk):
 MANY_TOKENS = (512, 777, 2048)
 
 
+def _where_wrong(bad):
+    """Where a [M, N] output is wrong, in the terms a kernel's layout bug shows in: how many elements, which tokens
+    modulo 8 and weight rows modulo 16 (the WGMMA fragment's), and whether whole 64-row or 128-row tiles are."""
+    bad = bad.cpu()
+    if not bad.any():
+        return "nothing wrong"
+    tok, row = bad.nonzero(as_tuple=True)
+    rows64 = sorted({int(r) // 64 for r in row})[:12]
+    return (f"{int(bad.sum())} of {bad.numel()} wrong; tokens % 8 in {sorted({int(t) % 8 for t in tok})}, rows % 16 "
+            f"in {sorted({int(r) % 16 for r in row})}, 64-row tiles {rows64}, first at token {int(tok[0])} row "
+            f"{int(row[0])}")
+
+
 def _mixed_input_operands(fmt, n, k):
     """(op args after x up to k's block: w, scales, gscale, levels, fmt code; the nested NF4 operands or (); the dense
     reference weight as the kernels decode it, fp32) of a random [n, k] weight quantized on the GPU. nf4_nested: the
@@ -533,11 +546,13 @@ def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
             monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
         y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
         if kernel == "rs" and base_fmt != "nf4":
-            assert torch.equal(y, y_smem), f"{fmt} [{n}, {k}] M={m}: the rs kernel differs from the smem kernel"
+            assert torch.equal(y, y_smem), (f"{fmt} [{n}, {k}] M={m}: the rs kernel differs from the smem kernel; "
+                                            + _where_wrong(y != y_smem))
         ref = x.float() @ wref.t()
         slack = (x.float().abs() @ wref.abs().t()) * (k * 2.0**-24) + 1e-30
         err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
-        assert err.max() <= 0, f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding"
+        assert err.max() <= 0, (f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding; "
+                                + _where_wrong(err > 0))
         assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)), \
             "not deterministic"
         # the decode route's forward (the module's call from DENSE_MIN_TOKENS on) runs the same kernel
