@@ -7,6 +7,8 @@
 #   bash benchmarks/device_run.sh rows      [OUTDIR]   # QLoRA on the shapes.md rows below 2B, eager (~5 min)
 #   bash benchmarks/device_run.sh large_m   [OUTDIR]   # the weight-only route's GPU tests (decode, both mixed-input
 #                                                      # kernels, the module route), then bench_large_m (~8 min)
+#   bash benchmarks/device_run.sh large_m_e2e [OUTDIR] # 4-bit QLoRA steps (Qwen3-1.7B), decode + cuBLAS against
+#                                                      # the opted-in register-operand mixed-input kernel (~5 min)
 # The QLoRA rows of small models are host-bound: run them with nothing else on the machine (not beside a job on
 # the other GPU; measured: a busy host read SmolLM2-360M nf4 at 0.52x instead of 0.76x), with the extension built.
 # OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
@@ -76,5 +78,14 @@ case "$what" in
         --tokens 2048,8192
     cp results/large_m.md "$out/results/" 2>/dev/null
     ;;
-  *) echo "usage: device_run.sh tests|bench|compiled|rows|large_m [OUTDIR]"; exit 2 ;;
+  large_m_e2e)
+    step build 150 python3 -m surogate_hf.kernels.build
+    cd benchmarks
+    step e2e_4bit_default 150 python3 bench_e2e.py --name e2e_qlora_4bit_default \
+        --setups peft_bf16,ours_nvfp4,ours_mxfp4,ours_nf4
+    step e2e_4bit_mixed_rs 150 env SUROGATE_HF_MIXED_INPUT=1 SUROGATE_HF_MIXED_INPUT_KERNEL=rs python3 bench_e2e.py \
+        --name e2e_qlora_4bit_mixed_rs --setups peft_bf16,ours_nvfp4,ours_mxfp4,ours_nf4
+    cp results/e2e_qlora_4bit_*.md "$out/results/" 2>/dev/null
+    ;;
+  *) echo "usage: device_run.sh tests|bench|compiled|rows|large_m|large_m_e2e [OUTDIR]"; exit 2 ;;
 esac
