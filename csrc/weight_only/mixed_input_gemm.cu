@@ -26,21 +26,27 @@
 // A register-operand variant (mixed_input_gemm_rs_kernel below, SUROGATE_HF_MIXED_INPUT_KERNEL=rs) moves the decode
 // into the consumer warpgroups: the producer only stages codes and scales, and each consumer thread decodes its own
 // WGMMA A fragment (8 warps share the decode, overlapped with the asynchronous WGMMAs; setmaxnreg gives the consumers
-// the registers for four fragments in flight). It compiles without spills or serialized WGMMAs and has not run yet:
-// the GPU test compares it with this kernel bit for bit, bench_large_m.py times both.
+// the registers for four fragments in flight). It also takes NF4 (levels[code] * absmax from a 16-word table in
+// shared memory), and at <= 64 tokens runs 64-token tiles with K split over a thread-block cluster whose partial
+// sums meet through distributed shared memory. It compiles without spills or serialized WGMMAs and has not run yet:
+// the GPU tests compare it with this kernel bit for bit and with the reference at 1-2048 tokens, bench_large_m.py
+// times both.
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits); products accumulate
 // in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel does. Only the fp32
 // summation order differs from x.float() @ deq(W).float().T.
 // Requirements (surogate_hf.kernels.paths.mixed_input_kernel checks them, the launcher again): K % 32 == 0 (a lane's
 // 32-column half is wholly in or out of range), 16-byte aligned codes and x, any M and N.
+#include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <unordered_map>
 
 #include "../fp4/e2m1_decode.cuh"
 
@@ -122,10 +128,12 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 
 // The accumulator operands of an m64nN WGMMA (N / 2 fp32 registers of fragment d), as the instruction's register list
 // and as asm outputs: the instruction names each register, so every wrapper below spells them out through these.
-#define SG_WGMMA_ACC_LIST_64 \
+#define SG_WGMMA_ACC_LIST_32 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
-  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define SG_WGMMA_ACC_LIST_64 SG_WGMMA_ACC_LIST_32 ", " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, " \
+  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define SG_WGMMA_ACC_LIST_128 SG_WGMMA_ACC_LIST_64 ", " \
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, " \
   "%85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, " \
@@ -133,15 +141,17 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
   "%122, %123, %124, %125, %126, %127"
 #define SG_WGMMA_ACC_REGS_64 "{" SG_WGMMA_ACC_LIST_64 "}"
 #define SG_WGMMA_ACC_REGS_128 "{" SG_WGMMA_ACC_LIST_128 "}"
-#define SG_WGMMA_ACC_OPS_64(d) \
+#define SG_WGMMA_ACC_REGS_32 "{" SG_WGMMA_ACC_LIST_32 "}"
+#define SG_WGMMA_ACC_OPS_32(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
   "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
   "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
-  "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), \
-  "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), \
-  "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-  "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
-  "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+  "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define SG_WGMMA_ACC_OPS_64(d) SG_WGMMA_ACC_OPS_32(d), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define SG_WGMMA_ACC_OPS_128(d) SG_WGMMA_ACC_OPS_64(d), \
   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
@@ -208,6 +218,15 @@ struct Nf4Operands {
   int shift = 0;                         // log2(block)
 };
 
+template <>
+__device__ __forceinline__ void wgmma_rs_k16<64>(float* d, const uint32_t* a, uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SG_WGMMA_ACC_REGS_32
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               : SG_WGMMA_ACC_OPS_32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
 // The producer's weight rows: thread t decodes the 32-column half t % 2 of rows t / 2 + 64 i (i < BN / 64) of the CTA's
 // BN, so a warp's 16-byte loads cover 16 rows' 32 contiguous bytes each. Rows past N read row N - 1 (in bounds; their
 // sums are never stored).
@@ -269,22 +288,26 @@ struct ProducerWeights {
 // floats: the 32 lanes of a fragment store hit 32 different banks.
 constexpr int kOutLd = kBN + 4;
 
+// The consumers' fragments times g into out[token][row] (both consumer warpgroups first wait for each other: their
+// last WGMMAs have read the stages that out overlays)
+template <int BM>
+__device__ __forceinline__ void fragments_to_tile(const float* acc, float* out, float g, int cw, int t) {
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  const int warp = t >> 5, lane = t & 31;
+  const int r = cw * 64 + warp * 16 + (lane >> 2), tok = 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) out[(8 * j + tok + e) * kOutLd + r + 8 * h] = acc[4 * j + 2 * h + e] * g;
+}
+
 template <int FMT, int BM>
 __device__ __forceinline__ void store_tile(const float* acc, float* out, const float* __restrict__ gscale,
                                            __nv_bfloat16* __restrict__ y, int M, int N, int m0, int64_t n0, int cw,
                                            int t, bool accumulate) {
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups: the last WGMMAs have read the stages
-  const float g = FMT == kNVFP4 ? *gscale : 1.f;
-  {
-    const int warp = t >> 5, lane = t & 31;
-    const int r = cw * 64 + warp * 16 + (lane >> 2), tok = 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) out[(8 * j + tok + e) * kOutLd + r + 8 * h] = acc[4 * j + 2 * h + e] * g;
-  }
+  fragments_to_tile<BM>(acc, out, FMT == kNVFP4 ? *gscale : 1.f, cw, t);
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   // 256 threads: each writes 8 consecutive columns (16 bytes) of a token row; 16 threads per row
   const int ct = cw * 128 + t, c8 = (ct & 15) * 8;
@@ -318,6 +341,40 @@ __device__ __forceinline__ void store_tile(const float* acc, float* out, const f
   }
 }
 
+// The K-split epilogue of the register-operand kernel (few tokens: gridDim.z CTAs of one thread-block cluster hold
+// fp32 partial tiles over consecutive K ranges, in out[token][row] of each one's shared memory). Run by all threads
+// of every CTA of the cluster: each CTA sums a strided share of the tile over ranks 0 .. split - 1 in order (the same
+// sum whichever CTA computes it: deterministic), times the NVFP4 global, (+ y,) one rounding.
+constexpr int kMaxSplit = 8;  // the portable cluster size
+
+template <int FMT, int BM>
+__device__ __forceinline__ void reduce_split_tile(float* out, const float* __restrict__ gscale,
+                                                  __nv_bfloat16* __restrict__ y, int M, int N, int m0, int64_t n0,
+                                                  bool accumulate) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every CTA's partial tile is in its shared memory
+  const int split = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
+  const float g = FMT == kNVFP4 ? *gscale : 1.f;
+  for (int e = rank * kThreads + (int)threadIdx.x; e < BM * kBN; e += split * kThreads) {
+    const int tok = e / kBN, col = e % kBN;
+    const int row = m0 + tok;
+    const int64_t n = n0 + col;
+    if (row >= M || n >= N) continue;
+    float v[kMaxSplit];
+#pragma unroll
+    for (int r = 0; r < kMaxSplit; ++r) v[r] = r < split ? cluster.map_shared_rank(out, r)[tok * kOutLd + col] : 0.f;
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxSplit; ++r)
+      if (r < split) sum += v[r];
+    __nv_bfloat16* dst = y + (int64_t)row * N + n;
+    const float scaled = __fmul_rn(sum, g);  // (as store_tile: no fused multiply-add with y)
+    *dst = __float2bfloat16_rn(accumulate ? __fadd_rn(scaled, __bfloat162float(*dst)) : scaled);
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
 // Both kernels' ring of stages: full[s] counts the producer's 128 threads (plus the x tile's TMA bytes), empty[s] the
 // consumers' 256 threads. Called by every thread of the CTA (it ends in a CTA barrier).
 __device__ __forceinline__ void init_ring(const CUtensorMap* x_map, uint64_t* full, uint64_t* empty) {
@@ -340,7 +397,7 @@ template <int FMT, int BM>
 __global__ void __launch_bounds__(kThreads, 1)
     mixed_input_gemm_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
                             const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
-                            __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate, Nf4Operands) {
+                            __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate, Nf4Operands, int) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kATile = Tile<BM>::kATile;
   using Weights = ProducerWeights<FMT, kBN>;
@@ -510,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mixed_input_gemm_rs_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
                                const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
                                __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate,
-                               const Nf4Operands nf4) {
+                               const Nf4Operands nf4, int steps_per_split) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kATile = RsTile<BM>::kATile;
   using Weights = ProducerWeights<FMT, kBN>;
@@ -521,7 +578,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
   const int m0 = blockIdx.y * BM;
   const int64_t n0 = (int64_t)blockIdx.x * kBN;
-  const int kblocks = (K + kBK - 1) / kBK;
+  // this CTA's stages: all of K, or with gridDim.z > 1 (a K-split cluster) the z-th run of steps_per_split
+  const int kb_first = blockIdx.z * steps_per_split;
+  const int nsteps = min((K + kBK - 1) / kBK - kb_first, steps_per_split);
   __shared__ float levels[16];  // NF4: a 16-word table in 16 banks, so any lookup pattern is conflict-free
   if (FMT == kNF4 && threadIdx.x < 16) levels[threadIdx.x] = nf4.levels[threadIdx.x];
   init_ring(&x_map, full, empty);  // (its CTA barrier publishes the table too)
@@ -538,14 +597,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int p = 0; p < 3; ++p)
 #pragma unroll
-      for (int i = 0; i < Weights::kRows; ++i) ring[p][i] = wts.load(i, p, K);
-    for (int kb0 = 0; kb0 < kblocks; kb0 += 3) {
+      for (int i = 0; i < Weights::kRows; ++i)
+        ring[p][i] = p < nsteps ? wts.load(i, kb_first + p, K) : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+    for (int j0 = 0; j0 < nsteps; j0 += 3) {
 #pragma unroll
       for (int p = 0; p < 3; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
-        const int kb = kb0 + p;
-        if (kb >= kblocks) break;
-        const int s = kb % kStages;
-        mbar_wait(smem_addr(&empty[s]), ((kb / kStages) & 1) ^ 1);  // (open on the first pass)
+        const int j = j0 + p, kb = kb_first + j;  // (j: the stage's place in this CTA's run)
+        if (j >= nsteps) break;
+        const int s = j % kStages;
+        mbar_wait(smem_addr(&empty[s]), ((j / kStages) & 1) ^ 1);  // (open on the first pass)
         if (t == 0) {
           mbar_expect_tx(smem_addr(&full[s]), kATile);
           tma_load_2d(x_tiles + s * kATile, &x_map, kb * kBK, m0, smem_addr(&full[s]));
@@ -553,7 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < Weights::kRows; ++i) {
           const LaneWeights lw = ring[p][i];
-          if (kb + 3 < kblocks) ring[p][i] = wts.load(i, kb + 3, K);
+          if (j + 3 < nsteps) ring[p][i] = wts.load(i, kb + 3, K);
           const int row = (t >> 1) + 64 * i;
           uint32_t q[4];
           byte_transpose4(lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w, q);
@@ -577,9 +637,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(smem_addr(&full[s]));  // (generic-proxy stores read by ld.shared: no proxy fence)
       }
     }
-    return;
-  }
-
+  } else {
   // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64, all BM tokens; per k16 step one
   // register-operand m64nBMk16 WGMMA with the thread's decoded fragment of rows r0 = 64 cw + 16 warp + lane / 4 and
   // r0 + 8 as A and the x tile as B (the product is y^T)
@@ -591,9 +649,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[BM / 2];
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-  for (int kb = 0; kb < kblocks; ++kb) {
-    const int s = kb % kStages;
-    mbar_wait(smem_addr(&full[s]), (kb / kStages) & 1);
+  for (int j = 0; j < nsteps; ++j) {
+    const int s = j % kStages;
+    mbar_wait(smem_addr(&full[s]), (j / kStages) & 1);
     const uint32_t ct = code_tiles + s * kCodeTile + code_off, st = scale_tiles + s * kScaleTile + scale_off;
     const uint2 c0 = ld_shared8(ct), c1 = ld_shared8(ct + 8 * 32);  // rows r0, r0 + 8
     uint32_t sp0[4], sp1[4];
@@ -642,14 +700,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
     // all but this stage's last WGMMAs are done: the previous stage's x tile may be refilled
     wgmma_wait<kBK / 16 - 1>();
-    if (kb > 0) mbar_arrive(smem_addr(&empty[(kb - 1) % kStages]));
+    if (j > 0) mbar_arrive(smem_addr(&empty[(j - 1) % kStages]));
   }
   wgmma_wait<0>();
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
   static_assert(BM * kOutLd * 4 <= kStages * (kATile + kCodeTile + kScaleTile), "the output tile fits the stages");
-  store_tile<FMT, BM>(acc, reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw))), gscale, y, M, N, m0, n0,
-                      cw, t, accumulate);
+  float* out = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)));
+  if (gridDim.z == 1)
+    store_tile<FMT, BM>(acc, out, gscale, y, M, N, m0, n0, cw, t, accumulate);
+  else
+    fragments_to_tile<BM>(acc, out, 1.f, cw, t);  // the partial sum, reduced across the cluster below
+  }
+  if (gridDim.z > 1)  // every thread of the CTA (the producer's too): the cluster's barriers count them all
+    reduce_split_tile<FMT, BM>(reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw))), gscale, y, M, N,
+                               m0, n0, accumulate);
 #endif
 }
 
@@ -681,17 +746,74 @@ struct Call {
 };
 
 template <int FMT, int BM, bool RS>
-cudaError_t launch_tile(const Call& c, int dev, cudaStream_t stream) {
-  auto* kernel = [] {  // (one of the two instantiated: the shared-memory kernel has no NF4)
-    if constexpr (RS) return mixed_input_gemm_rs_kernel<FMT, BM>;
-    else return mixed_input_gemm_kernel<FMT, BM>;
-  }();
-  constexpr int smem_bytes = RS ? RsTile<BM>::kSmemBytes : Tile<BM>::kSmemBytes;
+constexpr auto kernel_of() {  // (one of the two instantiated: the shared-memory kernel has no NF4)
+  if constexpr (RS) return mixed_input_gemm_rs_kernel<FMT, BM>;
+  else return mixed_input_gemm_kernel<FMT, BM>;
+}
+
+template <int FMT, int BM, bool RS>
+constexpr int smem_bytes_of() { return RS ? RsTile<BM>::kSmemBytes : Tile<BM>::kSmemBytes; }
+
+// the kernel's opt-in to its dynamic shared memory, once per device
+template <int FMT, int BM, bool RS>
+cudaError_t prepare(int dev) {
   static std::once_flag opted[kMaxDevices];
   cudaError_t err = cudaSuccess;
   std::call_once(opted[dev], [&] {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    err = cudaFuncSetAttribute(kernel_of<FMT, BM, RS>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_bytes_of<FMT, BM, RS>());
   });
+  return err;
+}
+
+cudaLaunchConfig_t launch_config(dim3 grid, int smem_bytes, int split, cudaLaunchAttribute* attr,
+                                 cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)smem_bytes;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;  // a K split's CTAs form one cluster (their sum goes by DSMEM)
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = (unsigned)split;
+  cfg.attrs = attr;
+  cfg.numAttrs = split > 1 ? 1 : 0;
+  return cfg;
+}
+
+// Clusters of `split` CTAs of the few-token register-operand kernel that fit on device dev at once (cached): a grid
+// past it would run a second, nearly empty wave (as the few-token kernel found).
+template <int FMT>
+int cluster_capacity(int dev, int split) {
+  static std::mutex mutex;
+  static std::unordered_map<int, int> cache;
+  const int key = dev * 16 + split;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  int n = 0;
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = launch_config(dim3(1, 1, (unsigned)split), smem_bytes_of<FMT, 64, true>(), split, attr,
+                                         nullptr);
+  cfg.numAttrs = 1;
+  if (prepare<FMT, 64, true>(dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&n, kernel_of<FMT, 64, true>(), &cfg) != cudaSuccess || n < 1) {
+    (void)cudaGetLastError();
+    n = 1;
+  }
+  const std::lock_guard<std::mutex> lock(mutex);
+  cache[key] = n;
+  return n;
+}
+
+// One launch: BM-token x 128-row tiles; with split > 1, each tile's K in `split` runs of steps_per_split stages by
+// the CTAs of one cluster (the register-operand kernel only)
+template <int FMT, int BM, bool RS>
+cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, cudaStream_t stream) {
+  cudaError_t err = prepare<FMT, BM, RS>(dev);
   if (err != cudaSuccess) return err;
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
@@ -705,18 +827,36 @@ cudaError_t launch_tile(const Call& c, int dev, cudaStream_t stream) {
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
-  const dim3 grid((unsigned)((c.N + kBN - 1) / kBN), (unsigned)((c.M + BM - 1) / BM));
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(map, c.w, c.scales, c.gscale, reinterpret_cast<__nv_bfloat16*>(c.y),
-                                                 c.M, c.N, c.K, c.accumulate, c.nf4);
-  return cudaGetLastError();
+  const dim3 grid((unsigned)((c.N + kBN - 1) / kBN), (unsigned)((c.M + BM - 1) / BM), (unsigned)split);
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = launch_config(grid, smem_bytes_of<FMT, BM, RS>(), split, attr, stream);
+  return cudaLaunchKernelEx(&cfg, kernel_of<FMT, BM, RS>(), map, c.w, c.scales, c.gscale,
+                            reinterpret_cast<__nv_bfloat16*>(c.y), c.M, c.N, c.K, c.accumulate, c.nf4,
+                            steps_per_split);
 }
 
 // 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs)
 template <int FMT, bool RS>
 cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
   const int64_t wide = (int64_t)((c.N + kBN - 1) / kBN) * ((c.M + 255) / 256);
-  if (2 * wide > sms) return launch_tile<FMT, 256, RS>(c, dev, stream);
-  return launch_tile<FMT, 128, RS>(c, dev, stream);
+  const int steps = (c.K + kBK - 1) / kBK;
+  if (2 * wide > sms) return launch_tile<FMT, 256, RS>(c, 1, steps, dev, stream);
+  return launch_tile<FMT, 128, RS>(c, 1, steps, dev, stream);
+}
+
+// At most 64 tokens (the register-operand kernel): 64-token tiles (m64n64 WGMMAs), K split over the largest cluster
+// (<= 8 CTAs, <= one per stage) whose clusters all fit on the GPU at once, so that the weight streams through every SM.
+template <int FMT>
+cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
+  const int steps = (c.K + kBK - 1) / kBK, tiles = (c.N + kBN - 1) / kBN;
+  int split = 1;
+  for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
+    if (tiles <= cluster_capacity<FMT>(dev, s)) {
+      split = s;
+      break;
+    }
+  const int per = (steps + split - 1) / split;
+  return launch_tile<FMT, 64, true>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }
 
 // SUROGATE_HF_MIXED_INPUT_KERNEL=rs: the register-operand kernel (read per call, so that one process can time both)
@@ -759,6 +899,7 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
                                     cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
   Call c{x, w, scales, gscale, {}, y, M, N, K, accumulate};
+  const bool few = M <= 64;  // (the register-operand kernel's K-split variant)
   if (fmt == kNF4) {
     int shift = 0;
     while (shift < 30 && (1 << shift) < nf4_block) ++shift;
@@ -766,11 +907,11 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
         (nested_code != nullptr && (nested_absmax == nullptr || nested_offset == nullptr)))
       return cudaErrorInvalidValue;
     c.nf4 = Nf4Operands{levels, nested_absmax, nested_code, nested_offset, shift};
-    return launch_fmt<kNF4, true>(c, sms, dev, stream);
+    return few ? launch_few_tokens<kNF4>(c, dev, stream) : launch_fmt<kNF4, true>(c, sms, dev, stream);
   }
   if (rs_kernel_chosen()) {
-    if (fmt == kNVFP4) return launch_fmt<kNVFP4, true>(c, sms, dev, stream);
-    return launch_fmt<kMXFP4, true>(c, sms, dev, stream);
+    if (fmt == kNVFP4) return few ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_fmt<kNVFP4, true>(c, sms, dev, stream);
+    return few ? launch_few_tokens<kMXFP4>(c, dev, stream) : launch_fmt<kMXFP4, true>(c, sms, dev, stream);
   }
   if (fmt == kNVFP4) return launch_fmt<kNVFP4, false>(c, sms, dev, stream);
   return launch_fmt<kMXFP4, false>(c, sms, dev, stream);

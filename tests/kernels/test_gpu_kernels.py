@@ -562,6 +562,37 @@ def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
         assert torch.equal(routed, y), f"{fmt} [{n}, {k}] M={m}: the decode route took another kernel"
 
 
+@pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "nf4_nested"])
+def test_mixed_input_rs_kernel_at_few_tokens(fmt, nk, monkeypatch):
+    """The register-operand kernel at 1 to 64 tokens (ext_mixed_input_gemm with SUROGATE_HF_MIXED_INPUT_KERNEL=rs,
+    NF4 always): 64-token tiles with K split over a thread-block cluster whose fp32 partials are summed through
+    distributed shared memory in rank order. Within one bf16 rounding (plus fp32 summation-order slack) of
+    x.float() @ deq(W).float().T and bit-identical from run to run, on every linear of the table."""
+    from surogate_hf.kernels import ext
+
+    _built_extension()
+    monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
+    k, n = nk
+    base_fmt = fmt.split("_")[0]
+    if base_fmt == "nf4" and k % 64:
+        pytest.skip("NF4's 64-element blocks must divide K")
+    if torch.cuda.get_device_capability() != (9, 0) or not ext.sm90a_built():
+        pytest.skip("the mixed-input kernel needs a compute capability 9.0 GPU (WGMMA, sm_90a)")
+    op_args, nested, wref = _mixed_input_operands(fmt, n, k)
+    block = {"nvfp4": 16, "mxfp4": 32}.get(base_fmt, 64)
+    for m in FEW_TOKENS:
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
+        ref = x.float() @ wref.t()
+        slack = (x.float().abs() @ wref.abs().t()) * (k * 2.0**-24) + 1e-30
+        err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
+        assert err.max() <= 0, (f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding; "
+                                + _where_wrong(err > 0))
+        assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)), \
+            "not deterministic"
+
+
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
 @pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)])
 @pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32])
