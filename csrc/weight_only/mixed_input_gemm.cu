@@ -19,10 +19,10 @@
 // tokens. One producer warp per scheduler (the register file holds no more beside the consumers' accumulators) is
 // still the limit: 0.77-0.82x cuBLAS on the H200's Llama-3.1-8B linears at 2048 tokens, below decode + cuBLAS's
 // 0.85-0.92x, so the route runs this kernel only when opted in (decoded_linear.cpp). Earlier versions (H200,
-// 4096 x 4096, 2048 tokens): 128-token x 256-row tiles with cp.async copies of x, 0.4-0.5x cuBLAS (the producer, with twice the
-// decode per product and the copies on top, was the bottleneck); 256 tokens x 128 rows as y = x W^T (m64n128
-// WGMMAs, x by TMA), 0.66x, and 0.73x with the decode left out (shared-memory bandwidth: an m64n128k16 WGMMA reads
-// 6 KB per 131k products where m64n256k16 reads 10 KB per 262k).
+// 4096 x 4096, 2048 tokens): 128-token x 256-row tiles with cp.async copies of x, 0.4-0.5x cuBLAS (the producer, with
+// twice the decode per product and the copies on top, was the bottleneck); 256 tokens x 128 rows as y = x W^T
+// (m64n128 WGMMAs, x by TMA), 0.66x, and 0.73x with the decode left out (shared-memory bandwidth: an m64n128k16
+// WGMMA reads 6 KB per 131k products where m64n256k16 reads 10 KB per 262k).
 // A register-operand variant (mixed_input_gemm_rs_kernel below, SUROGATE_HF_MIXED_INPUT_KERNEL=rs) moves the decode
 // into the consumer warpgroups: the producer only stages codes and scales, and each consumer thread decodes its own
 // WGMMA A fragment (8 warps share the decode, overlapped with the asynchronous WGMMAs; setmaxnreg gives the consumers
@@ -187,7 +187,8 @@ __device__ __forceinline__ void wgmma_k16<128>(float* d, uint64_t a, uint64_t b)
 
 // d[BN / 2] += A (64 x 16, bf16 in registers: the warpgroup's m64k16 A fragment, 4 words per thread) * B (16 x BN,
 // a K-major tile in shared memory, descriptor b): the register-operand form of wgmma_k16 (mixed_input_gemm_rs_kernel).
-// Fragment word j of a thread (lane l of warp w): row 16 w + l / 4 + 8 (j & 1), columns 2 (l % 4) + 8 (j >> 1) + {0, 1}.
+// Fragment word j of a thread (lane l of warp w): row 16 w + l / 4 + 8 (j & 1), columns 2 (l % 4) + 8 (j >> 1)
+// + {0, 1}.
 template <int BN>
 __device__ __forceinline__ void wgmma_rs_k16(float* d, const uint32_t* a, uint64_t b);
 template <>
@@ -619,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           byte_transpose4(lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w, q);
           const uint32_t dst = code_tiles + s * kCodeTile + row * 32 + 4 * h;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) st_shared4(dst + 8 * j, q[j]);
+          for (int c = 0; c < 4; ++c) st_shared4(dst + 8 * c, q[c]);
           const uint32_t sdst = scale_tiles + s * kScaleTile + row * 8;
           if (FMT == kNVFP4) {
             st_shared2(sdst + 2 * h, lw.scale);  // the E4M3 scales of steps 2h, 2h + 1
@@ -638,79 +639,79 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-  // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64, all BM tokens; per k16 step one
-  // register-operand m64nBMk16 WGMMA with the thread's decoded fragment of rows r0 = 64 cw + 16 warp + lane / 4 and
-  // r0 + 8 as A and the x tile as B (the product is y^T)
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-  const int cw = wg - 1, lane = t & 31;
-  const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
-  const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 8;
-  const E2M1Tables tables((uint32_t)(M >> 31));  // 0 (M > 0), not provably: the tables stay in registers
-  float acc[BM / 2];
+    // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64, all BM tokens; per k16 step one
+    // register-operand m64nBMk16 WGMMA with the thread's decoded fragment of rows r0 = 64 cw + 16 warp + lane / 4 and
+    // r0 + 8 as A and the x tile as B (the product is y^T)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    const int cw = wg - 1, lane = t & 31;
+    const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
+    const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 8;
+    const E2M1Tables tables((uint32_t)(M >> 31));  // 0 (M > 0), not provably: the tables stay in registers
+    float acc[BM / 2];
 #pragma unroll
-  for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-  for (int j = 0; j < nsteps; ++j) {
-    const int s = j % kStages;
-    mbar_wait(smem_addr(&full[s]), (j / kStages) & 1);
-    const uint32_t ct = code_tiles + s * kCodeTile + code_off, st = scale_tiles + s * kScaleTile + scale_off;
-    const uint2 c0 = ld_shared8(ct), c1 = ld_shared8(ct + 8 * 32);  // rows r0, r0 + 8
-    uint32_t sp0[4], sp1[4];
-    uint2 am0, am1;  // NF4: the rows' fp32 absmax bits of halves 0 and 1
-    if (FMT == kNF4) {
-      am0 = ld_shared8(st);
-      am1 = ld_shared8(st + 8 * 8);
-    } else {
-      step_scales<FMT>(ld_shared4(st), sp0);
-      step_scales<FMT>(ld_shared4(st + 8 * 8), sp1);
-    }
-    const uint32_t x_tile = x_tiles + s * kATile;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // bytes 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); bytes 2, 3: step 2 half + 1
-      const uint32_t w0 = half ? c0.y : c0.x, w1 = half ? c1.y : c1.x;
-      uint32_t d0[4], d1[4];
-      if (FMT != kNF4) {
-        e2m1x8_to_bf16(w0, tables, d0);
-        e2m1x8_to_bf16(w1, tables, d1);
+    for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
+    for (int j = 0; j < nsteps; ++j) {
+      const int s = j % kStages;
+      mbar_wait(smem_addr(&full[s]), (j / kStages) & 1);
+      const uint32_t ct = code_tiles + s * kCodeTile + code_off, st = scale_tiles + s * kScaleTile + scale_off;
+      const uint2 c0 = ld_shared8(ct), c1 = ld_shared8(ct + 8 * 32);  // rows r0, r0 + 8
+      uint32_t sp0[4], sp1[4];
+      uint2 am0, am1;  // NF4: the rows' fp32 absmax bits of halves 0 and 1
+      if (FMT == kNF4) {
+        am0 = ld_shared8(st);
+        am1 = ld_shared8(st + 8 * 8);
+      } else {
+        step_scales<FMT>(ld_shared4(st), sp0);
+        step_scales<FMT>(ld_shared4(st + 8 * 8), sp1);
       }
+      const uint32_t x_tile = x_tiles + s * kATile;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int step = 2 * half + e;
-        uint32_t a[4];
-        if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
-          const float m0f = __uint_as_float(half ? am0.y : am0.x), m1f = __uint_as_float(half ? am1.y : am1.x);
-          a[0] = nf4_pair(w0 >> (16 * e), levels, m0f);
-          a[1] = nf4_pair(w1 >> (16 * e), levels, m1f);
-          a[2] = nf4_pair(w0 >> (16 * e + 8), levels, m0f);
-          a[3] = nf4_pair(w1 >> (16 * e + 8), levels, m1f);
-        } else {  // exact: e2m1 times a block scale has at most 5 significant bits
-          a[0] = bf16x2_mul(d0[2 * e], sp0[step]);
-          a[1] = bf16x2_mul(d1[2 * e], sp1[step]);
-          a[2] = bf16x2_mul(d0[2 * e + 1], sp0[step]);
-          a[3] = bf16x2_mul(d1[2 * e + 1], sp1[step]);
+      for (int half = 0; half < 2; ++half) {
+        // bytes 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); bytes 2, 3: step 2 half + 1
+        const uint32_t w0 = half ? c0.y : c0.x, w1 = half ? c1.y : c1.x;
+        uint32_t d0[4], d1[4];
+        if (FMT != kNF4) {
+          e2m1x8_to_bf16(w0, tables, d0);
+          e2m1x8_to_bf16(w1, tables, d1);
         }
 #pragma unroll
-        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-        wgmma_fence();
-        wgmma_rs_k16<BM>(acc, a, smem_desc(x_tile + 32 * step));
-        wgmma_commit();
+        for (int e = 0; e < 2; ++e) {
+          const int step = 2 * half + e;
+          uint32_t a[4];
+          if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
+            const float m0f = __uint_as_float(half ? am0.y : am0.x), m1f = __uint_as_float(half ? am1.y : am1.x);
+            a[0] = nf4_pair(w0 >> (16 * e), levels, m0f);
+            a[1] = nf4_pair(w1 >> (16 * e), levels, m1f);
+            a[2] = nf4_pair(w0 >> (16 * e + 8), levels, m0f);
+            a[3] = nf4_pair(w1 >> (16 * e + 8), levels, m1f);
+          } else {  // exact: e2m1 times a block scale has at most 5 significant bits
+            a[0] = bf16x2_mul(d0[2 * e], sp0[step]);
+            a[1] = bf16x2_mul(d1[2 * e], sp1[step]);
+            a[2] = bf16x2_mul(d0[2 * e + 1], sp0[step]);
+            a[3] = bf16x2_mul(d1[2 * e + 1], sp1[step]);
+          }
+#pragma unroll
+          for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+          wgmma_fence();
+          wgmma_rs_k16<BM>(acc, a, smem_desc(x_tile + 32 * step));
+          wgmma_commit();
+        }
       }
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+      // all but this stage's last WGMMAs are done: the previous stage's x tile may be refilled
+      wgmma_wait<kBK / 16 - 1>();
+      if (j > 0) mbar_arrive(smem_addr(&empty[(j - 1) % kStages]));
     }
+    wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-    // all but this stage's last WGMMAs are done: the previous stage's x tile may be refilled
-    wgmma_wait<kBK / 16 - 1>();
-    if (j > 0) mbar_arrive(smem_addr(&empty[(j - 1) % kStages]));
-  }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-  static_assert(BM * kOutLd * 4 <= kStages * (kATile + kCodeTile + kScaleTile), "the output tile fits the stages");
-  float* out = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)));
-  if (gridDim.z == 1)
-    store_tile<FMT, BM>(acc, out, gscale, y, M, N, m0, n0, cw, t, accumulate);
-  else
-    fragments_to_tile<BM>(acc, out, 1.f, cw, t);  // the partial sum, reduced across the cluster below
+    static_assert(BM * kOutLd * 4 <= kStages * (kATile + kCodeTile + kScaleTile), "the output tile fits the stages");
+    float* out = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)));
+    if (gridDim.z == 1)
+      store_tile<FMT, BM>(acc, out, gscale, y, M, N, m0, n0, cw, t, accumulate);
+    else
+      fragments_to_tile<BM>(acc, out, 1.f, cw, t);  // the partial sum, reduced across the cluster below
   }
   if (gridDim.z > 1)  // every thread of the CTA (the producer's too): the cluster's barriers count them all
     reduce_split_tile<FMT, BM>(reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw))), gscale, y, M, N,
@@ -910,7 +911,8 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
     return few ? launch_few_tokens<kNF4>(c, dev, stream) : launch_fmt<kNF4, true>(c, sms, dev, stream);
   }
   if (rs_kernel_chosen()) {
-    if (fmt == kNVFP4) return few ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_fmt<kNVFP4, true>(c, sms, dev, stream);
+    if (fmt == kNVFP4)
+      return few ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_fmt<kNVFP4, true>(c, sms, dev, stream);
     return few ? launch_few_tokens<kMXFP4>(c, dev, stream) : launch_fmt<kMXFP4, true>(c, sms, dev, stream);
   }
   if (fmt == kNVFP4) return launch_fmt<kNVFP4, false>(c, sms, dev, stream);
