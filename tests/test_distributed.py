@@ -59,8 +59,9 @@ def _launch(root, dirs, extra_env=None):
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            "-m", "surogate_hf.testing.dist_worker", str(root), *dirs]
-    # A rank that dies of a signal (CI once saw rank 0 SIGSEGV inside a gloo collective, not reproduced in 20 local
-    # launches) gets one relaunch, reported as a warning with its stacks; a second failure, or any Python error, fails.
+    # A rank that dies of a signal (CI once saw rank 0 SIGSEGV inside a gloo collective; 26 local launches, 6 of them
+    # beside two CPU-bound processes, never did) gets one relaunch, reported as a warning with its stacks; a second
+    # failure, or any Python error, fails.
     for attempt in (1, 2):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         crashes = _native_crashes(root)
