@@ -6,6 +6,7 @@
 
 #include <ATen/ops/_scaled_mm_v2.h>
 #include <torch/library.h>
+#include "weight_only/mixed_input_gemm.h"
 
 namespace surogate {
 void launch_cast_amax(const void* x, int dtype, const float* scale, void* q, bool e4m3, unsigned* amax, int64_t n,
@@ -25,12 +26,6 @@ void launch_nvfp4_scale_bias_cast(const float* acc, const float* ga, const float
 cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                                   const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
                                   int sms, cudaStream_t stream);
-bool mixed_input_gemm_supported(int dev);
-cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
-                                    const float* gscale, const float* levels, int nf4_block,
-                                    const float* nested_absmax, const float* nested_code, const float* nested_offset,
-                                    void* y, int M, int N, int K, bool accumulate, int sms, int dev,
-                                    cudaStream_t stream);
 }
 
 static int dtype_code(const torch::Tensor& x, const char* who) {

@@ -29,18 +29,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <torch/torch.h>
+#include "mixed_input_gemm.h"
 
 namespace surogate {
 void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
                           const float* gscale, const float* levels, const float* nested_absmax,
                           const float* nested_code, const float* nested_offset, void* out, int out_dtype, int64_t n,
                           int64_t k, int block, cudaStream_t stream);
-bool mixed_input_gemm_supported(int dev);
-cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
-                                    const float* gscale, const float* levels, int nf4_block,
-                                    const float* nested_absmax, const float* nested_code, const float* nested_offset,
-                                    void* y, int M, int N, int K, bool accumulate, int sms, int dev,
-                                    cudaStream_t stream);
 }
 
 namespace {

@@ -49,6 +49,7 @@
 #include <unordered_map>
 
 #include "../fp4/e2m1_decode.cuh"
+#include "mixed_input_gemm.h"
 
 namespace surogate {
 namespace {
