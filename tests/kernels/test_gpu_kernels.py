@@ -444,6 +444,28 @@ def test_small_fp8_base_linears_are_weight_only(nk):
         assert sqnr(y, x.float() @ wd.t()) > 40 and sqnr(xg.grad, dy.float() @ wd) > 40
 
 
+def _where_wrong(bad):
+    """Where a [M, N] output is wrong, in the terms a kernel's layout bug shows in: how many elements, which tokens
+    modulo 8 and weight rows modulo 16 (the WGMMA fragment's), and whether whole 64-row or 128-row tiles are."""
+    bad = bad.cpu()
+    if not bad.any():
+        return "nothing wrong"
+    tok, row = bad.nonzero(as_tuple=True)
+    rows64 = sorted({int(r) // 64 for r in row})[:12]
+    return (f"{int(bad.sum())} of {bad.numel()} wrong; tokens % 8 in {sorted({int(t) % 8 for t in tok})}, rows % 16 "
+            f"in {sorted({int(r) % 16 for r in row})}, 64-row tiles {rows64}, first at token {int(tok[0])} row "
+            f"{int(row[0])}")
+
+
+def _assert_within_one_rounding(y, x, w, what):
+    """y (bf16 [M, N]) within one bf16 rounding of x.float() @ w.T (w the decoded weight in fp32), plus the slack of
+    any fp32 summation order over K: the weight-only kernels' accuracy contract."""
+    ref = x.float() @ w.t()
+    slack = (x.float().abs() @ w.abs().t()) * (x.shape[-1] * 2.0**-24) + 1e-30
+    err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
+    assert err.max() <= 0, f"{what}: off by {err.max():.3g} past one bf16 rounding; " + _where_wrong(err > 0)
+
+
 FEW_TOKENS = (1, 5, 16, 17, 33, 64)
 
 
@@ -467,29 +489,13 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk):
     for m in FEW_TOKENS:
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
-        ref = x.float() @ wk.t()
-        slack = (x.float().abs() @ wk.abs().t()) * (k * 2.0**-24) + 1e-30
-        err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
-        assert err.max() <= 0, f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding"
+        _assert_within_one_rounding(y, x, wk, f"{fmt} [{n}, {k}] M={m}")
         assert torch.equal(y, torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)), "not deterministic"
         if m <= paths.FEW_TOKEN_MAX_TOKENS:  # (the kernel takes up to 64 tokens; the ops route it up to this count)
             assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
 
 
 MANY_TOKENS = (512, 777, 2048)
-
-
-def _where_wrong(bad):
-    """Where a [M, N] output is wrong, in the terms a kernel's layout bug shows in: how many elements, which tokens
-    modulo 8 and weight rows modulo 16 (the WGMMA fragment's), and whether whole 64-row or 128-row tiles are."""
-    bad = bad.cpu()
-    if not bad.any():
-        return "nothing wrong"
-    tok, row = bad.nonzero(as_tuple=True)
-    rows64 = sorted({int(r) // 64 for r in row})[:12]
-    return (f"{int(bad.sum())} of {bad.numel()} wrong; tokens % 8 in {sorted({int(t) % 8 for t in tok})}, rows % 16 "
-            f"in {sorted({int(r) % 16 for r in row})}, 64-row tiles {rows64}, first at token {int(tok[0])} row "
-            f"{int(row[0])}")
 
 
 def _mixed_input_operands(fmt, n, k):
@@ -548,11 +554,7 @@ def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
         if kernel == "rs" and base_fmt != "nf4":
             assert torch.equal(y, y_smem), (f"{fmt} [{n}, {k}] M={m}: the rs kernel differs from the smem kernel; "
                                             + _where_wrong(y != y_smem))
-        ref = x.float() @ wref.t()
-        slack = (x.float().abs() @ wref.abs().t()) * (k * 2.0**-24) + 1e-30
-        err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
-        assert err.max() <= 0, (f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding; "
-                                + _where_wrong(err > 0))
+        _assert_within_one_rounding(y, x, wref, f"{fmt} [{n}, {k}] M={m}")
         assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)), \
             "not deterministic"
         # the decode route's forward (the module's call from DENSE_MIN_TOKENS on) runs the same kernel
@@ -584,11 +586,7 @@ def test_mixed_input_rs_kernel_at_few_tokens(fmt, nk, monkeypatch):
     for m in FEW_TOKENS:
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
-        ref = x.float() @ wref.t()
-        slack = (x.float().abs() @ wref.abs().t()) * (k * 2.0**-24) + 1e-30
-        err = (y.float() - ref).abs() - (ref.abs() * 2.0**-8 + slack)
-        assert err.max() <= 0, (f"{fmt} [{n}, {k}] M={m}: off by {err.max():.3g} past one bf16 rounding; "
-                                + _where_wrong(err > 0))
+        _assert_within_one_rounding(y, x, wref, f"{fmt} [{n}, {k}] M={m}")
         assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)), \
             "not deterministic"
 
