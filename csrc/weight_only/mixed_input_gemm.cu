@@ -564,8 +564,14 @@ __device__ __forceinline__ void step_scales(uint32_t word, uint32_t* pairs) {
   }
 }
 
+// 64-token tiles (<= 64 tokens, 32 accumulators a thread) run two CTAs per SM at <= 80 registers with no register
+// trade, so that a K-split grid has twice the clusters resident; wider tiles run one, whose consumers take the
+// producer's registers by setmaxnreg (their 128 or 64 accumulators and four A fragments in flight)
+template <int BM>
+constexpr int kRsCtasPerSm = BM == 64 ? 2 : 1;
+
 template <int FMT, int BM>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
     mixed_input_gemm_rs_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
                                const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
                                __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate,
@@ -591,7 +597,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- producer: per stage, the x tile by TMA and the codes and scales (loaded three stages ahead) regrouped
     // into shared memory. Thread t holds the 32-column half t % 2 of rows t / 2 + 64 i: code words 4h .. 4h + 3 of
     // the row's stage segment, whose bytes q go to bytes 8q + 4h .. + 3 of the row in the codes tile.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");  // registers to the consumers' fragments
+    if constexpr (kRsCtasPerSm<BM> == 1)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");  // registers to the consumers' fragments
     const Weights wts(w, scales, n0, N, K, t, nf4);
     const int h = t & 1;
     const float nf4_offset = FMT == kNF4 && wts.nested ? *nf4.offset : 0.f;
@@ -643,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64, all BM tokens; per k16 step one
     // register-operand m64nBMk16 WGMMA with the thread's decoded fragment of rows r0 = 64 cw + 16 warp + lane / 4 and
     // r0 + 8 as A and the x tile as B (the product is y^T)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    if constexpr (kRsCtasPerSm<BM> == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const int cw = wg - 1, lane = t & 31;
     const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
     const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 8;

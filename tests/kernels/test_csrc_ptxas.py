@@ -5,9 +5,10 @@ no GPU: what a kernel edit can break silently, since the GPU tests check results
 - No serialized WGMMAs (ptxas C7510-C7515 "Potential Performance Loss: wgmma.mma_async instructions are
   serialized"): without enough registers ptxas waits for each WGMMA before the next, which it measured as
   correct but several times slower.
-- The register-operand kernels launch with 168 registers per thread: their warpgroups trade registers with
-  setmaxnreg (producer 56, consumers 224), and 128 x 56 + 256 x 224 must not exceed what the CTA was given
-  (168 x 384); with fewer, the consumers' setmaxnreg.inc would wait forever.
+- The register-operand kernels of 128- and 256-token tiles launch with 168 registers per thread: their warpgroups
+  trade registers with setmaxnreg (producer 56, consumers 224), and 128 x 56 + 256 x 224 must not exceed what the
+  CTA was given (168 x 384); with fewer, the consumers' setmaxnreg.inc would wait forever. Those of 64-token tiles
+  (<= 64 tokens, K split over a cluster) trade nothing and fit two CTAs per SM: <= 80 registers.
 
 Skipped where no CUDA toolkit (nvcc) is installed.
 """
@@ -61,4 +62,7 @@ def test_the_mixed_input_kernels_compile_without_spills_or_serialized_wgmmas(ptx
         line for line in ptxas_report.splitlines() if re.search(r"C75\d\d|serialized", line)]
     assert all(f["spill"] == 0 for f in funcs.values()), {n: f for n, f in funcs.items() if f["spill"]}
     assert PRODUCER * 128 + CONSUMER * (THREADS - 128) <= 168 * THREADS
-    assert all(f["registers"] == 168 for f in rs.values()), rs
+    wide = {n: f for n, f in rs.items() if not re.search(r"ELi64E", n)}
+    assert len(wide) == 6 and all(f["registers"] == 168 for f in wide.values()), rs
+    # two CTAs of 384 threads per SM: 65536 / 768 registers, in the allocation's steps of 8
+    assert all(f["registers"] <= 80 for n, f in rs.items() if n not in wide), rs
