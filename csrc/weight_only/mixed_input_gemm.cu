@@ -927,4 +927,13 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
   return launch_fmt<kMXFP4, false>(c, sms, dev, stream);
 }
 
+cudaError_t launch_mixed_input_gemm_few_tokens(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
+                                               const float* gscale, void* y, int M, int N, int K, int dev,
+                                               cudaStream_t stream) {
+  if (M < 1 || M > 64 || K % 32 != 0 || (fmt != kNVFP4 && fmt != kMXFP4)) return cudaErrorInvalidValue;
+  if (N <= 0) return cudaSuccess;
+  const Call c{x, w, scales, gscale, {}, y, M, N, K, false};
+  return fmt == kNVFP4 ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_few_tokens<kMXFP4>(c, dev, stream);
+}
+
 }  // namespace surogate

@@ -466,15 +466,19 @@ def _assert_within_one_rounding(y, x, w, what):
     assert err.max() <= 0, f"{what}: off by {err.max():.3g} past one bf16 rounding; " + _where_wrong(err > 0)
 
 
-FEW_TOKENS = (1, 5, 16, 17, 33, 64)
+FEW_TOKENS = (1, 5, 16, 17, 33, 40, 64)  # (40: where large NVFP4 / MXFP4 weights switch to the WGMMA kernel)
 
 
 @pytest.mark.parametrize("nk", SHAPES_NK, ids=lambda nk: f"{nk[0]}to{nk[1]}")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
-def test_few_token_kernel_over_the_shapes_table(fmt, nk):
+def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
     """csrc's few-token weight-only GEMM (surogate::ext_few_token_gemm) on every linear of the table at 1 to 64
     tokens: within one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T with the
-    kernel's decode, bit-identical from run to run, and what the forward op runs for bf16 x on an SM90 GPU."""
+    kernel's decode, bit-identical from run to run, and what the forward op runs for bf16 x on an SM90 GPU. Where
+    paths.few_token_wgmma holds (large NVFP4 / MXFP4 weights from 40 tokens), the op's result is the register-operand
+    WGMMA kernel's, bit for bit (ext_mixed_input_gemm with SUROGATE_HF_MIXED_INPUT_KERNEL=rs)."""
+    from surogate_hf.kernels import ext
+
     _built_extension()
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
@@ -493,6 +497,11 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk):
         assert torch.equal(y, torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)), "not deterministic"
         if m <= paths.FEW_TOKEN_MAX_TOKENS:  # (the kernel takes up to 64 tokens; the ops route it up to this count)
             assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
+        if paths.few_token_wgmma(fmt, m, n, k, torch.cuda.get_device_capability(), ext.sm90a_built()):
+            monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
+            wgmma = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, {"nvfp4": 16, "mxfp4": 32}[fmt])
+            monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL")
+            assert torch.equal(y, wgmma), f"{fmt} [{n}, {k}] M={m}: not the WGMMA kernel's result"
 
 
 MANY_TOKENS = (512, 777, 2048)

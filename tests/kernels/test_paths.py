@@ -3,6 +3,8 @@ fast path on an SM90 GPU for every format and token count; the reference path on
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -188,6 +190,28 @@ def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_inp
         assert not P.mixed_input_kernel(fmt, 2048, 2880, torch.bfloat16, SM90, True, nf4_block=128)
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "0")
     assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True)
+
+
+def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
+    """Inside the few-token op, the register-operand WGMMA kernel runs NVFP4 / MXFP4 weights of >= 8M elements at 40-64
+    tokens on an sm_90a build (where it was measured faster); the mma kernel everything else. The C++ states the same
+    constants (csrc/weight_only/mixed_input_gemm.h)."""
+    header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
+    assert f"kFewTokenWgmmaMinTokens = {P.FEW_TOKEN_WGMMA_MIN_TOKENS};" in header
+    assert f"kFewTokenWgmmaMinElements = {P.FEW_TOKEN_WGMMA_MIN_ELEMENTS >> 20}ll << 20;" in header
+    taken = {(model, proj) for model, proj, k, n in S.all_linears() if P.few_token_wgmma("nvfp4", 64, n, k, SM90, True)}
+    for proj in ("q", "gate_up", "down"):
+        assert ("Llama-3.1-8B", proj) in taken
+    assert ("Llama-3.1-8B", "kv") not in taken and not any(model == "SmolLM2-135M" for model, _ in taken)
+    for fmt in ("nvfp4", "mxfp4"):
+        assert P.few_token_wgmma(fmt, 40, 4096, 4096, SM90, True) and P.few_token_wgmma(fmt, 64, 14336, 4096, SM90, True)
+        assert not P.few_token_wgmma(fmt, 39, 4096, 4096, SM90, True)
+        assert not P.few_token_wgmma(fmt, 65, 4096, 4096, SM90, True)  # past the few-token op
+        assert not P.few_token_wgmma(fmt, 64, 2048, 2048, SM90, True)  # 4M elements: the mma kernel was faster
+        assert not P.few_token_wgmma(fmt, 64, 4096, 4096, (10, 0), True)  # WGMMA is SM90a's
+        assert not P.few_token_wgmma(fmt, 64, 4096, 4096, SM90, False)
+        assert not P.few_token_wgmma(fmt, 64, 4096, 4096, None, True)
+    assert not P.few_token_wgmma("nf4", 64, 4096, 4096, SM90, True)
 
 
 @pytest.mark.parametrize("fmt", P.WEIGHT_ONLY)
