@@ -7,7 +7,8 @@ models, side by side in one process.
 Each timing is a CUDA graph replay of CHAIN distinct layers back to back (their weights exceed L2 as a model's do),
 per call. Targets (issue 13): >= 0.9x bf16 cuBLAS at M >= 2048 and >= 1.5x at M <= 64, judged for every path (the
 route's default: decode + cuBLAS, or the few-token kernel at <= 64 tokens; the mixed-input kernels run in the route
-with SUROGATE_HF_MIXED_INPUT=1, which does not cover <= 64 tokens yet). (results/large_m_s21.md, from 7505cfe,
+with SUROGATE_HF_MIXED_INPUT=1; at <= 64 tokens the few-token op runs the rs kernel's K-split variant for large
+NVFP4 / MXFP4 weights from 40 tokens, kernels.paths.few_token_wgmma). (results/large_m_s21.md, from 7505cfe,
 judges the smem mixed-input kernel only.)
     python benchmarks/bench_large_m.py --models Llama-3.1-8B,Qwen3-1.7B,SmolLM2-135M --tokens 16,64,2048,8192
 """
@@ -123,8 +124,9 @@ def main():
     body = table(["shape (in->out)", "linear", "M", "format", "bf16 cuBLAS ms", "route ms", "mixed smem ms",
                   "mixed rs ms", "route x bf16", "mixed smem x bf16", "mixed rs x bf16", "rs vs route", "target",
                   "route (default)", "mixed smem (opt-in)", "mixed rs (opt-in)"], rows)
-    body += ("\nroute: the default path, decode + cuBLAS from 512 tokens, the few-token kernel (ext_few_token_gemm) at "
-             "<= 64; mixed rs at <= 64 tokens is the register-operand kernel's K-split variant.\n")
+    body += ("\nroute: the default path, decode + cuBLAS from 512 tokens, the few-token op (ext_few_token_gemm) at <= 64 "
+             "(from 40 tokens it runs large NVFP4 / MXFP4 weights through the register-operand kernel's K-split variant: "
+             "kernels.paths.few_token_wgmma); mixed rs at <= 64 tokens is that K-split variant.\n")
     write_result(args.name, "Weight-only GEMM at many tokens: mixed-input kernel vs decode + cuBLAS vs bf16", body)
 
 
