@@ -383,11 +383,12 @@ __device__ __forceinline__ void reduce_split_tile(float* out, const float* __res
 
 // Both kernels' ring of stages: full[s] counts the producer's 128 threads (plus the x tile's TMA bytes), empty[s] the
 // consumers' 256 threads. Called by every thread of the CTA (it ends in a CTA barrier).
+template <int STAGES>
 __device__ __forceinline__ void init_ring(const CUtensorMap* x_map, uint64_t* full, uint64_t* empty) {
   if (threadIdx.x == 0) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(x_map)) : "memory");
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < STAGES; ++s) {
       mbar_init(smem_addr(&full[s]), 128);
       mbar_init(smem_addr(&empty[s]), 256);
     }
@@ -415,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m0 = blockIdx.y * BM;
   const int64_t n0 = (int64_t)blockIdx.x * kBN;
   const int kblocks = (K + kBK - 1) / kBK;
-  init_ring(&x_map, full, empty);
+  init_ring<kStages>(&x_map, full, empty);
 
   if (wg == 0) {
     // ---- producer: per stage, the x tile by TMA and the weight tile decoded from codes loaded two stages ahead
@@ -512,8 +513,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
 constexpr int kCodeTile = kBN * 32;
 constexpr int kScaleTile = kBN * 8;
+// A deeper ring than the smem kernel's (its stages hold no bf16 weight tile): 5 stages of 256- / 128-token tiles
+// (186 / 106 KiB), 6 of 64-token ones (79 KiB, two CTAs per SM)
 template <int BM>
 struct RsTile {
+  static constexpr int kStages = BM == 64 ? 6 : 5;
   static constexpr int kATile = BM * kBK * 2;
   static constexpr int kSmemBytes = kStages * (kATile + kCodeTile + kScaleTile) + 1024;
 };
@@ -581,12 +585,12 @@ __global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
                                __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate,
                                const Nf4Operands nf4, int steps_per_split) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kATile = RsTile<BM>::kATile;
+  constexpr int kATile = RsTile<BM>::kATile, kRing = RsTile<BM>::kStages;
   using Weights = ProducerWeights<FMT, kBN>;
-  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  __shared__ __align__(8) uint64_t full[kRing], empty[kRing];
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
-  const uint32_t x_tiles = base, code_tiles = base + kStages * kATile, scale_tiles = code_tiles + kStages * kCodeTile;
+  const uint32_t x_tiles = base, code_tiles = base + kRing * kATile, scale_tiles = code_tiles + kRing * kCodeTile;
   const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
   const int m0 = blockIdx.y * BM;
   const int64_t n0 = (int64_t)blockIdx.x * kBN;
@@ -595,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
   const int nsteps = min((K + kBK - 1) / kBK - kb_first, steps_per_split);
   __shared__ float levels[16];  // NF4: a 16-word table in 16 banks, so any lookup pattern is conflict-free
   if (FMT == kNF4 && threadIdx.x < 16) levels[threadIdx.x] = nf4.levels[threadIdx.x];
-  init_ring(&x_map, full, empty);  // (its CTA barrier publishes the table too)
+  init_ring<kRing>(&x_map, full, empty);  // (its CTA barrier publishes the table too)
 
   if (wg == 0) {
     // ---- producer: per stage, the x tile by TMA and the codes and scales (loaded three stages ahead) regrouped
@@ -617,8 +621,8 @@ __global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
       for (int p = 0; p < 3; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
         const int j = j0 + p, kb = kb_first + j;  // (j: the stage's place in this CTA's run)
         if (j >= nsteps) break;
-        const int s = j % kStages;
-        mbar_wait(smem_addr(&empty[s]), ((j / kStages) & 1) ^ 1);  // (open on the first pass)
+        const int s = j % kRing;
+        mbar_wait(smem_addr(&empty[s]), ((j / kRing) & 1) ^ 1);  // (open on the first pass)
         if (t == 0) {
           mbar_expect_tx(smem_addr(&full[s]), kATile);
           tma_load_2d(x_tiles + s * kATile, &x_map, kb * kBK, m0, smem_addr(&full[s]));
@@ -663,8 +667,8 @@ __global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
     for (int j = 0; j < nsteps; ++j) {
-      const int s = j % kStages;
-      mbar_wait(smem_addr(&full[s]), (j / kStages) & 1);
+      const int s = j % kRing;
+      mbar_wait(smem_addr(&full[s]), (j / kRing) & 1);
       const uint32_t ct = code_tiles + s * kCodeTile + code_off, st = scale_tiles + s * kScaleTile + scale_off;
       const uint2 c0 = ld_shared8(ct), c1 = ld_shared8(ct + 8 * 32);  // rows r0, r0 + 8
       uint32_t sp0[4], sp1[4];
@@ -713,12 +717,12 @@ __global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
       for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
       // all but this stage's last WGMMAs are done: the previous stage's x tile may be refilled
       wgmma_wait<kBK / 16 - 1>();
-      if (j > 0) mbar_arrive(smem_addr(&empty[(j - 1) % kStages]));
+      if (j > 0) mbar_arrive(smem_addr(&empty[(j - 1) % kRing]));
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-    static_assert(BM * kOutLd * 4 <= kStages * (kATile + kCodeTile + kScaleTile), "the output tile fits the stages");
+    static_assert(BM * kOutLd * 4 <= kRing * (kATile + kCodeTile + kScaleTile), "the output tile fits the stages");
     float* out = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)));
     if (gridDim.z == 1)
       store_tile<FMT, BM>(acc, out, gscale, y, M, N, m0, n0, cw, t, accumulate);
@@ -848,12 +852,16 @@ cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, 
                             steps_per_split);
 }
 
-// 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs)
+// 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs);
+// the register-operand kernel, where even those make at most one CTA per SM (the k/v projections at 2048 tokens),
+// takes 64-token ones, two CTAs per SM
 template <int FMT, bool RS>
 cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
-  const int64_t wide = (int64_t)((c.N + kBN - 1) / kBN) * ((c.M + 255) / 256);
+  const int64_t row_tiles = (c.N + kBN - 1) / kBN, wide = row_tiles * ((c.M + 255) / 256);
   const int steps = (c.K + kBK - 1) / kBK;
   if (2 * wide > sms) return launch_tile<FMT, 256, RS>(c, 1, steps, dev, stream);
+  if constexpr (RS)
+    if (row_tiles * ((c.M + 127) / 128) <= sms) return launch_tile<FMT, 64, true>(c, 1, steps, dev, stream);
   return launch_tile<FMT, 128, RS>(c, 1, steps, dev, stream);
 }
 
