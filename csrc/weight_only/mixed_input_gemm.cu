@@ -513,11 +513,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
 constexpr int kCodeTile = kBN * 32;
 constexpr int kScaleTile = kBN * 8;
-// A deeper ring than the smem kernel's (its stages hold no bf16 weight tile): 5 stages of 256- / 128-token tiles
-// (186 / 106 KiB), 6 of 64-token ones (79 KiB, two CTAs per SM)
+// 256- and 128-token tiles take a deeper ring than the smem kernel's (their stages hold no bf16 weight tile): 5
+// stages (186 / 106 KiB; +0-9% at 8192 tokens on the H200, where the consumers had waited on the stage-full
+// barrier). 64-token tiles keep 4 (53 KiB, two CTAs per SM).
 template <int BM>
 struct RsTile {
-  static constexpr int kStages = BM == 64 ? 6 : 5;
+  static constexpr int kStages = BM == 64 ? 4 : 5;
   static constexpr int kATile = BM * kBK * 2;
   static constexpr int kSmemBytes = kStages * (kATile + kCodeTile + kScaleTile) + 1024;
 };
@@ -852,16 +853,14 @@ cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, 
                             steps_per_split);
 }
 
-// 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs);
-// the register-operand kernel, where even those make at most one CTA per SM (the k/v projections at 2048 tokens),
-// takes 64-token ones, two CTAs per SM
+// 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs).
+// (64-token tiles at two CTAs per SM for the k/v projections at 2048 tokens, where even 128-token ones make at most
+// one CTA per SM, were measured slower: 0.41-0.44x cuBLAS against 0.55-0.59x, H200, aa68787.)
 template <int FMT, bool RS>
 cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
-  const int64_t row_tiles = (c.N + kBN - 1) / kBN, wide = row_tiles * ((c.M + 255) / 256);
+  const int64_t wide = (int64_t)((c.N + kBN - 1) / kBN) * ((c.M + 255) / 256);
   const int steps = (c.K + kBK - 1) / kBK;
   if (2 * wide > sms) return launch_tile<FMT, 256, RS>(c, 1, steps, dev, stream);
-  if constexpr (RS)
-    if (row_tiles * ((c.M + 127) / 128) <= sms) return launch_tile<FMT, 64, true>(c, 1, steps, dev, stream);
   return launch_tile<FMT, 128, RS>(c, 1, steps, dev, stream);
 }
 

@@ -494,7 +494,8 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
         _assert_within_one_rounding(y, x, wk, f"{fmt} [{n}, {k}] M={m}")
-        assert torch.equal(y, torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)), "not deterministic"
+        again = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+        assert torch.equal(y, again), f"{fmt} [{n}, {k}] M={m}: not deterministic; " + _where_wrong(y != again)
         if m <= paths.FEW_TOKEN_MAX_TOKENS:  # (the kernel takes up to 64 tokens; the ops route it up to this count)
             assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
         if paths.few_token_wgmma(fmt, m, n, k, torch.cuda.get_device_capability(), ext.sm90a_built()):
@@ -564,8 +565,8 @@ def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
             assert torch.equal(y, y_smem), (f"{fmt} [{n}, {k}] M={m}: the rs kernel differs from the smem kernel; "
                                             + _where_wrong(y != y_smem))
         _assert_within_one_rounding(y, x, wref, f"{fmt} [{n}, {k}] M={m}")
-        assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)), \
-            "not deterministic"
+        again = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
+        assert torch.equal(y, again), f"{fmt} [{n}, {k}] M={m}: not deterministic; " + _where_wrong(y != again)
         # the decode route's forward (the module's call from DENSE_MIN_TOKENS on) runs the same kernel
         w, scales, gscale, levels, code = op_args
         routed = torch.ops.surogate.ext_decoded_linear(x, None, w, scales, gscale, levels, None, None, None, 1.0, code,
@@ -596,8 +597,8 @@ def test_mixed_input_rs_kernel_at_few_tokens(fmt, nk, monkeypatch):
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
         _assert_within_one_rounding(y, x, wref, f"{fmt} [{n}, {k}] M={m}")
-        assert torch.equal(y, torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)), \
-            "not deterministic"
+        again = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
+        assert torch.equal(y, again), f"{fmt} [{n}, {k}] M={m}: not deterministic; " + _where_wrong(y != again)
 
 
 @pytest.mark.skipif(not K.fp8_ok()[0], reason=K.fp8_ok()[1])
