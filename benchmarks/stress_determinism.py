@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--shapes", default="1536x8960,4096x14336,14336x4096,4096x4096,2048x1024")
     ap.add_argument("--tokens", default="17,33,39,40,48,64")
+    ap.add_argument("--formats", default="nvfp4,mxfp4,nf4")
     args = ap.parse_args()
     assert ext.load(build=True) is not None, ext.status()[1]
     bad_total = 0
@@ -34,7 +35,7 @@ def main():
         k, n = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for fmt in ("nvfp4", "mxfp4"):
+        for fmt in args.formats.split(","):
             q = _quantize(w, fmt)
             ops, block = q["dense"]
             for m in (int(t) for t in args.tokens.split(",")):
@@ -44,7 +45,7 @@ def main():
                 def rs():
                     os.environ["SUROGATE_HF_MIXED_INPUT_KERNEL"] = "rs"
                     try:
-                        return E.ext_mixed_input_gemm(x, *q["mixed"][0], n, k, q["mixed"][1])
+                        return E.ext_mixed_input_gemm(x, *q["mixed"][0], n, k, q["mixed"][1], *q["mixed"][2])
                     finally:
                         os.environ.pop("SUROGATE_HF_MIXED_INPUT_KERNEL")
 

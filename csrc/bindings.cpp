@@ -242,7 +242,7 @@ torch::Tensor nvfp4_gemm(const torch::Tensor& a, const torch::Tensor& b, const t
 // (w uint8 [N, K/2], scales E4M3 [N, K/16], gscale its decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4
 // (w bitsandbytes-packed, N * K / 2 bytes; scales the fp32 absmax per nf4_block elements; levels its 16 values).
 // K % 32 == 0 and NF4 blocks a power of two >= 32 (surogate_hf.kernels.paths.few_token_kernel decides; it checks these).
-// A large NVFP4 / MXFP4 weight at 40-64 tokens on an SM90a build runs the mixed-input WGMMA kernel instead
+// A large weight at 40-64 tokens on an SM90a build runs the mixed-input WGMMA kernel instead
 // (few_token_wgmma_applies; kernels.paths.few_token_wgmma): the same sums, within the same one bf16 rounding.
 torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scales,
                              const c10::optional<torch::Tensor>& gscale, const c10::optional<torch::Tensor>& levels,
@@ -272,11 +272,12 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
   const torch::Tensor g = fmt == 0 ? gscale->to(x.device()).contiguous() : torch::Tensor();
   const int dev = x.get_device();
   if (surogate::few_token_wgmma_applies((int)fmt, m, n, k) && surogate::mixed_input_gemm_supported(dev)) {
-    // a large NVFP4 / MXFP4 weight at 40-64 tokens: the WGMMA kernel decodes each fragment once for all the tokens
+    // a large weight at 40-64 tokens: the WGMMA kernel decodes each fragment once for all the tokens
     const cudaError_t err = surogate::launch_mixed_input_gemm_few_tokens(
         (int)fmt, x.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()),
-        reinterpret_cast<const uint8_t*>(scales.data_ptr()), fmt == 0 ? g.data_ptr<float>() : nullptr, y.data_ptr(),
-        (int)m, (int)n, (int)k, dev, at::cuda::getCurrentCUDAStream());
+        reinterpret_cast<const uint8_t*>(scales.data_ptr()), fmt == 0 ? g.data_ptr<float>() : nullptr,
+        fmt == 2 ? levels->data_ptr<float>() : nullptr, (int)nf4_block, y.data_ptr(), (int)m, (int)n, (int)k, dev,
+        at::cuda::getCurrentCUDAStream());
     if (err != cudaSuccess) (void)cudaGetLastError();
     TORCH_CHECK(err == cudaSuccess, "few_token_gemm: WGMMA launch failed: ", cudaGetErrorString(err));
     return y;

@@ -939,11 +939,19 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
 }
 
 cudaError_t launch_mixed_input_gemm_few_tokens(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
-                                               const float* gscale, void* y, int M, int N, int K, int dev,
-                                               cudaStream_t stream) {
-  if (M < 1 || M > 64 || K % 32 != 0 || (fmt != kNVFP4 && fmt != kMXFP4)) return cudaErrorInvalidValue;
+                                               const float* gscale, const float* levels, int nf4_block, void* y, int M,
+                                               int N, int K, int dev, cudaStream_t stream) {
+  if (M < 1 || M > 64 || K % 32 != 0 || fmt < kNVFP4 || fmt > kNF4) return cudaErrorInvalidValue;
   if (N <= 0) return cudaSuccess;
-  const Call c{x, w, scales, gscale, {}, y, M, N, K, false};
+  Call c{x, w, scales, gscale, {}, y, M, N, K, false};
+  if (fmt == kNF4) {  // (the fp32 absmax as it is: no nested operands)
+    int shift = 0;
+    while (shift < 30 && (1 << shift) < nf4_block) ++shift;
+    if (levels == nullptr || nf4_block < 32 || (1 << shift) != nf4_block || K % nf4_block != 0)
+      return cudaErrorInvalidValue;
+    c.nf4 = Nf4Operands{levels, nullptr, nullptr, nullptr, shift};
+    return launch_few_tokens<kNF4>(c, dev, stream);
+  }
   return fmt == kNVFP4 ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_few_tokens<kMXFP4>(c, dev, stream);
 }
 

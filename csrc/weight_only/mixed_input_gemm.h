@@ -18,23 +18,27 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
                                     void* y, int M, int N, int K, bool accumulate, int sms, int dev,
                                     cudaStream_t stream);
 
-// The few-token op's (ext_few_token_gemm) choice of kernel: from kFewTokenWgmmaMinTokens to 64 tokens an NVFP4 or
-// MXFP4 weight of at least kFewTokenWgmmaMinElements takes the register-operand WGMMA kernel (64-token tiles, K split
-// over a cluster), where each weight fragment is decoded once for all the tokens; elsewhere the few-token mma kernel,
-// whose m16 token tiles each repeat their loads and mmas. Measured on the H200 at 32-64 tokens (docs/kernels.md): the
-// WGMMA kernel took 0.55-0.77x the time on Llama-3.1-8B's q / gate_up / down and Qwen3-1.7B's MLP projections from
-// 40 tokens, 1.0-1.4x on the smaller weights (Qwen3-1.7B q and k/v, SmolLM2-135M's) and at 32 tokens.
+// The few-token op's (ext_few_token_gemm) choice of kernel: from kFewTokenWgmmaMinTokens to 64 tokens a weight of at
+// least kFewTokenWgmmaMinElements (NF4: also at least kFewTokenWgmmaNf4MinRows rows) takes the register-operand WGMMA
+// kernel (64-token tiles, K split over a cluster), where each weight fragment is decoded once for all the tokens;
+// elsewhere the few-token mma kernel, whose m16 token tiles each repeat their loads and mmas. Measured on the H200
+// at 32-64 tokens (docs/kernels.md): from 40 tokens the WGMMA kernel took 0.53-0.95x the time on Llama-3.1-8B's q /
+// gate_up / down and Qwen3-1.7B's MLP projections (NF4: 0.62-0.95x, but 1.03-1.08x on the 1.7B down projection's
+// 2048 rows); 1.0-1.4x on the smaller weights (Qwen3-1.7B q and k/v, SmolLM2-135M's) and at 32 tokens.
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
 constexpr int kFewTokenWgmmaMinTokens = 40;
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;
+constexpr long long kFewTokenWgmmaNf4MinRows = 4096;
 inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long k) {
-  return (fmt == 0 || fmt == 1) && m >= kFewTokenWgmmaMinTokens && m <= 64 && n * k >= kFewTokenWgmmaMinElements;
+  return (fmt == 0 || fmt == 1 || (fmt == 2 && n >= kFewTokenWgmmaNf4MinRows)) && m >= kFewTokenWgmmaMinTokens &&
+         m <= 64 && n * k >= kFewTokenWgmmaMinElements;
 }
 
-// y [M, N] bf16 = x [M, K] bf16 @ deq(W)^T for 1 <= M <= 64 and an NVFP4 (fmt 0) or MXFP4 (1) weight by the
-// register-operand kernel's K-split variant (the operands as launch_mixed_input_gemm's)
+// y [M, N] bf16 = x [M, K] bf16 @ deq(W)^T for 1 <= M <= 64 by the register-operand kernel's K-split variant: fmt 0
+// NVFP4, 1 MXFP4 (the operands as launch_mixed_input_gemm's), 2 NF4 (scales its fp32 absmax per nf4_block elements,
+// a power of two >= 32 dividing K; levels its 16 values)
 cudaError_t launch_mixed_input_gemm_few_tokens(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
-                                               const float* gscale, void* y, int M, int N, int K, int dev,
-                                               cudaStream_t stream);
+                                               const float* gscale, const float* levels, int nf4_block, void* y, int M,
+                                               int N, int K, int dev, cudaStream_t stream);
 
 }  // namespace surogate

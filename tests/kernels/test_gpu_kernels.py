@@ -475,7 +475,7 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
     """csrc's few-token weight-only GEMM (surogate::ext_few_token_gemm) on every linear of the table at 1 to 64
     tokens: within one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T with the
     kernel's decode, bit-identical from run to run, and what the forward op runs for bf16 x on an SM90 GPU. Where
-    paths.few_token_wgmma holds (large NVFP4 / MXFP4 weights from 40 tokens), the op's result is the register-operand
+    paths.few_token_wgmma holds (large weights from 40 tokens), the op's result is the register-operand
     WGMMA kernel's, bit for bit (ext_mixed_input_gemm with SUROGATE_HF_MIXED_INPUT_KERNEL=rs)."""
     from surogate_hf.kernels import ext
 
@@ -500,7 +500,7 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
             assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
         if paths.few_token_wgmma(fmt, m, n, k, torch.cuda.get_device_capability(), ext.sm90a_built()):
             monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
-            wgmma = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, {"nvfp4": 16, "mxfp4": 32}[fmt])
+            wgmma = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, {"nvfp4": 16, "mxfp4": 32}.get(fmt, 64))
             monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL")
             assert torch.equal(y, wgmma), f"{fmt} [{n}, {k}] M={m}: not the WGMMA kernel's result"
 
