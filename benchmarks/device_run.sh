@@ -7,6 +7,8 @@
 #   bash benchmarks/device_run.sh rows      [OUTDIR]   # QLoRA on the shapes.md rows below 2B, eager (~5 min)
 #   bash benchmarks/device_run.sh large_m   [OUTDIR]   # the weight-only route's GPU tests (decode, both mixed-input
 #                                                      # kernels, the module route), then bench_large_m (~8 min)
+#   bash benchmarks/device_run.sh few       [OUTDIR]   # the few-token op (mma kernel; WGMMA K-split for large weights
+#                                                      # from 40 tokens): GPU tests, determinism stress, bench (~5 min)
 #   bash benchmarks/device_run.sh large_m_e2e [OUTDIR] # 4-bit QLoRA steps (Qwen3-1.7B), decode + cuBLAS against
 #                                                      # the opted-in register-operand mixed-input kernel (~5 min)
 # The QLoRA rows of small models are host-bound: run them with nothing else on the machine (not beside a job on
@@ -28,7 +30,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, print the verdict
     ( env -u OUT timeout "$limit" "$@" ) >"$out/$name.log" 2>&1
     local rc=$?
     echo "=== $name exit $rc"
-    grep -E "passed|failed|skipped|error|tok/s|^E " "$out/$name.log" | grep -v Warning | tail -12
+    grep -E "passed|failed|skipped|error|tok/s|TOTAL|^E " "$out/$name.log" | grep -v Warning | tail -12
     return $rc
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -83,6 +85,15 @@ case "$what" in
         --tokens 2048,8192 $([ $rs_rc -eq 0 ] || echo --skip-rs)
     cp results/large_m.md "$out/results/" 2>/dev/null
     ;;
+  few)
+    step build 150 python3 -m surogate_hf.kernels.build
+    step gpu_few 200 python3 -m pytest -q tests/kernels/test_gpu_kernels.py \
+        -k "few_token_kernel_over or (mixed_input and few)" -p no:cacheprovider -p no:logging --tb=short
+    step stress 120 python3 benchmarks/stress_determinism.py --repeat 30
+    cd benchmarks
+    step few_tokens 200 python3 bench_large_m.py --name few_tokens --tokens 1,16,40,64
+    cp results/few_tokens.md "$out/results/" 2>/dev/null
+    ;;
   large_m_e2e)
     step build 150 python3 -m surogate_hf.kernels.build
     cd benchmarks
@@ -92,5 +103,5 @@ case "$what" in
         --name e2e_qlora_4bit_mixed_rs --setups peft_bf16,ours_nvfp4,ours_mxfp4,ours_nf4
     cp results/e2e_qlora_4bit_*.md "$out/results/" 2>/dev/null
     ;;
-  *) echo "usage: device_run.sh tests|bench|compiled|rows|large_m|large_m_e2e [OUTDIR]"; exit 2 ;;
+  *) echo "usage: device_run.sh tests|bench|compiled|rows|large_m|few|large_m_e2e [OUTDIR]"; exit 2 ;;
 esac

@@ -56,7 +56,8 @@ def main():
                     bad_total += bad
                     print(f"{path:13s} {fmt} [{n}, {k}] M={m}: {bad} of {args.repeat} calls differ", flush=True)
     print("TOTAL mismatching calls:", bad_total)
+    return 1 if bad_total else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
