@@ -30,11 +30,10 @@
 // shared memory), and at <= 64 tokens runs 64-token tiles with K split over a thread-block cluster whose partial
 // sums meet through distributed shared memory (two CTAs per SM there, no register trade). The GPU tests find it
 // equal to this kernel bit for bit and within one rounding of the reference at 1-2048 tokens. Measured (H200,
-// docs/kernels.md): 2-15% faster than this kernel but still below decode + cuBLAS from 512 tokens (0.80-0.91x
+// docs/kernels.md): 2-15% faster than this kernel but still below decode + cuBLAS from 512 tokens (0.79-0.93x
 // cuBLAS at 2048 / 8192 tokens on the 8B / 1.7B linears but their k/v at 2048, 0.55-0.59x; the consumers wait on
-// the producer), so it stays opt-in
-// there; at 40-64 tokens it beats the few-token mma kernel on large weights, and the few-token op runs it for those
-// (few_token_wgmma_applies, mixed_input_gemm.h).
+// the producer), so it stays opt-in there; at 40-64 tokens it beats the few-token mma kernel on large weights, and
+// the few-token op runs it for those (few_token_wgmma_applies, mixed_input_gemm.h).
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits); products accumulate
 // in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel does. Only the fp32
 // summation order differs from x.float() @ deq(W).float().T.

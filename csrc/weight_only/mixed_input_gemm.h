@@ -22,9 +22,10 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
 // least kFewTokenWgmmaMinElements (NF4: also at least kFewTokenWgmmaNf4MinRows rows) takes the register-operand WGMMA
 // kernel (64-token tiles, K split over a cluster), where each weight fragment is decoded once for all the tokens;
 // elsewhere the few-token mma kernel, whose m16 token tiles each repeat their loads and mmas. Measured on the H200
-// at 32-64 tokens (docs/kernels.md): from 40 tokens the WGMMA kernel took 0.53-0.95x the time on Llama-3.1-8B's q /
-// gate_up / down and Qwen3-1.7B's MLP projections (NF4: 0.62-0.95x, but 1.03-1.08x on the 1.7B down projection's
-// 2048 rows); 1.0-1.4x on the smaller weights (Qwen3-1.7B q and k/v, SmolLM2-135M's) and at 32 tokens.
+// at 32-64 tokens (docs/kernels.md): from 40 tokens the WGMMA kernel took 0.53-0.98x the time on Llama-3.1-8B's q /
+// gate_up / down and Qwen3-1.7B's MLP projections (NF4: 0.62-0.94x, but 1.03-1.07x on the 1.7B down projection's
+// 2048 rows); 1.02-1.43x on the smaller weights (Qwen3-1.7B q and k/v, SmolLM2-135M's; the 8B k/v 0.86-1.04x) and,
+// but for the 8B MLP, at 32 tokens.
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
 constexpr int kFewTokenWgmmaMinTokens = 40;
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;

@@ -111,10 +111,10 @@ def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int
     """Whether a few-token forward (few_token_kernel holds) of an [n, k] weight runs, inside ext_few_token_gemm, the
     register-operand WGMMA kernel (64-token tiles, K split over a thread-block cluster, each weight fragment decoded
     once for all the tokens) rather than the mma kernel (m16 token tiles, each repeating their loads and mmas).
-    Measured on the H200 (docs/kernels.md), from 40 tokens: 0.53-0.95x the mma kernel's time on Llama-3.1-8B's q /
-    gate_up / down and Qwen3-1.7B's MLP projections; slower on smaller weights and at 32 tokens; for NF4 (its table
-    decode costs more instructions per code) also 1.03-1.08x on Qwen3-1.7B's down projection (2048 rows), hence its
-    row bound."""
+    Measured on the H200 (docs/kernels.md), from 40 tokens: 0.53-0.98x the mma kernel's time on Llama-3.1-8B's q /
+    gate_up / down and Qwen3-1.7B's MLP projections; slower on smaller weights and, but for the 8B MLP, at 32
+    tokens; for NF4 (its table decode costs more instructions per code) also 1.03-1.07x on Qwen3-1.7B's down
+    projection (2048 rows), hence its row bound."""
     rows_ok = fmt in ("nvfp4", "mxfp4") or (fmt == "nf4" and n >= FEW_TOKEN_WGMMA_NF4_MIN_ROWS)
     return (rows_ok and FEW_TOKEN_WGMMA_MIN_TOKENS <= m <= FEW_TOKEN_MAX_TOKENS
             and n * k >= FEW_TOKEN_WGMMA_MIN_ELEMENTS and capability is not None and tuple(capability) == (9, 0)
@@ -131,8 +131,9 @@ def mixed_input_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability:
     dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the shared-memory kernel is correct on every shape but
     still slower than decode + cuBLAS (0.77-0.82x bf16 cuBLAS against 0.85-0.92x on the H200's Llama-3.1-8B linears at
     2048 tokens; docs/kernels.md); the register-operand kernel (NVFP4 / MXFP4 with SUROGATE_HF_MIXED_INPUT_KERNEL=rs,
-    and NF4's only one) is 2-15% faster than it, still below decode + cuBLAS (NVFP4 / MXFP4 0.80-0.91x bf16 cuBLAS
-    on the H200's 8B / 1.7B linears at 2048 / 8192 tokens, the k/v ones 0.55-0.59x at 2048; results/large_m_s23.md).
+    and NF4's only one) is 2-15% faster than it, still below decode + cuBLAS (NVFP4 / MXFP4 0.79-0.93x bf16 cuBLAS
+    on the H200's 8B / 1.7B linears at 2048 / 8192 tokens, the k/v ones 0.55-0.59x at 2048; results/large_m_s23.md,
+    large_m_ring_s23.md).
     Where opted in: NVFP4, MXFP4 or NF4 (blocks a power of two >= 32 dividing K), >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute capability 9.0 GPU (WGMMA) and an
     extension compiled for sm_90a (kernels.ext.sm90a_built). The C++ (mixed_input_applies) decides by the same rule,
     plus 16-byte aligned contiguous operands. The input gradient keeps decode + cuBLAS."""
