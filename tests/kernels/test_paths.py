@@ -194,8 +194,8 @@ def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_inp
 
 def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
     """Inside the few-token op, the register-operand WGMMA kernel runs weights of >= 8M elements (NF4: of >= 4096 rows
-    too) at 40-64 tokens on an sm_90a build (where it was measured faster); the mma kernel everything else. The C++ states the same
-    constants (csrc/weight_only/mixed_input_gemm.h)."""
+    too) at 40-64 tokens on an sm_90a build (where it was measured faster); the mma kernel everything else. The C++
+    states the same constants (csrc/weight_only/mixed_input_gemm.h)."""
     header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
     assert f"kFewTokenWgmmaMinTokens = {P.FEW_TOKEN_WGMMA_MIN_TOKENS};" in header
     assert f"kFewTokenWgmmaMinElements = {P.FEW_TOKEN_WGMMA_MIN_ELEMENTS >> 20}ll << 20;" in header
@@ -205,7 +205,8 @@ def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
         assert ("Llama-3.1-8B", proj) in taken
     assert ("Llama-3.1-8B", "kv") not in taken and not any(model == "SmolLM2-135M" for model, _ in taken)
     for fmt in ("nvfp4", "mxfp4"):
-        assert P.few_token_wgmma(fmt, 40, 4096, 4096, SM90, True) and P.few_token_wgmma(fmt, 64, 14336, 4096, SM90, True)
+        assert P.few_token_wgmma(fmt, 40, 4096, 4096, SM90, True)
+        assert P.few_token_wgmma(fmt, 64, 14336, 4096, SM90, True)
         assert not P.few_token_wgmma(fmt, 39, 4096, 4096, SM90, True)
         assert not P.few_token_wgmma(fmt, 65, 4096, 4096, SM90, True)  # past the few-token op
         assert not P.few_token_wgmma(fmt, 64, 2048, 2048, SM90, True)  # 4M elements: the mma kernel was faster
@@ -213,7 +214,8 @@ def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, SM90, False)
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, None, True)
     # NF4: the same, on weights of >= 4096 rows (its table decode lost on Qwen3-1.7B's 2048-row down projection)
-    assert P.few_token_wgmma("nf4", 40, 4096, 4096, SM90, True) and P.few_token_wgmma("nf4", 64, 6144, 2048, SM90, True)
+    assert P.few_token_wgmma("nf4", 40, 4096, 4096, SM90, True)
+    assert P.few_token_wgmma("nf4", 64, 6144, 2048, SM90, True)
     assert not P.few_token_wgmma("nf4", 64, 2048, 6144, SM90, True)
     assert not P.few_token_wgmma("nf4", 39, 4096, 4096, SM90, True)
     assert not P.few_token_wgmma("fp8", 64, 4096, 4096, SM90, True)
