@@ -211,6 +211,14 @@ __device__ __forceinline__ void wgmma_rs_k16<128>(float* d, const uint32_t* a, u
                : SG_WGMMA_ACC_OPS_64(d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
+template <>
+__device__ __forceinline__ void wgmma_rs_k16<64>(float* d, const uint32_t* a, uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SG_WGMMA_ACC_REGS_32
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               : SG_WGMMA_ACC_OPS_32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
 
 // NF4's operands besides codes and absmax (the register-operand kernel only; unused by the other formats): its 16
 // levels, the absmax block as a shift (a power of two >= 32 dividing K), and a double-quantized absmax's nested
@@ -222,15 +230,6 @@ struct Nf4Operands {
   const float* offset = nullptr;         // fp32 [1]
   int shift = 0;                         // log2(block)
 };
-
-template <>
-__device__ __forceinline__ void wgmma_rs_k16<64>(float* d, const uint32_t* a, uint64_t b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SG_WGMMA_ACC_REGS_32
-               ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-               : SG_WGMMA_ACC_OPS_32(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
 
 // The producer's weight rows: thread t decodes the 32-column half t % 2 of rows t / 2 + 64 i (i < BN / 64) of the CTA's
 // BN, so a warp's 16-byte loads cover 16 rows' 32 contiguous bytes each. Rows past N read row N - 1 (in bounds; their
@@ -512,11 +511,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 // absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
 constexpr int kCodeTile = kBN * 32;
 constexpr int kScaleTile = kBN * 8;
-// 256- and 128-token tiles take a deeper ring than the smem kernel's (their stages hold no bf16 weight tile): 5
-// stages (186 / 106 KiB; +0-9% at 8192 tokens on the H200, where the consumers had waited on the stage-full
-// barrier). 64-token tiles keep 4 (53 KiB, two CTAs per SM).
+// The register-operand kernel's tiles of BM tokens:
+// - CTAs per SM: 64-token tiles (<= 64 tokens, 32 accumulators a thread) run two at <= 80 registers with no register
+//   trade, so that a K-split grid has twice the clusters resident; wider tiles run one, whose consumers take the
+//   producer's registers by setmaxnreg (their 128 or 64 accumulators and four A fragments in flight).
+// - Ring depth: 256- and 128-token tiles take a deeper ring than the smem kernel's (their stages hold no bf16 weight
+//   tile), 5 stages (186 / 106 KiB; -1% to +9% at 8192 tokens on the H200, where the consumers had waited on the
+//   stage-full barrier); 64-token tiles keep 4 (53 KiB each, two CTAs per SM).
 template <int BM>
 struct RsTile {
+  static constexpr int kCtasPerSm = BM == 64 ? 2 : 1;
   static constexpr int kStages = BM == 64 ? 4 : 5;
   static constexpr int kATile = BM * kBK * 2;
   static constexpr int kSmemBytes = kStages * (kATile + kCodeTile + kScaleTile) + 1024;
@@ -572,14 +576,8 @@ __device__ __forceinline__ void step_scales(uint32_t word, uint32_t* pairs) {
   }
 }
 
-// 64-token tiles (<= 64 tokens, 32 accumulators a thread) run two CTAs per SM at <= 80 registers with no register
-// trade, so that a K-split grid has twice the clusters resident; wider tiles run one, whose consumers take the
-// producer's registers by setmaxnreg (their 128 or 64 accumulators and four A fragments in flight)
-template <int BM>
-constexpr int kRsCtasPerSm = BM == 64 ? 2 : 1;
-
 template <int FMT, int BM>
-__global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
+__global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
     mixed_input_gemm_rs_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
                                const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
                                __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate,
@@ -605,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
     // ---- producer: per stage, the x tile by TMA and the codes and scales (loaded three stages ahead) regrouped
     // into shared memory. Thread t holds the 32-column half t % 2 of rows t / 2 + 64 i: code words 4h .. 4h + 3 of
     // the row's stage segment, whose bytes q go to bytes 8q + 4h .. + 3 of the row in the codes tile.
-    if constexpr (kRsCtasPerSm<BM> == 1)
+    if constexpr (RsTile<BM>::kCtasPerSm == 1)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");  // registers to the consumers' fragments
     const Weights wts(w, scales, n0, N, K, t, nf4);
     const int h = t & 1;
@@ -658,7 +656,7 @@ __global__ void __launch_bounds__(kThreads, kRsCtasPerSm<BM>)
     // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64, all BM tokens; per k16 step one
     // register-operand m64nBMk16 WGMMA with the thread's decoded fragment of rows r0 = 64 cw + 16 warp + lane / 4 and
     // r0 + 8 as A and the x tile as B (the product is y^T)
-    if constexpr (kRsCtasPerSm<BM> == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    if constexpr (RsTile<BM>::kCtasPerSm == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const int cw = wg - 1, lane = t & 31;
     const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
     const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 8;
@@ -878,6 +876,19 @@ cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
   return launch_tile<FMT, 64, true>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }
 
+// NF4's operands for the register-operand kernel into *out, or false where they break its requirements: levels,
+// blocks a power of two >= 32 dividing K, and a nested absmax's three operands all or none
+bool nf4_operands(const float* levels, int nf4_block, int K, const float* nested_absmax, const float* nested_code,
+                  const float* nested_offset, Nf4Operands* out) {
+  int shift = 0;
+  while (shift < 30 && (1 << shift) < nf4_block) ++shift;
+  if (levels == nullptr || nf4_block < 32 || (1 << shift) != nf4_block || K % nf4_block != 0 ||
+      (nested_code != nullptr && (nested_absmax == nullptr || nested_offset == nullptr)))
+    return false;
+  *out = Nf4Operands{levels, nested_absmax, nested_code, nested_offset, shift};
+  return true;
+}
+
 // SUROGATE_HF_MIXED_INPUT_KERNEL=rs: the register-operand kernel (read per call, so that one process can time both)
 bool rs_kernel_chosen() {
   const char* v = std::getenv("SUROGATE_HF_MIXED_INPUT_KERNEL");
@@ -920,12 +931,8 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
   Call c{x, w, scales, gscale, {}, y, M, N, K, accumulate};
   const bool few = M <= 64;  // (the register-operand kernel's K-split variant)
   if (fmt == kNF4) {
-    int shift = 0;
-    while (shift < 30 && (1 << shift) < nf4_block) ++shift;
-    if (levels == nullptr || nf4_block < 32 || (1 << shift) != nf4_block || K % nf4_block != 0 ||
-        (nested_code != nullptr && (nested_absmax == nullptr || nested_offset == nullptr)))
+    if (!nf4_operands(levels, nf4_block, K, nested_absmax, nested_code, nested_offset, &c.nf4))
       return cudaErrorInvalidValue;
-    c.nf4 = Nf4Operands{levels, nested_absmax, nested_code, nested_offset, shift};
     return few ? launch_few_tokens<kNF4>(c, dev, stream) : launch_fmt<kNF4, true>(c, sms, dev, stream);
   }
   if (rs_kernel_chosen()) {
@@ -944,11 +951,7 @@ cudaError_t launch_mixed_input_gemm_few_tokens(int fmt, const void* x, const uin
   if (N <= 0) return cudaSuccess;
   Call c{x, w, scales, gscale, {}, y, M, N, K, false};
   if (fmt == kNF4) {  // (the fp32 absmax as it is: no nested operands)
-    int shift = 0;
-    while (shift < 30 && (1 << shift) < nf4_block) ++shift;
-    if (levels == nullptr || nf4_block < 32 || (1 << shift) != nf4_block || K % nf4_block != 0)
-      return cudaErrorInvalidValue;
-    c.nf4 = Nf4Operands{levels, nullptr, nullptr, nullptr, shift};
+    if (!nf4_operands(levels, nf4_block, K, nullptr, nullptr, nullptr, &c.nf4)) return cudaErrorInvalidValue;
     return launch_few_tokens<kNF4>(c, dev, stream);
   }
   return fmt == kNVFP4 ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_few_tokens<kMXFP4>(c, dev, stream);
