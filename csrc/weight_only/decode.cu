@@ -1,12 +1,21 @@
 // Dense decode of a frozen quantized weight W [n, k] into fp32 / bf16 / fp16: the "decode + cuBLAS" route of the
 // weight-only linears (surogate::ext_dequantize, and inside surogate::ext_decoded_linear). The element math is
 // decode_math.cuh's (the formats' reference decode, host-checked), then one rounding to the output dtype.
-// Every element is independent, so the kernel is a flat streaming pass: one thread per 16 bytes of w (32 elements of
-// a 4-bit format, 16 of FP8), one 16-byte load and 16-byte stores; a chunk that would straddle a row or a scale block
-// in a way the vector path does not cover (a ragged tail, an FP8 row length that is not a multiple of 16, NF4 blocks
-// that are not multiples of 32) or misaligned codes decode element by element with the same functions.
+// Every element is independent, so the kernels are flat streaming passes:
+//   - 4-bit codes into bf16 / fp16 (the route's case: decode_words_kernel): a lane's unit is one 32-bit word of codes
+//     (8 elements) and one 16-byte store, so each warp instruction reads 128 and writes 512 contiguous bytes, with
+//     8 words in flight per thread. E2M1 goes through the few-token kernel's byte permutes (exact: the bf16 bits of
+//     the e2m1 value), then the reference's fp32 products and one rounding.
+//   - everything else (fp32 output, FP8, misaligned codes, NF4 blocks that are not a power of two >= 8:
+//     decode_kernel): one thread per 16 bytes of w (32 elements of a 4-bit format, 16 of FP8); a chunk that would
+//     straddle a row or a scale block in a way its vector path does not cover decodes element by element with the
+//     same functions.
 #include "../common/device.cuh"
+#include "../fp4/e2m1_decode.cuh"
 #include "decode_math.cuh"
+
+#include <algorithm>
+#include <type_traits>
 
 namespace surogate {
 namespace {
@@ -80,8 +89,111 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(Weight a, int64_t byte
   for (int i = 0; i < (int)(kPer * sizeof(T) / 16); ++i) dst[i] = src[i];
 }
 
+// Two fp32 values rounded to nearest even into one 16-bit pair (the low half is `lo`), as from_f32 rounds each.
+template <typename T> __device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+template <> __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+  const __half2 p = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+__device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
+  // read once per call: keep it out of L1
+  uint32_t v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Words of codes per thread, all loaded before the first is decoded: 8 x 4 bytes in flight per thread (64 KiB per SM
+// at full occupancy). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
+constexpr int kWordsPerThread = 8;
+
+// 4-bit codes (NVFP4, MXFP4, NF4) into bf16 / fp16, one 32-bit word of codes (8 elements) per unit, units of a warp
+// consecutive. Needs whole words (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks
+// of a power of two >= 8 elements), w 4-byte and out 16-byte aligned: a word then never straddles a scale block.
+// `zero` is 0 at run time; it keeps the E2M1 tables in per-thread registers (e2m1_decode.cuh: E2M1Tables).
+template <int FMT, typename T>
+__global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t bytes, int nf4_shift, uint32_t zero,
+                                                                T* __restrict__ out) {
+  __shared__ float lv[16];
+  if constexpr (FMT == 2) {
+    if (threadIdx.x < 16) lv[threadIdx.x] = a.levels[threadIdx.x];
+    __syncthreads();
+  }
+  const int64_t words = bytes >> 2;
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>(a.w);
+  const int64_t first = (int64_t)blockIdx.x * kThreads * kWordsPerThread + threadIdx.x;
+  uint32_t word[kWordsPerThread];
+#pragma unroll
+  for (int i = 0; i < kWordsPerThread; ++i) {
+    const int64_t u = first + i * kThreads;
+    word[i] = u < words ? ld_stream_u32(codes + u) : 0u;
+  }
+  float scale[kWordsPerThread];
+#pragma unroll
+  for (int i = 0; i < kWordsPerThread; ++i) {
+    const int64_t u = first + i * kThreads;
+    if (u >= words) continue;
+    if constexpr (FMT == 0) scale[i] = decode::e4m3_value(a.scales_u8[u >> 1]);  // 16-element blocks
+    else if constexpr (FMT == 1) scale[i] = decode::e8m0_value(a.scales_u8[u >> 2]);  // 32-element blocks
+    else scale[i] = decode::nf4_absmax(a, (u << 3) >> nf4_shift);
+  }
+  const float global = FMT == 0 ? *a.gscale : 1.f;
+  const wdec::E2M1Tables tables(zero);
+#pragma unroll
+  for (int i = 0; i < kWordsPerThread; ++i) {
+    const int64_t u = first + i * kThreads;
+    if (u >= words) continue;
+    uint32_t o[4];
+    if constexpr (FMT == 2) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {  // bitsandbytes: the even element in the high nibble
+        const uint32_t byte = (word[i] >> (8 * b)) & 0xFFu;
+        o[b] = pack_pair<T>(decode::nf4_element(lv[byte >> 4], scale[i]),
+                            decode::nf4_element(lv[byte & 0xFu], scale[i]));
+      }
+    } else {
+      uint32_t e2m1[4];  // bf16 bits of elements (2j, 2j + 1): exactly e2m1_value of each code, -0 included
+      wdec::e2m1x8_to_bf16(word[i], tables, e2m1);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float lo = __uint_as_float(e2m1[j] << 16), hi = __uint_as_float(e2m1[j] & 0xFFFF0000u);
+        if constexpr (FMT == 0) {
+          o[j] = pack_pair<T>(decode::mul(decode::mul(lo, scale[i]), global),
+                              decode::mul(decode::mul(hi, scale[i]), global));
+        } else {
+          o[j] = pack_pair<T>(decode::mul(lo, scale[i]), decode::mul(hi, scale[i]));
+        }
+      }
+    }
+    *reinterpret_cast<uint4*>(out + 8 * u) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
 template <int FMT>
 void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool vector_ok, cudaStream_t stream) {
+  // the word kernel: 4-bit codes into a 16-bit dtype, whole words, aligned, NF4 blocks a power of two of >= 8 elements
+  const bool pow2_block = a.block >= 8 && (a.block & (a.block - 1)) == 0;
+  if constexpr (FMT <= 2) {
+    if (out_dtype != 0 && bytes % 4 == 0 && reinterpret_cast<uintptr_t>(a.w) % 4 == 0 &&
+        reinterpret_cast<uintptr_t>(out) % 16 == 0 && (FMT != 2 || pow2_block)) {
+      const int64_t units = ((bytes >> 2) + kWordsPerThread - 1) / kWordsPerThread;
+      const unsigned grid = (unsigned)std::max<int64_t>(1, (units + kThreads - 1) / kThreads);
+      const int nf4_shift = FMT == 2 ? __builtin_ctz((unsigned)a.block) : 0;
+      const uint32_t zero = (uint32_t)(bytes >> 62);  // bytes < 2^62
+      dispatch_float(out_dtype, [&](auto t) {
+        using T = decltype(t);
+        if constexpr (!std::is_same<T, float>::value) {
+          decode_words_kernel<FMT, T>
+              <<<grid, kThreads, 0, stream>>>(a, bytes, nf4_shift, zero, reinterpret_cast<T*>(out));
+        }
+      });
+      return;
+    }
+  }
   const int64_t chunks = (bytes + kChunk - 1) / kChunk;
   const unsigned grid = (unsigned)((chunks + kThreads - 1) / kThreads);
   dispatch_float(out_dtype, [&](auto t) {

@@ -81,7 +81,9 @@ def test_dequantize_bits_over_the_shapes_table(fmt, nk):
 
 
 def test_dequantize_special_values():
-    """E2M1 -0, every E4M3 and E8M0 scale byte (E8M0 0: the fp32 subnormal 2^-127; 255: NaN), NVFP4's global."""
+    """E2M1 -0, every E4M3 and E8M0 scale byte (E8M0 0: the fp32 subnormal 2^-127; 255: NaN), NVFP4's global, into
+    fp32 (the 16-byte-chunk kernel) and bf16 / fp16 (the word kernel: E2M1 by byte permutes, subnormal and
+    overflowing products rounded once)."""
     n, k = 256, 64
     codes = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(n, k // 2)
     nv_s = torch.arange(n * k // 16).remainder(256).to(torch.uint8)
@@ -90,11 +92,12 @@ def test_dequantize_special_values():
     mx_s = torch.arange(n * k // 32).remainder(256).to(torch.uint8)
     for fmt, s, gs in (("nvfp4", nv_s, g), ("mxfp4", mx_s, None)):
         code = DECODE_FORMATS.index(fmt)
-        ref = decode_reference(codes, s, gs, None, code, n, k, 16 if fmt == "nvfp4" else 32, torch.float32)
-        out = torch.ops.surogate.ext_dequantize(*_cuda(codes, s, gs), None, code, n, k, 16 if fmt == "nvfp4" else 32,
-                                                torch.float32)
-        same = (_bits(out) == _bits(ref)) | (out.cpu().isnan() & ref.isnan())
-        assert same.all(), f"{fmt}: {int((~same).sum())} elements differ"
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            ref = decode_reference(codes, s, gs, None, code, n, k, 16 if fmt == "nvfp4" else 32, dtype)
+            out = torch.ops.surogate.ext_dequantize(*_cuda(codes, s, gs), None, code, n, k,
+                                                    16 if fmt == "nvfp4" else 32, dtype)
+            same = (_bits(out) == _bits(ref)) | (out.cpu().isnan() & ref.isnan())
+            assert same.all(), f"{fmt} {dtype}: {int((~same).sum())} elements differ"
 
 
 @pytest.mark.parametrize("fmt", DECODE_FORMATS)
