@@ -107,88 +107,122 @@ __device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
   return v;
 }
 
-// Words of codes per thread, all loaded before the first is decoded: 8 x 4 bytes in flight per thread (64 KiB per SM
-// at full occupancy). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
-constexpr int kWordsPerThread = 8;
+// Words of codes a thread loads before it decodes the first: 8 x 4 bytes in flight per thread (48-64 KiB per SM at
+// the kernel's 6-8 CTAs per SM). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2
+// TB/s.
+constexpr int kWordsInFlight = 8;
 
-// 4-bit codes (NVFP4, MXFP4, NF4) into bf16 / fp16, one 32-bit word of codes (8 elements) per unit, units of a warp
-// consecutive. Needs whole words (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks
-// of a power of two >= 8 elements), w 4-byte and out 16-byte aligned: a word then never straddles a scale block.
+// A word of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
+//   NVFP4: e2m1 x the E4M3 scale in bf16, exact (<= 5 significant bits, well inside bf16's normal range, so equal to
+//          the reference's fp32 product), then x global in fp32 and one rounding, the reference's order.
+//   MXFP4: e2m1 x 2^(e - 127) in fp32 (the product may be an fp32 subnormal), then one rounding.
+//   NF4:   level x absmax in fp32, then one rounding; bitsandbytes packs the even element in the high nibble.
+// `scale` is the E4M3 byte (NVFP4), the E8M0 value (MXFP4) or the absmax (NF4).
+template <int FMT, typename T>
+__device__ __forceinline__ void decode_word(uint32_t word, float scale, uint32_t e4m3, float global, const float* lv,
+                                            const wdec::E2M1Tables& tables, T* dst) {
+  uint32_t o[4];
+  if constexpr (FMT == 2) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const uint32_t byte = (word >> (8 * b)) & 0xFFu;
+      o[b] = pack_pair<T>(decode::nf4_element(lv[byte >> 4], scale), decode::nf4_element(lv[byte & 0xFu], scale));
+    }
+  } else {
+    uint32_t e2m1[4];  // bf16 bits of elements (2j, 2j + 1): exactly e2m1_value of each code, -0 included
+    wdec::e2m1x8_to_bf16(word, tables, e2m1);
+    uint32_t s2 = 0;
+    if constexpr (FMT == 0) s2 = wdec::prmt(wdec::e4m3x2_to_bf16x2(e4m3), 0u, 0x1010u);  // (s, s) in bf16, exact
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (FMT == 0) {
+        const uint32_t p = wdec::bf16x2_mul(e2m1[j], s2);  // exact
+        o[j] = pack_pair<T>(decode::mul(__uint_as_float(p << 16), global),
+                            decode::mul(__uint_as_float(p & 0xFFFF0000u), global));
+      } else {
+        o[j] = pack_pair<T>(decode::mul(__uint_as_float(e2m1[j] << 16), scale),
+                            decode::mul(__uint_as_float(e2m1[j] & 0xFFFF0000u), scale));
+      }
+    }
+  }
+  *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// kWordsInFlight words per thread, kThreads apart from `first` (< words when CHECKED is false): all loads first.
+template <int FMT, typename T, bool CHECKED>
+__device__ __forceinline__ void decode_word_group(const Weight& a, int64_t first, int64_t words, int nf4_shift,
+                                                  float global, const float* lv, const wdec::E2M1Tables& tables,
+                                                  T* __restrict__ out) {
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>(a.w);
+  uint32_t word[kWordsInFlight], e4m3[kWordsInFlight];
+  float scale[kWordsInFlight];
+#pragma unroll
+  for (int i = 0; i < kWordsInFlight; ++i) {
+    const int64_t u = first + i * kThreads;
+    if (CHECKED && u >= words) break;
+    word[i] = ld_stream_u32(codes + u);
+    if constexpr (FMT == 0) e4m3[i] = a.scales_u8[u >> 1];  // 16-element blocks
+    else if constexpr (FMT == 1) scale[i] = decode::e8m0_value(a.scales_u8[u >> 2]);  // 32-element blocks
+    else scale[i] = decode::nf4_absmax(a, (u << 3) >> nf4_shift);
+  }
+#pragma unroll
+  for (int i = 0; i < kWordsInFlight; ++i) {
+    const int64_t u = first + i * kThreads;
+    if (CHECKED && u >= words) break;
+    decode_word<FMT, T>(word[i], FMT == 0 ? 0.f : scale[i], FMT == 0 ? e4m3[i] : 0u, global, lv, tables, out + 8 * u);
+  }
+}
+
+// 4-bit codes (NVFP4, MXFP4, NF4) into bf16 / fp16, one 32-bit word of codes (8 elements) per unit; each warp
+// instruction reads 128 and writes 512 contiguous bytes. Each CTA takes `per_cta` consecutive words (a multiple of
+// kThreads; the grid is at most one wave, so no CTA waits for a second), in groups of kWordsInFlight words per
+// thread. Needs whole words (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks of
+// a power of two >= 8 elements), w 4-byte and out 16-byte aligned: a word then never straddles a scale block.
 // `zero` is 0 at run time; it keeps the E2M1 tables in per-thread registers (e2m1_decode.cuh: E2M1Tables).
 template <int FMT, typename T>
-__global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t bytes, int nf4_shift, uint32_t zero,
-                                                                T* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t words, int64_t per_cta,
+                                                                int nf4_shift, uint32_t zero, T* __restrict__ out) {
   __shared__ float lv[16];
   if constexpr (FMT == 2) {
     if (threadIdx.x < 16) lv[threadIdx.x] = a.levels[threadIdx.x];
     __syncthreads();
   }
-  const int64_t words = bytes >> 2;
-  const uint32_t* codes = reinterpret_cast<const uint32_t*>(a.w);
-  const int64_t first = (int64_t)blockIdx.x * kThreads * kWordsPerThread + threadIdx.x;
-  uint32_t word[kWordsPerThread];
-#pragma unroll
-  for (int i = 0; i < kWordsPerThread; ++i) {
-    const int64_t u = first + i * kThreads;
-    word[i] = u < words ? ld_stream_u32(codes + u) : 0u;
-  }
-  float scale[kWordsPerThread];
-#pragma unroll
-  for (int i = 0; i < kWordsPerThread; ++i) {
-    const int64_t u = first + i * kThreads;
-    if (u >= words) continue;
-    if constexpr (FMT == 0) scale[i] = decode::e4m3_value(a.scales_u8[u >> 1]);  // 16-element blocks
-    else if constexpr (FMT == 1) scale[i] = decode::e8m0_value(a.scales_u8[u >> 2]);  // 32-element blocks
-    else scale[i] = decode::nf4_absmax(a, (u << 3) >> nf4_shift);
-  }
   const float global = FMT == 0 ? *a.gscale : 1.f;
   const wdec::E2M1Tables tables(zero);
-#pragma unroll
-  for (int i = 0; i < kWordsPerThread; ++i) {
-    const int64_t u = first + i * kThreads;
-    if (u >= words) continue;
-    uint32_t o[4];
-    if constexpr (FMT == 2) {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {  // bitsandbytes: the even element in the high nibble
-        const uint32_t byte = (word[i] >> (8 * b)) & 0xFFu;
-        o[b] = pack_pair<T>(decode::nf4_element(lv[byte >> 4], scale[i]),
-                            decode::nf4_element(lv[byte & 0xFu], scale[i]));
-      }
-    } else {
-      uint32_t e2m1[4];  // bf16 bits of elements (2j, 2j + 1): exactly e2m1_value of each code, -0 included
-      wdec::e2m1x8_to_bf16(word[i], tables, e2m1);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float lo = __uint_as_float(e2m1[j] << 16), hi = __uint_as_float(e2m1[j] & 0xFFFF0000u);
-        if constexpr (FMT == 0) {
-          o[j] = pack_pair<T>(decode::mul(decode::mul(lo, scale[i]), global),
-                              decode::mul(decode::mul(hi, scale[i]), global));
-        } else {
-          o[j] = pack_pair<T>(decode::mul(lo, scale[i]), decode::mul(hi, scale[i]));
-        }
-      }
-    }
-    *reinterpret_cast<uint4*>(out + 8 * u) = make_uint4(o[0], o[1], o[2], o[3]);
+  const int64_t begin = (int64_t)blockIdx.x * per_cta, end = begin + per_cta < words ? begin + per_cta : words;
+  constexpr int kGroup = kWordsInFlight * kThreads;
+  int64_t first = begin + threadIdx.x;
+  for (; first - threadIdx.x + kGroup <= end; first += kGroup) {
+    decode_word_group<FMT, T, false>(a, first, end, nf4_shift, global, lv, tables, out);
   }
+  if (first < end) decode_word_group<FMT, T, true>(a, first, end, nf4_shift, global, lv, tables, out);
 }
 
 template <int FMT>
-void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool vector_ok, cudaStream_t stream) {
+void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool vector_ok, int sms,
+                cudaStream_t stream) {
   // the word kernel: 4-bit codes into a 16-bit dtype, whole words, aligned, NF4 blocks a power of two of >= 8 elements
   const bool pow2_block = a.block >= 8 && (a.block & (a.block - 1)) == 0;
   if constexpr (FMT <= 2) {
     if (out_dtype != 0 && bytes % 4 == 0 && reinterpret_cast<uintptr_t>(a.w) % 4 == 0 &&
         reinterpret_cast<uintptr_t>(out) % 16 == 0 && (FMT != 2 || pow2_block)) {
-      const int64_t units = ((bytes >> 2) + kWordsPerThread - 1) / kWordsPerThread;
-      const unsigned grid = (unsigned)std::max<int64_t>(1, (units + kThreads - 1) / kThreads);
+      const int64_t words = bytes >> 2, rows = (words + kThreads - 1) / kThreads;
       const int nf4_shift = FMT == 2 ? __builtin_ctz((unsigned)a.block) : 0;
       const uint32_t zero = (uint32_t)(bytes >> 62);  // bytes < 2^62
       dispatch_float(out_dtype, [&](auto t) {
         using T = decltype(t);
         if constexpr (!std::is_same<T, float>::value) {
+          // one wave of CTAs at most, each a balanced range of whole kThreads-word rows
+          static const int ctas_per_sm = [] {
+            int n = 0;
+            return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_words_kernel<FMT, T>, kThreads, 0) ==
+                               cudaSuccess && n > 0 ? n : 1;
+          }();
+          const int64_t ctas = std::min<int64_t>(rows, (int64_t)sms * ctas_per_sm);
+          const int64_t per_cta = (rows + ctas - 1) / ctas * kThreads;
+          const unsigned grid = (unsigned)((words + per_cta - 1) / per_cta);
           decode_words_kernel<FMT, T>
-              <<<grid, kThreads, 0, stream>>>(a, bytes, nf4_shift, zero, reinterpret_cast<T*>(out));
+              <<<grid, kThreads, 0, stream>>>(a, words, per_cta, nf4_shift, zero, reinterpret_cast<T*>(out));
         }
       });
       return;
@@ -206,11 +240,11 @@ void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool v
 
 // out (contiguous [n, k], dtype code 0 fp32 / 1 bf16 / 2 fp16) = the decode of w; pointers the format does not use
 // may be null (nested_*: an NF4 absmax that is not double-quantized). The caller checks shapes and dtypes
-// (decoded_linear.cpp: dequantize_weight).
+// (decoded_linear.cpp: dequantize_weight); sms is the device's SM count (the word kernel runs at most one wave).
 void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
                           const float* gscale, const float* levels, const float* nested_absmax,
                           const float* nested_code, const float* nested_offset, void* out, int out_dtype, int64_t n,
-                          int64_t k, int block, cudaStream_t stream) {
+                          int64_t k, int block, int sms, cudaStream_t stream) {
   const Weight a{w, scales_u8, scales_f32, gscale, levels, n, k, block, nested_absmax, nested_code, nested_offset};
   const int64_t bytes = fmt == 3 ? n * k : n * k / 2;
   if (bytes == 0) return;
@@ -218,10 +252,10 @@ void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, c
   // allocation; w may be a view into a larger buffer)
   const bool vector_ok = reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   switch (fmt) {
-    case 0: launch_fmt<0>(a, bytes, out, out_dtype, vector_ok, stream); break;
-    case 1: launch_fmt<1>(a, bytes, out, out_dtype, vector_ok, stream); break;
-    case 2: launch_fmt<2>(a, bytes, out, out_dtype, vector_ok, stream); break;
-    default: launch_fmt<3>(a, bytes, out, out_dtype, vector_ok, stream); break;
+    case 0: launch_fmt<0>(a, bytes, out, out_dtype, vector_ok, sms, stream); break;
+    case 1: launch_fmt<1>(a, bytes, out, out_dtype, vector_ok, sms, stream); break;
+    case 2: launch_fmt<2>(a, bytes, out, out_dtype, vector_ok, sms, stream); break;
+    default: launch_fmt<3>(a, bytes, out, out_dtype, vector_ok, sms, stream); break;
   }
 }
 

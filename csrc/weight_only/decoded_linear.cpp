@@ -35,7 +35,7 @@ namespace surogate {
 void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
                           const float* gscale, const float* levels, const float* nested_absmax,
                           const float* nested_code, const float* nested_offset, void* out, int out_dtype, int64_t n,
-                          int64_t k, int block, cudaStream_t stream);
+                          int64_t k, int block, int sms, cudaStream_t stream);
 }
 
 namespace {
@@ -123,7 +123,7 @@ at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, cons
       fmt == 0 ? static_cast<const float*>(gscale->const_data_ptr()) : nullptr,
       fmt == 2 ? static_cast<const float*>(levels->const_data_ptr()) : nullptr, f32(nested.absmax),
       f32(nested.code), f32(nested.offset), out.data_ptr(), code, n, k, (int)block,
-      at::cuda::getCurrentCUDAStream());
+      at::cuda::getCurrentDeviceProperties()->multiProcessorCount, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
