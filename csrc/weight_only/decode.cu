@@ -107,32 +107,34 @@ __device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
   return v;
 }
 
-// Words of codes a thread loads before it decodes the first: 8 x 4 bytes in flight per thread (48-64 KiB per SM at
-// the kernel's 6-8 CTAs per SM). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2
-// TB/s.
+// Words of codes a thread has in flight: a group of 8 x 4 bytes, and the next group's loads are issued before the
+// current one is decoded. The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
 constexpr int kWordsInFlight = 8;
 
 // A word of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
 //   NVFP4: e2m1 x the E4M3 scale in bf16, exact (<= 5 significant bits, well inside bf16's normal range, so equal to
 //          the reference's fp32 product), then x global in fp32 and one rounding, the reference's order.
 //   MXFP4: e2m1 x 2^(e - 127) in fp32 (the product may be an fp32 subnormal), then one rounding.
-//   NF4:   level x absmax in fp32, then one rounding; bitsandbytes packs the even element in the high nibble.
-// `scale` is the E4M3 byte (NVFP4), the E8M0 value (MXFP4) or the absmax (NF4).
+//   NF4:   level x absmax in fp32, then one rounding; bitsandbytes packs the even element in the high nibble. The 16
+//          levels are read through L1 (__ldg), not staged in shared memory.
+// `scale` holds the E4M3 byte (NVFP4) or the fp32 bits of the E8M0 value (MXFP4) or of the absmax (NF4).
 template <int FMT, typename T>
-__device__ __forceinline__ void decode_word(uint32_t word, float scale, uint32_t e4m3, float global, const float* lv,
+__device__ __forceinline__ void decode_word(uint32_t word, uint32_t scale, float global, const float* __restrict__ lv,
                                             const wdec::E2M1Tables& tables, T* dst) {
   uint32_t o[4];
+  const float s = __uint_as_float(scale);
   if constexpr (FMT == 2) {
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
       const uint32_t byte = (word >> (8 * b)) & 0xFFu;
-      o[b] = pack_pair<T>(decode::nf4_element(lv[byte >> 4], scale), decode::nf4_element(lv[byte & 0xFu], scale));
+      o[b] = pack_pair<T>(decode::nf4_element(__ldg(lv + (byte >> 4)), s),
+                          decode::nf4_element(__ldg(lv + (byte & 0xFu)), s));
     }
   } else {
     uint32_t e2m1[4];  // bf16 bits of elements (2j, 2j + 1): exactly e2m1_value of each code, -0 included
     wdec::e2m1x8_to_bf16(word, tables, e2m1);
     uint32_t s2 = 0;
-    if constexpr (FMT == 0) s2 = wdec::prmt(wdec::e4m3x2_to_bf16x2(e4m3), 0u, 0x1010u);  // (s, s) in bf16, exact
+    if constexpr (FMT == 0) s2 = wdec::prmt(wdec::e4m3x2_to_bf16x2(scale), 0u, 0x1010u);  // (s, s) in bf16, exact
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if constexpr (FMT == 0) {
@@ -140,62 +142,78 @@ __device__ __forceinline__ void decode_word(uint32_t word, float scale, uint32_t
         o[j] = pack_pair<T>(decode::mul(__uint_as_float(p << 16), global),
                             decode::mul(__uint_as_float(p & 0xFFFF0000u), global));
       } else {
-        o[j] = pack_pair<T>(decode::mul(__uint_as_float(e2m1[j] << 16), scale),
-                            decode::mul(__uint_as_float(e2m1[j] & 0xFFFF0000u), scale));
+        o[j] = pack_pair<T>(decode::mul(__uint_as_float(e2m1[j] << 16), s),
+                            decode::mul(__uint_as_float(e2m1[j] & 0xFFFF0000u), s));
       }
     }
   }
   *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// kWordsInFlight words per thread, kThreads apart from `first` (< words when CHECKED is false): all loads first.
-template <int FMT, typename T, bool CHECKED>
-__device__ __forceinline__ void decode_word_group(const Weight& a, int64_t first, int64_t words, int nf4_shift,
-                                                  float global, const float* lv, const wdec::E2M1Tables& tables,
-                                                  T* __restrict__ out) {
-  const uint32_t* codes = reinterpret_cast<const uint32_t*>(a.w);
-  uint32_t word[kWordsInFlight], e4m3[kWordsInFlight];
-  float scale[kWordsInFlight];
+// kWordsInFlight words of one thread, kThreads apart from `first`, and their scales; with CHECKED only those < end.
+struct WordGroup {
+  uint32_t word[kWordsInFlight], scale[kWordsInFlight];
+
+  template <int FMT, bool CHECKED>
+  __device__ __forceinline__ void load(const Weight& a, int64_t first, int64_t end, int nf4_shift) {
+    const uint32_t* codes = reinterpret_cast<const uint32_t*>(a.w);
 #pragma unroll
-  for (int i = 0; i < kWordsInFlight; ++i) {
-    const int64_t u = first + i * kThreads;
-    if (CHECKED && u >= words) break;
-    word[i] = ld_stream_u32(codes + u);
-    if constexpr (FMT == 0) e4m3[i] = a.scales_u8[u >> 1];  // 16-element blocks
-    else if constexpr (FMT == 1) scale[i] = decode::e8m0_value(a.scales_u8[u >> 2]);  // 32-element blocks
-    else scale[i] = decode::nf4_absmax(a, (u << 3) >> nf4_shift);
+    for (int i = 0; i < kWordsInFlight; ++i) {
+      const int64_t u = first + i * kThreads;
+      if (CHECKED && u >= end) break;
+      word[i] = ld_stream_u32(codes + u);
+      if constexpr (FMT == 0) scale[i] = a.scales_u8[u >> 1];  // 16-element blocks
+      else if constexpr (FMT == 1) scale[i] = __float_as_uint(decode::e8m0_value(a.scales_u8[u >> 2]));  // 32
+      else scale[i] = __float_as_uint(decode::nf4_absmax(a, (u << 3) >> nf4_shift));
+    }
   }
+
+  template <int FMT, bool CHECKED, typename T>
+  __device__ __forceinline__ void decode(int64_t first, int64_t end, float global, const float* __restrict__ lv,
+                                         const wdec::E2M1Tables& tables, T* __restrict__ out) const {
 #pragma unroll
-  for (int i = 0; i < kWordsInFlight; ++i) {
-    const int64_t u = first + i * kThreads;
-    if (CHECKED && u >= words) break;
-    decode_word<FMT, T>(word[i], FMT == 0 ? 0.f : scale[i], FMT == 0 ? e4m3[i] : 0u, global, lv, tables, out + 8 * u);
+    for (int i = 0; i < kWordsInFlight; ++i) {
+      const int64_t u = first + i * kThreads;
+      if (CHECKED && u >= end) break;
+      decode_word<FMT, T>(word[i], scale[i], global, lv, tables, out + 8 * u);
+    }
   }
-}
+};
 
 // 4-bit codes (NVFP4, MXFP4, NF4) into bf16 / fp16, one 32-bit word of codes (8 elements) per unit; each warp
 // instruction reads 128 and writes 512 contiguous bytes. Each CTA takes `per_cta` consecutive words (a multiple of
-// kThreads; the grid is at most one wave, so no CTA waits for a second), in groups of kWordsInFlight words per
-// thread. Needs whole words (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks of
-// a power of two >= 8 elements), w 4-byte and out 16-byte aligned: a word then never straddles a scale block.
+// kThreads; the grid is at most one wave, so no CTA waits for a second) in groups of kWordsInFlight words per
+// thread, loading the next group before decoding the current one. Needs whole words (NVFP4's and MXFP4's K, a
+// multiple of 16 or 32, makes them, as do NF4's whole blocks of a power of two >= 8 elements), w 4-byte and out
+// 16-byte aligned: a word then never straddles a scale block.
 // `zero` is 0 at run time; it keeps the E2M1 tables in per-thread registers (e2m1_decode.cuh: E2M1Tables).
 template <int FMT, typename T>
 __global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t words, int64_t per_cta,
                                                                 int nf4_shift, uint32_t zero, T* __restrict__ out) {
-  __shared__ float lv[16];
-  if constexpr (FMT == 2) {
-    if (threadIdx.x < 16) lv[threadIdx.x] = a.levels[threadIdx.x];
-    __syncthreads();
-  }
   const float global = FMT == 0 ? *a.gscale : 1.f;
+  const float* __restrict__ lv = a.levels;
   const wdec::E2M1Tables tables(zero);
   const int64_t begin = (int64_t)blockIdx.x * per_cta, end = begin + per_cta < words ? begin + per_cta : words;
   constexpr int kGroup = kWordsInFlight * kThreads;
-  int64_t first = begin + threadIdx.x;
-  for (; first - threadIdx.x + kGroup <= end; first += kGroup) {
-    decode_word_group<FMT, T, false>(a, first, end, nf4_shift, global, lv, tables, out);
+  const int64_t t = threadIdx.x;
+  int64_t base = begin;  // the current group's first word (thread 0's)
+  WordGroup cur, next;
+  if (base + kGroup <= end) {
+    cur.load<FMT, false>(a, base + t, end, nf4_shift);
+    for (; base + 2 * kGroup <= end; base += kGroup) {
+      next.load<FMT, false>(a, base + kGroup + t, end, nf4_shift);
+      cur.decode<FMT, false>(base + t, end, global, lv, tables, out);
+      cur = next;
+    }
+    // the last whole group, with the partial rest (if any) loaded before it is decoded
+    const bool rest = base + kGroup + t < end;
+    if (rest) next.load<FMT, true>(a, base + kGroup + t, end, nf4_shift);
+    cur.decode<FMT, false>(base + t, end, global, lv, tables, out);
+    if (rest) next.decode<FMT, true>(base + kGroup + t, end, global, lv, tables, out);
+  } else if (base + t < end) {
+    cur.load<FMT, true>(a, base + t, end, nf4_shift);
+    cur.decode<FMT, true>(base + t, end, global, lv, tables, out);
   }
-  if (first < end) decode_word_group<FMT, T, true>(a, first, end, nf4_shift, global, lv, tables, out);
 }
 
 template <int FMT>
