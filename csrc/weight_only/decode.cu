@@ -109,7 +109,7 @@ __device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
 
 // Words of codes a thread has in flight: a group of 8 x 4 bytes, and the next group's loads are issued before the
 // current one is decoded. The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
-constexpr int kWordsInFlight = 8;
+constexpr int kWordsInFlight = 4;
 
 // A word of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
 //   NVFP4: e2m1 x the E4M3 scale in bf16, exact (<= 5 significant bits, well inside bf16's normal range, so equal to
