@@ -107,9 +107,11 @@ __device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
   return v;
 }
 
-// Words of codes a thread has in flight: a group of 8 x 4 bytes, and the next group's loads are issued before the
-// current one is decoded. The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
-constexpr int kWordsInFlight = 4;
+// Words of codes a thread loads before it decodes the first. Measured on the H200 (benchmarks/bench_decode.py): 8
+// words, all loaded before any is decoded, against 4-word groups with the next group's loads issued before the current
+// one is decoded: equal on Llama-3.1-8B's MLP weights (43-44 us), 8-10% faster on 4096x1024 and 2048x2048 (4.4-4.7
+// against 5.0-5.1 us). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
+constexpr int kWordsInFlight = 8;
 
 // A word of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
 //   NVFP4: e2m1 x the E4M3 scale in bf16, exact (<= 5 significant bits, well inside bf16's normal range, so equal to
@@ -183,9 +185,8 @@ struct WordGroup {
 // 4-bit codes (NVFP4, MXFP4, NF4) into bf16 / fp16, one 32-bit word of codes (8 elements) per unit; each warp
 // instruction reads 128 and writes 512 contiguous bytes. Each CTA takes `per_cta` consecutive words (a multiple of
 // kThreads; the grid is at most one wave, so no CTA waits for a second) in groups of kWordsInFlight words per
-// thread, loading the next group before decoding the current one. Needs whole words (NVFP4's and MXFP4's K, a
-// multiple of 16 or 32, makes them, as do NF4's whole blocks of a power of two >= 8 elements), w 4-byte and out
-// 16-byte aligned: a word then never straddles a scale block.
+// thread. Needs whole words (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks of
+// a power of two >= 8 elements), w 4-byte and out 16-byte aligned: a word then never straddles a scale block.
 // `zero` is 0 at run time; it keeps the E2M1 tables in per-thread registers (e2m1_decode.cuh: E2M1Tables).
 template <int FMT, typename T>
 __global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t words, int64_t per_cta,
@@ -195,24 +196,15 @@ __global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_
   const wdec::E2M1Tables tables(zero);
   const int64_t begin = (int64_t)blockIdx.x * per_cta, end = begin + per_cta < words ? begin + per_cta : words;
   constexpr int kGroup = kWordsInFlight * kThreads;
-  const int64_t t = threadIdx.x;
-  int64_t base = begin;  // the current group's first word (thread 0's)
-  WordGroup cur, next;
-  if (base + kGroup <= end) {
-    cur.load<FMT, false>(a, base + t, end, nf4_shift);
-    for (; base + 2 * kGroup <= end; base += kGroup) {
-      next.load<FMT, false>(a, base + kGroup + t, end, nf4_shift);
-      cur.decode<FMT, false>(base + t, end, global, lv, tables, out);
-      cur = next;
-    }
-    // the last whole group, with the partial rest (if any) loaded before it is decoded
-    const bool rest = base + kGroup + t < end;
-    if (rest) next.load<FMT, true>(a, base + kGroup + t, end, nf4_shift);
-    cur.decode<FMT, false>(base + t, end, global, lv, tables, out);
-    if (rest) next.decode<FMT, true>(base + kGroup + t, end, global, lv, tables, out);
-  } else if (base + t < end) {
-    cur.load<FMT, true>(a, base + t, end, nf4_shift);
-    cur.decode<FMT, true>(base + t, end, global, lv, tables, out);
+  WordGroup g;
+  int64_t first = begin + threadIdx.x;
+  for (; first - threadIdx.x + kGroup <= end; first += kGroup) {
+    g.load<FMT, false>(a, first, end, nf4_shift);
+    g.decode<FMT, false>(first, end, global, lv, tables, out);
+  }
+  if (first < end) {
+    g.load<FMT, true>(a, first, end, nf4_shift);
+    g.decode<FMT, true>(first, end, global, lv, tables, out);
   }
 }
 
