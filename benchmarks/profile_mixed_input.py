@@ -1,5 +1,6 @@
 """One weight-only GEMM call per path, for Nsight Compute (diagnostic companion of bench_large_m.py): bf16 cuBLAS, the
-mixed-input kernel (smem or rs, SUROGATE_HF_MIXED_INPUT_KERNEL as set) and decode + cuBLAS, each run --warmup times
+mixed-input kernel (smem or rs, SUROGATE_HF_MIXED_INPUT_KERNEL as set), decode + cuBLAS and the few-token op (at most
+64 tokens), each run --warmup times
 first so that ncu's --launch-skip can pick the last call. Example (GPU machine):
     ncu --kernel-name regex:mixed_input_gemm_rs --launch-skip 3 --launch-count 1 --set full --import-source yes \
         -o rs python3 benchmarks/profile_mixed_input.py --k 4096 --n 4096 --m 8192 --fmt nvfp4
@@ -40,6 +41,7 @@ def main():
         "mixed": lambda: E.ext_mixed_input_gemm(x, *q["mixed"][0], args.n, args.k, q["mixed"][1], *q["mixed"][2]),
         "dense": lambda: torch.nn.functional.linear(
             x, E.ext_dequantize(*q["dense"][0], args.n, args.k, q["dense"][1], torch.bfloat16)),
+        "few": lambda: E.ext_few_token_gemm(x, *q["dense"][0], args.n, args.k, q["dense"][1]),
     }
     for path in args.paths.split(","):
         for _ in range(args.warmup + 1):
