@@ -21,7 +21,6 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -217,7 +216,7 @@ struct XRowCopies {
 // ROWS: x row-major in its stages (16-byte copies, fragments assembled from two loads) rather than in A-fragment order
 // (one load per mma, 4-byte copies): always with two to four m16 tiles, and with one from kRowMajorMinTokens tokens on
 template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS>
-__global__ void __launch_bounds__(kThreads, MT * NT == 1 ? 8 : MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
+__global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
     __nv_bfloat16* __restrict__ y, int M, int N, int K, int nf4_shift, int steps_per_split) {
@@ -525,8 +524,7 @@ cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, co
                       cudaStream_t stream) {
   const int steps = (K + kStep - 1) / kStep;
   constexpr int kWide = MT == 2 ? 4 : 2;
-  static const bool exp_nt2 = std::getenv("SUROGATE_HF_EXP_FEW_NT2") != nullptr;  // EXPERIMENT: the old rule
-  if ((MT > 1 || exp_nt2) && (int64_t)((N + 32 * kWide - 1) / (32 * kWide)) * std::min(kMaxSplit, steps) >= sms)
+  if ((int64_t)((N + 32 * kWide - 1) / (32 * kWide)) * std::min(kMaxSplit, steps) >= sms)
     return plan_and_launch<FMT, MT, kWide, ROWS>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev,
                                                  stream);
   return plan_and_launch<FMT, MT, 1, ROWS>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
