@@ -1,7 +1,8 @@
-"""The dense decode of a frozen 4-bit weight into bf16 (surogate::ext_dequantize, csrc/weight_only/decode.cu), the
-first half of the weight-only route at > 64 tokens (decode, then cuBLAS), against the Triton decode it replaced
-(kernels.triton_gemm.dequantize), bitsandbytes' dequantize_4bit (NF4, the peer QLoRA users run) and a bf16 copy of
-the output's size (what HBM moves: the decode's bandwidth as a fraction of it), side by side in one process.
+"""The dense decode of a frozen 4-bit or FP8 weight into bf16 (surogate::ext_dequantize, csrc/weight_only/decode.cu),
+the first half of the weight-only route (decode, then cuBLAS: 4-bit bases above 64 tokens, FP8 bases of small
+weights), against the Triton decodes it replaced (kernels.triton_gemm.dequantize, kernels.registry.
+dequantize_fp8_blocks), bitsandbytes' dequantize_4bit (NF4, the peer QLoRA users run) and a bf16 copy of the output's
+size (what HBM moves: the decode's bandwidth as a fraction of it), side by side in one process.
 
 Each timing is a CUDA graph replay of CHAIN distinct weights decoded back to back (more than L2 holds, as a model's
 layers), per call; bytes moved = codes + scales read + bf16 written.
@@ -21,8 +22,18 @@ from common import bench_ms, table, write_result
 import surogate_hf.kernels  # noqa: F401
 from surogate_hf.kernels import ext
 from surogate_hf.kernels import model_shapes as S
-from surogate_hf.kernels import triton_gemm
+from surogate_hf.kernels import registry, triton_gemm
 from surogate_hf.ops import ext as E
+
+
+def _quantized(w, fmt):
+    """ext_dequantize's operands after w and the block (bench_large_m's for the 4-bit formats; FP8 in 128x128 blocks)."""
+    if fmt != "fp8":
+        return _quantize(w, fmt)["dense"]
+    import surogate_hf.formats as F
+
+    q, scale_inv = F.quantize_fp8_blocks(w, (128, 128))
+    return (q, scale_inv.float().contiguous(), None, None, 3), 128
 
 
 def _bnb_nf4(w):
@@ -35,7 +46,7 @@ def _bnb_nf4(w):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="Llama-3.1-8B,Qwen3-1.7B,SmolLM2-135M")
-    ap.add_argument("--formats", default="nvfp4,mxfp4,nf4")
+    ap.add_argument("--formats", default="nvfp4,mxfp4,nf4,fp8")
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--name", default="decode")
     args = ap.parse_args()
@@ -61,9 +72,9 @@ def main():
             t_copy = bench_ms(graph_replay(copy)) / args.chain
             copy_tbs = 4 * n * k / t_copy / 1e9
             for f in args.formats.split(","):
-                qs = [_quantize(w, f)["dense"] for w in dense]
+                qs = [_quantized(w, f) for w in dense]
                 (_, s0, _, _, code), block = qs[0]
-                read = n * k // 2 + s0.numel() * s0.element_size()
+                read = n * k // (1 if f == "fp8" else 2) + s0.numel() * s0.element_size()
 
                 def ours(qs=qs):
                     for ops, block in qs:
@@ -71,6 +82,9 @@ def main():
 
                 def triton(qs=qs):
                     for (packed, s, g, lv, code), block in qs:
+                        if code == 3:
+                            registry.dequantize_fp8_blocks(packed, s, block, block, torch.bfloat16)
+                            continue
                         s = s.view(torch.float8_e4m3fn) if code == 0 else s  # the Triton decode takes E4M3 typed
                         triton_gemm.dequantize(code, packed, s, g, lv, n, k, block, torch.bfloat16)
 
@@ -91,7 +105,8 @@ def main():
             del dense, src
     headers = ["shape (in->out)", "linear", "format", "ours us", "Triton decode us", "bnb dequantize_4bit us",
                "bf16 copy us", "ours TB/s", "copy TB/s", "ours / copy bandwidth", "ours x Triton", "ours x bnb"]
-    write_result(args.name, "Dense decode of a 4-bit weight into bf16: ours vs Triton vs bitsandbytes vs a bf16 copy",
+    write_result(args.name, "Dense decode of a 4-bit or FP8 weight into bf16: ours vs Triton vs bitsandbytes vs a bf16 "
+                 "copy",
                  table(headers, rows))
 
 

@@ -2,14 +2,15 @@
 // weight-only linears (surogate::ext_dequantize, and inside surogate::ext_decoded_linear). The element math is
 // decode_math.cuh's (the formats' reference decode, host-checked), then one rounding to the output dtype.
 // Every element is independent, so the kernels are flat streaming passes:
-//   - 4-bit codes into bf16 / fp16 (the route's case: decode_words_kernel): a lane's unit is one 32-bit word of codes
-//     (8 elements) and one 16-byte store, so each warp instruction reads 128 and writes 512 contiguous bytes, with
-//     8 words in flight per thread. E2M1 goes through the few-token kernel's byte permutes (exact: the bf16 bits of
-//     the e2m1 value), then the reference's fp32 products and one rounding.
-//   - everything else (fp32 output, FP8, misaligned codes, NF4 blocks that are not a power of two >= 8:
-//     decode_kernel): one thread per 16 bytes of w (32 elements of a 4-bit format, 16 of FP8); a chunk that would
-//     straddle a row or a scale block in a way its vector path does not cover decodes element by element with the
-//     same functions.
+//   - into bf16 / fp16 (the route's case: decode_words_kernel): a lane's unit is 8 codes (one 32-bit word of 4-bit
+//     codes, or 8 FP8 bytes of one row) and one 16-byte store, so each warp instruction reads 128 / 256 and writes
+//     512 contiguous bytes, with 8 units in flight per thread. E2M1 goes through the few-token kernel's byte permutes
+//     (exact: the bf16 bits of the e2m1 value) and E4M3 through the hardware's conversion to fp16 (exact), then the
+//     reference's fp32 products and one rounding.
+//   - everything else (fp32 output, misaligned codes, FP8 rows not a multiple of 8, block sizes that are not a power
+//     of two >= 8: decode_kernel): one thread per 16 bytes of w (32 elements of a 4-bit format, 16 of FP8); a chunk
+//     that would straddle a row or a scale block in a way its vector path does not cover decodes element by element
+//     with the same functions.
 #include "../common/device.cuh"
 #include "../fp4/e2m1_decode.cuh"
 #include "decode_math.cuh"
@@ -107,6 +108,41 @@ __device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
   return v;
 }
 
+__device__ __forceinline__ uint2 ld_stream_u64(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// FP8's block scale of a unit (8 codes of one row): the unit's row and column from its index by a multiply-high
+// (cutlass' FastDivmod: exact for indices < 2^31) instead of a 64-bit division per unit.
+struct Fp8Units {
+  uint32_t per_row;         // k / 8 units a row
+  uint32_t mul, shr;        // u / per_row = umulhi(u, mul) >> shr (per_row > 1)
+  uint32_t block_shift;     // log2 of the square scale block's edge
+  uint32_t blocks_per_row;  // ceil(k / block)
+
+  __host__ static Fp8Units of(int64_t k, int block) {
+    Fp8Units f{(uint32_t)(k / 8), 0u, 0u, (uint32_t)__builtin_ctz((unsigned)block),
+               (uint32_t)((k + block - 1) / block)};
+    if (f.per_row > 1) {
+      uint32_t log2 = 31 - __builtin_clz(f.per_row);
+      log2 += (f.per_row & (f.per_row - 1)) != 0;  // ceil(log2(per_row))
+      const uint32_t p = 31 + log2;
+      f.mul = (uint32_t)(((1ull << p) + f.per_row - 1) / f.per_row);
+      f.shr = p - 32;
+    }
+    return f;
+  }
+
+  // index into scale_inv [ceil(n / block), ceil(k / block)] of unit u
+  __device__ __forceinline__ int64_t scale_index(uint32_t u) const {
+    const uint32_t row = per_row == 1 ? u : __umulhi(u, mul) >> shr;
+    const uint32_t col = (u - row * per_row) * 8;
+    return (int64_t)(row >> block_shift) * blocks_per_row + (col >> block_shift);
+  }
+};
+
 // Words of codes a thread loads before it decodes the first. Measured on the H200 (benchmarks/bench_decode.py): 8
 // words, all loaded before any is decoded, against 4-word groups with the next group's loads issued before the current
 // one is decoded: equal on Llama-3.1-8B's MLP weights (43-44 us), 8-10% faster on 4096x1024 and 2048x2048 (4.4-4.7
@@ -120,12 +156,22 @@ constexpr int kWordsInFlight = 8;
 //   NF4:   level x absmax in fp32, then one rounding; bitsandbytes packs the even element in the high nibble. The 16
 //          levels are read through L1 (__ldg), not staged in shared memory.
 // `scale` holds the E4M3 byte (NVFP4) or the fp32 bits of the E8M0 value (MXFP4) or of the absmax (NF4).
+template <int FMT> using UnitCodes = std::conditional_t<FMT == 3, uint2, uint32_t>;  // 8 codes
+
 template <int FMT, typename T>
-__device__ __forceinline__ void decode_word(uint32_t word, uint32_t scale, float global, const float* __restrict__ lv,
-                                            const wdec::E2M1Tables& tables, T* dst) {
+__device__ __forceinline__ void decode_word(UnitCodes<FMT> word, uint32_t scale, float global,
+                                            const float* __restrict__ lv, const wdec::E2M1Tables& tables, T* dst) {
   uint32_t o[4];
   const float s = __uint_as_float(scale);
-  if constexpr (FMT == 2) {
+  if constexpr (FMT == 3) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // E4M3 -> fp16 -> fp32 by hardware, exact for every finite code (and -0)
+      const uint32_t two = ((j < 2 ? word.x : word.y) >> (16 * (j & 1))) & 0xFFFFu;
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two, __NV_E4M3);
+      const float2 f = __half22float2(__half2(h));
+      o[j] = pack_pair<T>(decode::mul(f.x, s), decode::mul(f.y, s));
+    }
+  } else if constexpr (FMT == 2) {
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
       const uint32_t byte = (word >> (8 * b)) & 0xFFu;
@@ -152,25 +198,29 @@ __device__ __forceinline__ void decode_word(uint32_t word, uint32_t scale, float
   *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// kWordsInFlight words of one thread, kThreads apart from `first`, and their scales; with CHECKED only those < end.
+// kWordsInFlight units of one thread, kThreads apart from `first`, and their scales; with CHECKED only those < end.
+template <int FMT>
 struct WordGroup {
-  uint32_t word[kWordsInFlight], scale[kWordsInFlight];
+  UnitCodes<FMT> word[kWordsInFlight];
+  uint32_t scale[kWordsInFlight];
 
-  template <int FMT, bool CHECKED>
-  __device__ __forceinline__ void load(const Weight& a, int64_t first, int64_t end, int nf4_shift) {
-    const uint32_t* codes = reinterpret_cast<const uint32_t*>(a.w);
+  template <bool CHECKED>
+  __device__ __forceinline__ void load(const Weight& a, int64_t first, int64_t end, int nf4_shift,
+                                       const Fp8Units& fp8) {
 #pragma unroll
     for (int i = 0; i < kWordsInFlight; ++i) {
       const int64_t u = first + i * kThreads;
       if (CHECKED && u >= end) break;
-      word[i] = ld_stream_u32(codes + u);
-      if constexpr (FMT == 0) scale[i] = a.scales_u8[u >> 1];  // 16-element blocks
+      if constexpr (FMT == 3) word[i] = ld_stream_u64(reinterpret_cast<const uint2*>(a.w) + u);
+      else word[i] = ld_stream_u32(reinterpret_cast<const uint32_t*>(a.w) + u);
+      if constexpr (FMT == 3) scale[i] = __float_as_uint(a.scales_f32[fp8.scale_index((uint32_t)u)]);
+      else if constexpr (FMT == 0) scale[i] = a.scales_u8[u >> 1];  // 16-element blocks
       else if constexpr (FMT == 1) scale[i] = __float_as_uint(decode::e8m0_value(a.scales_u8[u >> 2]));  // 32
       else scale[i] = __float_as_uint(decode::nf4_absmax(a, (u << 3) >> nf4_shift));
     }
   }
 
-  template <int FMT, bool CHECKED, typename T>
+  template <bool CHECKED, typename T>
   __device__ __forceinline__ void decode(int64_t first, int64_t end, float global, const float* __restrict__ lv,
                                          const wdec::E2M1Tables& tables, T* __restrict__ out) const {
 #pragma unroll
@@ -182,61 +232,66 @@ struct WordGroup {
   }
 };
 
-// 4-bit codes (NVFP4, MXFP4, NF4) into bf16 / fp16, one 32-bit word of codes (8 elements) per unit; each warp
-// instruction reads 128 and writes 512 contiguous bytes. Each CTA takes `per_cta` consecutive words (a multiple of
-// kThreads; the grid is at most one wave, so no CTA waits for a second) in groups of kWordsInFlight words per
-// thread. Needs whole words (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks of
-// a power of two >= 8 elements), w 4-byte and out 16-byte aligned: a word then never straddles a scale block.
+// NVFP4, MXFP4, NF4 or FP8 codes into bf16 / fp16, 8 elements per unit (a 32-bit word of 4-bit codes, 8 FP8 bytes);
+// each warp instruction reads 128 (256) and writes 512 contiguous bytes. Each CTA takes `per_cta` consecutive units
+// (a multiple of kThreads; the grid is at most one wave, so no CTA waits for a second) in groups of kWordsInFlight
+// units per thread. Needs whole units (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks of
+// a power of two >= 8 elements; FP8 needs K % 8 == 0 and a power-of-two block), codes aligned to a unit and out to
+// 16 bytes: a unit then never straddles a scale block.
 // `zero` is 0 at run time; it keeps the E2M1 tables in per-thread registers (e2m1_decode.cuh: E2M1Tables).
 template <int FMT, typename T>
-__global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t words, int64_t per_cta,
-                                                                int nf4_shift, uint32_t zero, T* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t units, int64_t per_cta,
+                                                                int nf4_shift, Fp8Units fp8, uint32_t zero,
+                                                                T* __restrict__ out) {
   const float global = FMT == 0 ? *a.gscale : 1.f;
   const float* __restrict__ lv = a.levels;
   const wdec::E2M1Tables tables(zero);
-  const int64_t begin = (int64_t)blockIdx.x * per_cta, end = begin + per_cta < words ? begin + per_cta : words;
+  const int64_t begin = (int64_t)blockIdx.x * per_cta, end = begin + per_cta < units ? begin + per_cta : units;
   constexpr int kGroup = kWordsInFlight * kThreads;
-  WordGroup g;
+  WordGroup<FMT> g;
   int64_t first = begin + threadIdx.x;
   for (; first - threadIdx.x + kGroup <= end; first += kGroup) {
-    g.load<FMT, false>(a, first, end, nf4_shift);
-    g.decode<FMT, false>(first, end, global, lv, tables, out);
+    g.template load<false>(a, first, end, nf4_shift, fp8);
+    g.template decode<false>(first, end, global, lv, tables, out);
   }
   if (first < end) {
-    g.load<FMT, true>(a, first, end, nf4_shift);
-    g.decode<FMT, true>(first, end, global, lv, tables, out);
+    g.template load<true>(a, first, end, nf4_shift, fp8);
+    g.template decode<true>(first, end, global, lv, tables, out);
   }
 }
 
 template <int FMT>
 void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool vector_ok, int sms,
                 cudaStream_t stream) {
-  // the word kernel: 4-bit codes into a 16-bit dtype, whole words, aligned, NF4 blocks a power of two of >= 8 elements
+  // the unit kernel, into a 16-bit dtype: 4-bit codes in whole 4-byte words (NF4 blocks a power of two of >= 8
+  // elements); FP8 rows of whole 8-code units (K % 8 == 0), square blocks a power of two of >= 8, < 2^31 units (the
+  // fast division's range); codes and out aligned to their loads and stores
   const bool pow2_block = a.block >= 8 && (a.block & (a.block - 1)) == 0;
-  if constexpr (FMT <= 2) {
-    if (out_dtype != 0 && bytes % 4 == 0 && reinterpret_cast<uintptr_t>(a.w) % 4 == 0 &&
-        reinterpret_cast<uintptr_t>(out) % 16 == 0 && (FMT != 2 || pow2_block)) {
-      const int64_t words = bytes >> 2, rows = (words + kThreads - 1) / kThreads;
-      const int nf4_shift = FMT == 2 ? __builtin_ctz((unsigned)a.block) : 0;
-      const uint32_t zero = (uint32_t)(bytes >> 62);  // bytes < 2^62
-      dispatch_float(out_dtype, [&](auto t) {
-        using T = decltype(t);
-        if constexpr (!std::is_same<T, float>::value) {
-          // one wave of CTAs at most, each a balanced range of whole kThreads-word rows
-          static const int ctas_per_sm = [] {
-            int n = 0;
-            return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_words_kernel<FMT, T>, kThreads, 0) ==
-                               cudaSuccess && n > 0 ? n : 1;
-          }();
-          const int64_t ctas = std::min<int64_t>(rows, (int64_t)sms * ctas_per_sm);
-          const int64_t per_cta = (rows + ctas - 1) / ctas * kThreads;
-          const unsigned grid = (unsigned)((words + per_cta - 1) / per_cta);
-          decode_words_kernel<FMT, T>
-              <<<grid, kThreads, 0, stream>>>(a, words, per_cta, nf4_shift, zero, reinterpret_cast<T*>(out));
-        }
-      });
-      return;
-    }
+  const int unit_bytes = FMT == 3 ? 8 : 4;
+  const bool units_ok = FMT == 3 ? a.k % 8 == 0 && bytes / 8 < (1ll << 31) : bytes % 4 == 0;
+  if (out_dtype != 0 && units_ok && reinterpret_cast<uintptr_t>(a.w) % unit_bytes == 0 &&
+      reinterpret_cast<uintptr_t>(out) % 16 == 0 && (FMT < 2 || pow2_block)) {
+    const int64_t units = bytes / unit_bytes, rows = (units + kThreads - 1) / kThreads;
+    const int nf4_shift = FMT == 2 ? __builtin_ctz((unsigned)a.block) : 0;
+    const Fp8Units fp8 = FMT == 3 ? Fp8Units::of(a.k, a.block) : Fp8Units{};
+    const uint32_t zero = (uint32_t)(bytes >> 62);  // bytes < 2^62
+    dispatch_float(out_dtype, [&](auto t) {
+      using T = decltype(t);
+      if constexpr (!std::is_same<T, float>::value) {
+        // one wave of CTAs at most, each a balanced range of whole kThreads-unit rows
+        static const int ctas_per_sm = [] {
+          int n = 0;
+          return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_words_kernel<FMT, T>, kThreads, 0) ==
+                             cudaSuccess && n > 0 ? n : 1;
+        }();
+        const int64_t ctas = std::min<int64_t>(rows, (int64_t)sms * ctas_per_sm);
+        const int64_t per_cta = (rows + ctas - 1) / ctas * kThreads;
+        const unsigned grid = (unsigned)((units + per_cta - 1) / per_cta);
+        decode_words_kernel<FMT, T>
+            <<<grid, kThreads, 0, stream>>>(a, units, per_cta, nf4_shift, fp8, zero, reinterpret_cast<T*>(out));
+      }
+    });
+    return;
   }
   const int64_t chunks = (bytes + kChunk - 1) / kChunk;
   const unsigned grid = (unsigned)((chunks + kThreads - 1) / kThreads);

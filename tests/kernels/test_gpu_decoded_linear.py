@@ -81,9 +81,10 @@ def test_dequantize_bits_over_the_shapes_table(fmt, nk):
 
 
 def test_dequantize_special_values():
-    """E2M1 -0, every E4M3 and E8M0 scale byte (E8M0 0: the fp32 subnormal 2^-127; 255: NaN), NVFP4's global, into
-    fp32 (the 16-byte-chunk kernel) and bf16 / fp16 (the word kernel: E2M1 by byte permutes, subnormal and
-    overflowing products rounded once)."""
+    """E2M1 -0, every E4M3 and E8M0 scale byte (E8M0 0: the fp32 subnormal 2^-127; 255: NaN), NVFP4's global, and
+    every FP8 code byte under extreme block scales, into fp32 (the 16-byte-chunk kernel) and bf16 / fp16 (the unit
+    kernel: E2M1 by byte permutes, E4M3 by the hardware's conversion, subnormal and overflowing products rounded
+    once)."""
     n, k = 256, 64
     codes = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(n, k // 2)
     nv_s = torch.arange(n * k // 16).remainder(256).to(torch.uint8)
@@ -98,6 +99,20 @@ def test_dequantize_special_values():
                                                     16 if fmt == "nvfp4" else 32, dtype)
             same = (_bits(out) == _bits(ref)) | (out.cpu().isnan() & ref.isnan())
             assert same.all(), f"{fmt} {dtype}: {int((~same).sum())} elements differ"
+    # FP8: every E4M3 byte (NaN codes aside: not what a cast writes), subnormal and huge block scales, rows of 9 units
+    # (the unit kernel's row division by a non-power of two, a partial 128-column block), of 1 unit, and of 999
+    # columns (not whole units: the 16-byte-chunk kernel)
+    code = DECODE_FORMATS.index("fp8")
+    for n, k in ((300, 72), (40, 8), (130, 999)):
+        q = torch.arange(n * k, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(n, k)
+        q[(q & 0x7F) == 0x7F] = 0x38
+        kb, nb = -(-k // 128), -(-n // 128)
+        s_inv = torch.tensor([2.0 ** -130, 1e-3, 0.37, 3e30, -2.5, 1.0])[torch.arange(nb * kb) % 6].reshape(nb, kb)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            ref = decode_reference(q, s_inv, None, None, code, n, k, 128, dtype)
+            out = torch.ops.surogate.ext_dequantize(*_cuda(q, s_inv), None, None, code, n, k, 128, dtype)
+            same = (_bits(out) == _bits(ref)) | (out.cpu().isnan() & ref.isnan())
+            assert same.all(), f"fp8 [{n}, {k}] {dtype}: {int((~same).sum())} elements differ"
 
 
 @pytest.mark.parametrize("fmt", DECODE_FORMATS)
