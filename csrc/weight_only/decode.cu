@@ -143,19 +143,21 @@ struct Fp8Units {
   }
 };
 
-// Words of codes a thread loads before it decodes the first. Measured on the H200 (benchmarks/bench_decode.py): 8
+// Units of codes a thread loads before it decodes the first. Measured on the H200 (benchmarks/bench_decode.py): 8
 // words, all loaded before any is decoded, against 4-word groups with the next group's loads issued before the current
 // one is decoded: equal on Llama-3.1-8B's MLP weights (43-44 us), 8-10% faster on 4096x1024 and 2048x2048 (4.4-4.7
 // against 5.0-5.1 us). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
 constexpr int kWordsInFlight = 8;
 
-// A word of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
+// A unit of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
 //   NVFP4: e2m1 x the E4M3 scale in bf16, exact (<= 5 significant bits, well inside bf16's normal range, so equal to
 //          the reference's fp32 product), then x global in fp32 and one rounding, the reference's order.
 //   MXFP4: e2m1 x 2^(e - 127) in fp32 (the product may be an fp32 subnormal), then one rounding.
 //   NF4:   level x absmax in fp32, then one rounding; bitsandbytes packs the even element in the high nibble. The 16
 //          levels are read through L1 (__ldg), not staged in shared memory.
-// `scale` holds the E4M3 byte (NVFP4) or the fp32 bits of the E8M0 value (MXFP4) or of the absmax (NF4).
+//   FP8:   e4m3 (by the hardware's conversion to fp16, exact) x scale_inv in fp32, then one rounding.
+// `scale` holds the E4M3 byte (NVFP4) or the fp32 bits of the E8M0 value (MXFP4), the absmax (NF4) or the block's
+// scale_inv (FP8).
 template <int FMT> using UnitCodes = std::conditional_t<FMT == 3, uint2, uint32_t>;  // 8 codes
 
 template <int FMT, typename T>
@@ -235,9 +237,9 @@ struct WordGroup {
 // NVFP4, MXFP4, NF4 or FP8 codes into bf16 / fp16, 8 elements per unit (a 32-bit word of 4-bit codes, 8 FP8 bytes);
 // each warp instruction reads 128 (256) and writes 512 contiguous bytes. Each CTA takes `per_cta` consecutive units
 // (a multiple of kThreads; the grid is at most one wave, so no CTA waits for a second) in groups of kWordsInFlight
-// units per thread. Needs whole units (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole blocks of
-// a power of two >= 8 elements; FP8 needs K % 8 == 0 and a power-of-two block), codes aligned to a unit and out to
-// 16 bytes: a unit then never straddles a scale block.
+// units per thread. Needs whole units (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole
+// blocks of a power of two >= 8 elements; FP8 needs K % 8 == 0 and a power-of-two block), codes aligned to a unit and
+// out to 16 bytes: a unit then never straddles a scale block.
 // `zero` is 0 at run time; it keeps the E2M1 tables in per-thread registers (e2m1_decode.cuh: E2M1Tables).
 template <int FMT, typename T>
 __global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t units, int64_t per_cta,
