@@ -1,5 +1,6 @@
 // E2M1 / NF4 codes -> bf16 tensor-core operands, shared by the weight-only GEMM kernels (few_token_gemm.cu: straight
-// into mma B fragments; weight_only/mixed_input_gemm.cu: into WGMMA's shared-memory tiles). A lane's unit is 32 codes
+// into mma B fragments; weight_only/mixed_input_gemm.cu: into WGMMA's shared-memory tiles; weight_only/decode.cu's
+// unit kernel takes e2m1x8_to_bf16 per 32-bit word of codes for the dense decode). A lane's unit is 32 codes
 // of one weight row (16 bytes) and their scale(s); the decoded words are the elements in order, word i = elements
 // (2i, 2i + 1). Exact: e2m1 times a block scale has at most 5 significant bits, so the bf16 product equals the reference's
 // fp32 product; NVFP4's decode global is left to the caller (it multiplies the fp32 sum once).
