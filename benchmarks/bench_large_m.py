@@ -108,8 +108,8 @@ def main():
                     # one, timed in the "decode + cuBLAS" column's place)
                     t_mixed = bench_ms(graph_replay(mixed)) / args.chain if f != "nf4" else float("nan")
                     t_dense = bench_ms(graph_replay(few_token if m <= 64 else dense_route)) / args.chain
-                    # the route's GEMM alone, on the decoded weights: cuBLAS's time depends on the operands' bits
-                    # (power), and NVFP4 / MXFP4 weights decode to values of <= 5 significant bits
+                    # the route's GEMM alone, on the decoded weights (not bf16's random ones: a GEMM's time can depend
+                    # on its operands' values): the route's time less this is what the decode costs inside the chain
                     t_gemm_decoded = float("nan")
                     if m > 64:
                         decoded = [E.ext_dequantize(*q["dense"][0], n, k, q["dense"][1], torch.bfloat16) for q in ws]
