@@ -21,7 +21,6 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -210,34 +209,13 @@ struct XRowCopies {
   }
 };
 
-// COMPACT (1 to kRowMajorMinTokens - 1 tokens, resident): only the M real rows of x for the CTA's whole K range, row
-// after row (pitch: steps x 256 bytes + 64, so that rows g and g + 1 fall in different bank halves), each 128-column
-// step's 16-byte chunks in (c, q) order: chunk q, c (columns 32q + 8c .. + 7, lane q's A columns of mma steps 2c and
-// 2c + 1) at byte 16 (4c + q). A lane of row g < M reads its four chunks (one 16-byte load per two mma steps, 64
-// contiguous bytes per quarter-warp row: no bank conflicts) and the rows g + 8 of the A fragment are zeros in
-// registers. Against the fragment order's resident or staged stages of 16 rows: 1/16 of the shared memory at one token
-// (so every split is resident: no per-step barrier), no zeroing, half the A loads.
-__device__ __forceinline__ int x_compact_pitch(int steps_per_split) { return steps_per_split * 256 + 64; }
-
-__device__ __forceinline__ void x_compact_issue(unsigned char* xs, const __nv_bfloat16* __restrict__ x, int M, int K,
-                                                int step_lo, int step_hi, int steps_per_split) {
-  const int per_row = (step_hi - step_lo) * 16, pitch = x_compact_pitch(steps_per_split);
-  for (int t = threadIdx.x; t < M * per_row; t += kThreads) {
-    const int row = t / per_row, r = t - row * per_row, step = r >> 4, q = (r >> 2) & 3, c = r & 3;
-    const int col = (step_lo + step) * kStep + 8 * (r & 15);  // 32q + 8c within the step
-    const bool ok = col < K;
-    cp_async16(xs + row * pitch + step * 256 + 16 * (4 * c + q), ok ? x + (int64_t)row * K + col : x, ok);
-  }
-}
-
 // RESIDENT: x for the CTA's whole K range is copied into shared memory once, before the loop (one stage per step), so
 // the loop has no barrier and no copies: each warp streams its weight rows at its own pace. Taken where that fits in
 // the shared memory of the split the staged variant would get (few_token_plan below). Otherwise x rotates through
 // kDepth stages, one barrier per step.
 // ROWS: x row-major in its stages (16-byte copies, fragments assembled from two loads) rather than in A-fragment order
 // (one load per mma, 4-byte copies): always with two to four m16 tiles, and with one from kRowMajorMinTokens tokens on
-// COMPACT: see x_compact_issue (RESIDENT, one m16 tile in fragment order, i.e. fewer than kRowMajorMinTokens tokens)
-template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS, bool COMPACT = false>
+template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS>
 __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
@@ -278,17 +256,12 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
   }
   // every stage zeroed once (rows >= M stay zero), before any copy lands in them
-  if (!COMPACT && M < MT * 16)
+  if (M < MT * 16)
     for (int c = threadIdx.x; c < stages * kStage / 8; c += kThreads) reinterpret_cast<uint4*>(xs)[c] = make_uint4(0, 0, 0, 0);
   __syncthreads();
   const std::conditional_t<!ROWS, XFragmentCopies<MT>, XRowCopies<MT>> xcopy(K);
   unsigned char* xbytes = reinterpret_cast<unsigned char*>(xs);
-  if constexpr (COMPACT) {
-    x_compact_issue(xbytes, x, M, K, step_lo, step_hi, steps_per_split);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-  } else if constexpr (RESIDENT) {
+  if constexpr (RESIDENT) {
     for (int step = step_lo; step < step_hi; ++step) xcopy.issue(xbytes + (step - step_lo) * kStage * 2, x, M, K, step);
     cp_async_commit();
     cp_async_wait<0>();
@@ -340,21 +313,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
         if (step + kDepth < step_hi) ring[i][nt] = wts.load(rows[nt], step + kDepth, q, K, nf4_shift);
       }
       const unsigned char* stage = xbytes + (RESIDENT ? (step - step_lo) : i) * kStage * 2;
-      if constexpr (COMPACT) {
-        // row g's chunks c = 0..3 of this step: words (a0, a2) of mma steps 2c (.x, .y) and 2c + 1 (.z, .w)
-        uint4 ch[4];
-        const unsigned char* lane_x = xbytes + g * x_compact_pitch(steps_per_split) + (step - step_lo) * 256 + 16 * q;
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          ch[c] = g < M ? *reinterpret_cast<const uint4*>(lane_x + 64 * c) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint4& a = ch[j >> 1];
-          const uint32_t frag[4] = {j & 1 ? a.z : a.x, 0u, j & 1 ? a.w : a.y, 0u};
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt][j & 1], frag, b[nt][2 * j], b[nt][2 * j + 1]);
-        }
-      } else if constexpr (!ROWS) {
+      if constexpr (!ROWS) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           // A fragment of mma step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
@@ -441,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 }
 
 // One compiled variant: its launch configuration, its shared-memory opt-in and how many of its clusters fit at once.
-template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS, bool COMPACT = false>
+template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS>
 struct Variant {
   static constexpr int BN = 4 * NT * 8;
   static constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
@@ -451,12 +410,11 @@ struct Variant {
   // split the staged variant would get, so residency never costs occupancy there)
   static constexpr size_t kMaxSmem = RESIDENT ? 200 * 1024 : std::max<size_t>(kDepth * kStageBytes, kPartialBytes);
 
-  // dynamic shared memory of a launch of M tokens whose CTAs run steps_per_split steps (rounded up to 4 KiB: fewer
-  // occupancy queries)
-  static size_t smem(int steps_per_split, int M) {
+  // dynamic shared memory of a launch whose CTAs run steps_per_split steps (rounded up to 4 KiB: fewer occupancy
+  // queries)
+  static size_t smem(int steps_per_split) {
     if (!RESIDENT) return kMaxSmem;
-    const size_t x_bytes = COMPACT ? (size_t)M * (steps_per_split * 256 + 64) : (size_t)steps_per_split * kStageBytes;
-    const size_t bytes = std::max<size_t>(x_bytes, kPartialBytes);
+    const size_t bytes = std::max<size_t>((size_t)steps_per_split * kStageBytes, kPartialBytes);
     return (bytes + 4095) / 4096 * 4096;
   }
 
@@ -467,7 +425,7 @@ struct Variant {
       static std::atomic<unsigned long long> configured{0};
       const unsigned long long bit = 1ull << (dev % kMaxDevices);
       if (!(configured.load() & bit)) {
-        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS, COMPACT>,
+        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem);
         if (err != cudaSuccess) return err;
         configured.fetch_or(bit);
@@ -509,7 +467,7 @@ struct Variant {
     cudaLaunchConfig_t cfg = config(BN, split, smem_bytes, attr, nullptr);
     cfg.numAttrs = 1;  // the occupancy query wants the cluster shape even for split 1
     if (prepare(dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS, COMPACT>, &cfg) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>, &cfg) != cudaSuccess ||
         n < 1) {
       (void)cudaGetLastError();
       n = 1;
@@ -525,8 +483,8 @@ struct Variant {
     const cudaError_t err = prepare(dev);
     if (err != cudaSuccess) return err;
     cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg = config(N, split, smem(steps_per_split, M), attr, stream);
-    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS, COMPACT>, (const __nv_bfloat16*)x, w, scales,
+    const cudaLaunchConfig_t cfg = config(N, split, smem(steps_per_split), attr, stream);
+    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>, (const __nv_bfloat16*)x, w, scales,
                               absmax, levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
   }
 };
@@ -549,15 +507,7 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
     }
   const int per = (steps + split - 1) / split;
   split = (steps + per - 1) / per;  // no empty CTA
-  static const bool exp_off = std::getenv("SUROGATE_HF_EXP_NO_COMPACT") != nullptr;  // EXPERIMENT: A/B in one run
-  if constexpr (MT == 1 && !ROWS) if (!exp_off) {  // 1 to kRowMajorMinTokens - 1 tokens: the compact layout where it fits
-    using Compact = Variant<FMT, MT, NT, true, false, true>;
-    const size_t compact_smem = Compact::smem(per, M);
-    if (compact_smem <= Compact::kMaxSmem && (split == 1 ? compact_smem <= Staged::kMaxSmem
-                                                          : nb <= Compact::capacity(dev, split, compact_smem)))
-      return Compact::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
-  }
-  const size_t resident_smem = Resident::smem(per, M);
+  const size_t resident_smem = Resident::smem(per);
   const bool resident = resident_smem <= Resident::kMaxSmem &&
                         (split == 1 ? resident_smem <= Staged::kMaxSmem
                                     : nb <= Resident::capacity(dev, split, resident_smem));
