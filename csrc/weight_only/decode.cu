@@ -280,7 +280,8 @@ void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool v
     dispatch_float(out_dtype, [&](auto t) {
       using T = decltype(t);
       if constexpr (!std::is_same<T, float>::value) {
-        // one wave of CTAs at most, each a balanced range of whole kThreads-unit rows
+        // one wave of CTAs at most, each a balanced range of whole kThreads-unit rows (the occupancy is queried once
+        // per process: a wrong count on a second GPU architecture would only resize the grid)
         static const int ctas_per_sm = [] {
           int n = 0;
           return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_words_kernel<FMT, T>, kThreads, 0) ==
@@ -307,7 +308,7 @@ void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool v
 
 // out (contiguous [n, k], dtype code 0 fp32 / 1 bf16 / 2 fp16) = the decode of w; pointers the format does not use
 // may be null (nested_*: an NF4 absmax that is not double-quantized). The caller checks shapes and dtypes
-// (decoded_linear.cpp: dequantize_weight); sms is the device's SM count (the word kernel runs at most one wave).
+// (decoded_linear.cpp: dequantize_weight); sms is the device's SM count (the unit kernel runs at most one wave).
 void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
                           const float* gscale, const float* levels, const float* nested_absmax,
                           const float* nested_code, const float* nested_offset, void* out, int out_dtype, int64_t n,
