@@ -15,13 +15,12 @@ import argparse
 
 import torch
 
-from bench_large_m import _quantize
+from bench_large_m import _quantize, dense_chain, distinct_linears
 from bench_shapes import graph_replay
 from common import bench_ms, table, write_result
 
 import surogate_hf.kernels  # noqa: F401
 from surogate_hf.kernels import ext
-from surogate_hf.kernels import model_shapes as S
 from surogate_hf.kernels import registry, triton_gemm
 from surogate_hf.ops import ext as E
 
@@ -55,54 +54,49 @@ def main():
         import bitsandbytes.functional as BF
     except ImportError:
         BF = None
-    rows, done = [], set()
-    for model in args.models.split(","):
-        for proj, (k, n) in S.linears(model).items():
-            if (k, n) in done:
-                continue
-            done.add((k, n))
-            torch.manual_seed(0)
-            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(args.chain)]
-            src = [torch.empty_like(w) for w in dense]
+    rows = []
+    for model, proj, k, n in distinct_linears(args.models):
+        dense = dense_chain(n, k, args.chain)
+        src = [torch.empty_like(w) for w in dense]
 
-            def copy(dense=dense, src=src):
-                for w, s in zip(dense, src):
-                    s.copy_(w)
+        def copy(dense=dense, src=src):
+            for w, s in zip(dense, src):
+                s.copy_(w)
 
-            t_copy = bench_ms(graph_replay(copy)) / args.chain
-            copy_tbs = 4 * n * k / t_copy / 1e9
-            for f in args.formats.split(","):
-                qs = [_quantized(w, f) for w in dense]
-                (_, s0, _, _, code), block = qs[0]
-                read = n * k // (1 if f == "fp8" else 2) + s0.numel() * s0.element_size()
+        t_copy = bench_ms(graph_replay(copy)) / args.chain
+        copy_tbs = 4 * n * k / t_copy / 1e9
+        for f in args.formats.split(","):
+            qs = [_quantized(w, f) for w in dense]
+            (_, s0, _, _, code), block = qs[0]
+            read = n * k // (1 if f == "fp8" else 2) + s0.numel() * s0.element_size()
 
-                def ours(qs=qs):
-                    for ops, block in qs:
-                        E.ext_dequantize(*ops, n, k, block, torch.bfloat16)
+            def ours(qs=qs):
+                for ops, block in qs:
+                    E.ext_dequantize(*ops, n, k, block, torch.bfloat16)
 
-                def triton(qs=qs):
-                    for (packed, s, g, lv, code), block in qs:
-                        if code == 3:
-                            registry.dequantize_fp8_blocks(packed, s, block, block, torch.bfloat16)
-                            continue
-                        s = s.view(torch.float8_e4m3fn) if code == 0 else s  # the Triton decode takes E4M3 typed
-                        triton_gemm.dequantize(code, packed, s, g, lv, n, k, block, torch.bfloat16)
+            def triton(qs=qs):
+                for (packed, s, g, lv, code), block in qs:
+                    if code == 3:
+                        registry.dequantize_fp8_blocks(packed, s, block, block, torch.bfloat16)
+                        continue
+                    s = s.view(torch.float8_e4m3fn) if code == 0 else s  # the Triton decode takes E4M3 typed
+                    triton_gemm.dequantize(code, packed, s, g, lv, n, k, block, torch.bfloat16)
 
-                t_ours = bench_ms(graph_replay(ours)) / args.chain
-                t_triton = bench_ms(graph_replay(triton)) / args.chain
-                t_bnb = float("nan")
-                if f == "nf4" and BF is not None:
-                    bq = [_bnb_nf4(w) for w in dense]
+            t_ours = bench_ms(graph_replay(ours)) / args.chain
+            t_triton = bench_ms(graph_replay(triton)) / args.chain
+            t_bnb = float("nan")
+            if f == "nf4" and BF is not None:
+                bq = [_bnb_nf4(w) for w in dense]
 
-                    def bnb(bq=bq):
-                        for packed, st in bq:
-                            BF.dequantize_4bit(packed, st)
+                def bnb(bq=bq):
+                    for packed, st in bq:
+                        BF.dequantize_4bit(packed, st)
 
-                    t_bnb = bench_ms(graph_replay(bnb)) / args.chain
-                tbs = (read + 2 * n * k) / t_ours / 1e9
-                rows.append([f"{k}->{n}", f"{model} {proj}", f, t_ours * 1e3, t_triton * 1e3, t_bnb * 1e3,
-                             t_copy * 1e3, tbs, copy_tbs, tbs / copy_tbs, t_triton / t_ours, t_bnb / t_ours])
-            del dense, src
+                t_bnb = bench_ms(graph_replay(bnb)) / args.chain
+            tbs = (read + 2 * n * k) / t_ours / 1e9
+            rows.append([f"{k}->{n}", f"{model} {proj}", f, t_ours * 1e3, t_triton * 1e3, t_bnb * 1e3,
+                         t_copy * 1e3, tbs, copy_tbs, tbs / copy_tbs, t_triton / t_ours, t_bnb / t_ours])
+        del dense, src
     headers = ["shape (in->out)", "linear", "format", "ours us", "Triton decode us", "bnb dequantize_4bit us",
                "bf16 copy us", "ours TB/s", "copy TB/s", "ours / copy bandwidth", "ours x Triton", "ours x bnb"]
     write_result(args.name, "Dense decode of a 4-bit or FP8 weight into bf16: ours vs Triton vs bitsandbytes vs a bf16 "

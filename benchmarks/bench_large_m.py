@@ -51,6 +51,24 @@ def _quantize(w, fmt):
             "dense": ((packed, F.nf4_absmax(st).float().contiguous(), None, levels, 2), 64)}
 
 
+def distinct_linears(models: str):
+    """(model, projection, in_features, out_features) of each distinct weight shape of the comma-separated models, in
+    order (a shape two models share is timed once)."""
+    done = set()
+    for model in models.split(","):
+        for proj, (k, n) in S.linears(model).items():
+            if (k, n) not in done:
+                done.add((k, n))
+                yield model, proj, k, n
+
+
+def dense_chain(n: int, k: int, chain: int) -> list[torch.Tensor]:
+    """`chain` distinct bf16 [n, k] weights (seeded), to be called back to back: together they exceed L2 as a model's
+    layers do."""
+    torch.manual_seed(0)
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(chain)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="Llama-3.1-8B,Qwen3-1.7B,SmolLM2-135M")
@@ -64,75 +82,69 @@ def main():
     os.environ.pop("SUROGATE_HF_MIXED_INPUT_KERNEL", None)
     assert ext.load(build=True) is not None, ext.status()[1]
     rows = []
-    done = set()
-    for model in args.models.split(","):
-        for proj, (k, n) in S.linears(model).items():
-            if (k, n) in done:
-                continue
-            done.add((k, n))
-            torch.manual_seed(0)
-            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(args.chain)]
-            quant = {f: [_quantize(w, f) for w in dense] for f in args.formats.split(",")}
-            for m in (int(t) for t in args.tokens.split(",")):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for model, proj, k, n in distinct_linears(args.models):
+        dense = dense_chain(n, k, args.chain)
+        quant = {f: [_quantize(w, f) for w in dense] for f in args.formats.split(",")}
+        for m in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
-                def bf16(dense=dense):
-                    for w in dense:
-                        torch.nn.functional.linear(x, w)
+            def bf16(dense=dense):
+                for w in dense:
+                    torch.nn.functional.linear(x, w)
 
-                t_bf16 = bench_ms(graph_replay(bf16)) / args.chain
-                for f, ws in quant.items():
-                    def mixed(ws=ws):
-                        for q in ws:
-                            ops, block, nested = q["mixed"]
-                            E.ext_mixed_input_gemm(x, *ops, n, k, block, *nested)
+            t_bf16 = bench_ms(graph_replay(bf16)) / args.chain
+            for f, ws in quant.items():
+                def mixed(ws=ws):
+                    for q in ws:
+                        ops, block, nested = q["mixed"]
+                        E.ext_mixed_input_gemm(x, *ops, n, k, block, *nested)
 
-                    # the kernel is chosen per call from the variable, i.e. when the graph is captured
-                    t_rs = float("nan")
-                    if not args.skip_rs:
-                        os.environ["SUROGATE_HF_MIXED_INPUT_KERNEL"] = "rs"
-                        t_rs = bench_ms(graph_replay(mixed)) / args.chain
-                        os.environ.pop("SUROGATE_HF_MIXED_INPUT_KERNEL")
+                # the kernel is chosen per call from the variable, i.e. when the graph is captured
+                t_rs = float("nan")
+                if not args.skip_rs:
+                    os.environ["SUROGATE_HF_MIXED_INPUT_KERNEL"] = "rs"
+                    t_rs = bench_ms(graph_replay(mixed)) / args.chain
+                    os.environ.pop("SUROGATE_HF_MIXED_INPUT_KERNEL")
 
-                    def dense_route(ws=ws):
-                        for q in ws:
-                            ops, block = q["dense"]
-                            torch.nn.functional.linear(x, E.ext_dequantize(*ops, n, k, block, torch.bfloat16))
+                def dense_route(ws=ws):
+                    for q in ws:
+                        ops, block = q["dense"]
+                        torch.nn.functional.linear(x, E.ext_dequantize(*ops, n, k, block, torch.bfloat16))
 
-                    def few_token(ws=ws):
-                        for q in ws:
-                            ops, block = q["dense"]
-                            E.ext_few_token_gemm(x, *ops, n, k, block)
+                def few_token(ws=ws):
+                    for q in ws:
+                        ops, block = q["dense"]
+                        E.ext_few_token_gemm(x, *ops, n, k, block)
 
-                    # (NF4 has the register-operand kernel only; at <= 64 tokens the route's kernel is the few-token
-                    # one, timed in the "decode + cuBLAS" column's place)
-                    t_mixed = bench_ms(graph_replay(mixed)) / args.chain if f != "nf4" else float("nan")
-                    t_dense = bench_ms(graph_replay(few_token if m <= 64 else dense_route)) / args.chain
-                    # the route's GEMM alone, on the decoded weights (not bf16's random ones: a GEMM's time can depend
-                    # on its operands' values): the route's time less this is what the decode costs inside the chain
-                    t_gemm_decoded = float("nan")
-                    if m > 64:
-                        decoded = [E.ext_dequantize(*q["dense"][0], n, k, q["dense"][1], torch.bfloat16) for q in ws]
+                # (NF4 has the register-operand kernel only; at <= 64 tokens the route's kernel is the few-token
+                # one, timed in the "decode + cuBLAS" column's place)
+                t_mixed = bench_ms(graph_replay(mixed)) / args.chain if f != "nf4" else float("nan")
+                t_dense = bench_ms(graph_replay(few_token if m <= 64 else dense_route)) / args.chain
+                # the route's GEMM alone, on the decoded weights (not bf16's random ones: a GEMM's time can depend
+                # on its operands' values): the route's time less this is what the decode costs inside the chain
+                t_gemm_decoded = float("nan")
+                if m > 64:
+                    decoded = [E.ext_dequantize(*q["dense"][0], n, k, q["dense"][1], torch.bfloat16) for q in ws]
 
-                        def gemm_decoded(decoded=decoded):
-                            for w in decoded:
-                                torch.nn.functional.linear(x, w)
+                    def gemm_decoded(decoded=decoded):
+                        for w in decoded:
+                            torch.nn.functional.linear(x, w)
 
-                        t_gemm_decoded = bench_ms(graph_replay(gemm_decoded)) / args.chain
-                        del decoded
-                    target = 0.9 if m >= 2048 else 1.5 if m <= 64 else None
+                    t_gemm_decoded = bench_ms(graph_replay(gemm_decoded)) / args.chain
+                    del decoded
+                target = 0.9 if m >= 2048 else 1.5 if m <= 64 else None
 
-                    def verdict(speed, target=target):
-                        if target is None or speed != speed:
-                            return ""
-                        return "meets" if speed >= target else f"misses by {target - speed:.2f}x"
+                def verdict(speed, target=target):
+                    if target is None or speed != speed:
+                        return ""
+                    return "meets" if speed >= target else f"misses by {target - speed:.2f}x"
 
-                    rows.append([f"{k}->{n}", f"{model} {proj}", m, f, t_bf16, t_gemm_decoded, t_dense, t_mixed, t_rs,
-                                 t_bf16 / t_dense, t_bf16 / t_mixed, t_bf16 / t_rs, t_dense / t_rs, target,
-                                 verdict(t_bf16 / t_dense), verdict(t_bf16 / t_mixed), verdict(t_bf16 / t_rs)])
-                    print(rows[-1], flush=True)
-            del dense, quant
-            torch.cuda.empty_cache()
+                rows.append([f"{k}->{n}", f"{model} {proj}", m, f, t_bf16, t_gemm_decoded, t_dense, t_mixed, t_rs,
+                             t_bf16 / t_dense, t_bf16 / t_mixed, t_bf16 / t_rs, t_dense / t_rs, target,
+                             verdict(t_bf16 / t_dense), verdict(t_bf16 / t_mixed), verdict(t_bf16 / t_rs)])
+                print(rows[-1], flush=True)
+        del dense, quant
+        torch.cuda.empty_cache()
     body = table(["shape (in->out)", "linear", "M", "format", "bf16 cuBLAS ms", "cuBLAS on the decoded weight ms",
                   "route ms", "mixed smem ms",
                   "mixed rs ms", "route x bf16", "mixed smem x bf16", "mixed rs x bf16", "rs vs route", "target",
