@@ -2,7 +2,7 @@
 // weight-only linears (surogate::ext_dequantize, and inside surogate::ext_decoded_linear). The element math is
 // decode_math.cuh's (the formats' reference decode, host-checked), then one rounding to the output dtype.
 // Every element is independent, so the kernels are flat streaming passes:
-//   - into bf16 / fp16 (the route's case: decode_words_kernel): a lane's unit is 8 codes (one 32-bit word of 4-bit
+//   - into bf16 / fp16 (the route's case: decode_units_kernel): a lane's unit is 8 codes (one 32-bit word of 4-bit
 //     codes, or 8 FP8 bytes of one row) and one 16-byte store, so each warp instruction reads 128 / 256 and writes
 //     512 contiguous bytes, with 8 units in flight per thread. E2M1 goes through the few-token kernel's byte permutes
 //     (exact: the bf16 bits of the e2m1 value) and E4M3 through the hardware's conversion to fp16 (exact), then the
@@ -143,11 +143,11 @@ struct Fp8Units {
   }
 };
 
-// Units of codes a thread loads before it decodes the first. Measured on the H200 (benchmarks/bench_decode.py): 8
-// words, all loaded before any is decoded, against 4-word groups with the next group's loads issued before the current
-// one is decoded: equal on Llama-3.1-8B's MLP weights (43-44 us), 8-10% faster on 4096x1024 and 2048x2048 (4.4-4.7
-// against 5.0-5.1 us). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
-constexpr int kWordsInFlight = 8;
+// Units of codes a thread loads before it decodes the first. Measured on the H200 (benchmarks/bench_decode.py, 4-bit
+// words): 8 units, all loaded before any is decoded, against 4-unit groups with the next group's loads issued before
+// the current one is decoded: equal on Llama-3.1-8B's MLP weights (43-44 us), 8-10% faster on 4096x1024 and 2048x2048
+// (4.4-4.7 against 5.0-5.1 us). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
+constexpr int kUnitsInFlight = 8;
 
 // A unit of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
 //   NVFP4: e2m1 x the E4M3 scale in bf16, exact (<= 5 significant bits, well inside bf16's normal range, so equal to
@@ -161,14 +161,14 @@ constexpr int kWordsInFlight = 8;
 template <int FMT> using UnitCodes = std::conditional_t<FMT == 3, uint2, uint32_t>;  // 8 codes
 
 template <int FMT, typename T>
-__device__ __forceinline__ void decode_word(UnitCodes<FMT> word, uint32_t scale, float global,
+__device__ __forceinline__ void decode_unit(UnitCodes<FMT> codes, uint32_t scale, float global,
                                             const float* __restrict__ lv, const wdec::E2M1Tables& tables, T* dst) {
   uint32_t o[4];
   const float s = __uint_as_float(scale);
   if constexpr (FMT == 3) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // E4M3 -> fp16 -> fp32 by hardware, exact for every finite code (and -0)
-      const uint32_t two = ((j < 2 ? word.x : word.y) >> (16 * (j & 1))) & 0xFFFFu;
+      const uint32_t two = ((j < 2 ? codes.x : codes.y) >> (16 * (j & 1))) & 0xFFFFu;
       const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two, __NV_E4M3);
       const float2 f = __half22float2(__half2(h));
       o[j] = pack_pair<T>(decode::mul(f.x, s), decode::mul(f.y, s));
@@ -176,13 +176,13 @@ __device__ __forceinline__ void decode_word(UnitCodes<FMT> word, uint32_t scale,
   } else if constexpr (FMT == 2) {
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      const uint32_t byte = (word >> (8 * b)) & 0xFFu;
+      const uint32_t byte = (codes >> (8 * b)) & 0xFFu;
       o[b] = pack_pair<T>(decode::nf4_element(__ldg(lv + (byte >> 4)), s),
                           decode::nf4_element(__ldg(lv + (byte & 0xFu)), s));
     }
   } else {
     uint32_t e2m1[4];  // bf16 bits of elements (2j, 2j + 1): exactly e2m1_value of each code, -0 included
-    wdec::e2m1x8_to_bf16(word, tables, e2m1);
+    wdec::e2m1x8_to_bf16(codes, tables, e2m1);
     uint32_t s2 = 0;
     if constexpr (FMT == 0) s2 = wdec::prmt(wdec::e4m3x2_to_bf16x2(scale), 0u, 0x1010u);  // (s, s) in bf16, exact
 #pragma unroll
@@ -200,21 +200,21 @@ __device__ __forceinline__ void decode_word(UnitCodes<FMT> word, uint32_t scale,
   *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// kWordsInFlight units of one thread, kThreads apart from `first`, and their scales; with CHECKED only those < end.
+// kUnitsInFlight units of one thread, kThreads apart from `first`, and their scales; with CHECKED only those < end.
 template <int FMT>
-struct WordGroup {
-  UnitCodes<FMT> word[kWordsInFlight];
-  uint32_t scale[kWordsInFlight];
+struct UnitGroup {
+  UnitCodes<FMT> codes[kUnitsInFlight];
+  uint32_t scale[kUnitsInFlight];
 
   template <bool CHECKED>
   __device__ __forceinline__ void load(const Weight& a, int64_t first, int64_t end, int nf4_shift,
                                        const Fp8Units& fp8) {
 #pragma unroll
-    for (int i = 0; i < kWordsInFlight; ++i) {
+    for (int i = 0; i < kUnitsInFlight; ++i) {
       const int64_t u = first + i * kThreads;
       if (CHECKED && u >= end) break;
-      if constexpr (FMT == 3) word[i] = ld_stream_u64(reinterpret_cast<const uint2*>(a.w) + u);
-      else word[i] = ld_stream_u32(reinterpret_cast<const uint32_t*>(a.w) + u);
+      if constexpr (FMT == 3) codes[i] = ld_stream_u64(reinterpret_cast<const uint2*>(a.w) + u);
+      else codes[i] = ld_stream_u32(reinterpret_cast<const uint32_t*>(a.w) + u);
       if constexpr (FMT == 3) scale[i] = __float_as_uint(a.scales_f32[fp8.scale_index((uint32_t)u)]);
       else if constexpr (FMT == 0) scale[i] = a.scales_u8[u >> 1];  // 16-element blocks
       else if constexpr (FMT == 1) scale[i] = __float_as_uint(decode::e8m0_value(a.scales_u8[u >> 2]));  // 32
@@ -226,31 +226,31 @@ struct WordGroup {
   __device__ __forceinline__ void decode(int64_t first, int64_t end, float global, const float* __restrict__ lv,
                                          const wdec::E2M1Tables& tables, T* __restrict__ out) const {
 #pragma unroll
-    for (int i = 0; i < kWordsInFlight; ++i) {
+    for (int i = 0; i < kUnitsInFlight; ++i) {
       const int64_t u = first + i * kThreads;
       if (CHECKED && u >= end) break;
-      decode_word<FMT, T>(word[i], scale[i], global, lv, tables, out + 8 * u);
+      decode_unit<FMT, T>(codes[i], scale[i], global, lv, tables, out + 8 * u);
     }
   }
 };
 
 // NVFP4, MXFP4, NF4 or FP8 codes into bf16 / fp16, 8 elements per unit (a 32-bit word of 4-bit codes, 8 FP8 bytes);
 // each warp instruction reads 128 (256) and writes 512 contiguous bytes. Each CTA takes `per_cta` consecutive units
-// (a multiple of kThreads; the grid is at most one wave, so no CTA waits for a second) in groups of kWordsInFlight
+// (a multiple of kThreads; the grid is at most one wave, so no CTA waits for a second) in groups of kUnitsInFlight
 // units per thread. Needs whole units (NVFP4's and MXFP4's K, a multiple of 16 or 32, makes them, as do NF4's whole
 // blocks of a power of two >= 8 elements; FP8 needs K % 8 == 0 and a power-of-two block), codes aligned to a unit and
 // out to 16 bytes: a unit then never straddles a scale block.
 // `zero` is 0 at run time; it keeps the E2M1 tables in per-thread registers (e2m1_decode.cuh: E2M1Tables).
 template <int FMT, typename T>
-__global__ void __launch_bounds__(kThreads) decode_words_kernel(Weight a, int64_t units, int64_t per_cta,
+__global__ void __launch_bounds__(kThreads) decode_units_kernel(Weight a, int64_t units, int64_t per_cta,
                                                                 int nf4_shift, Fp8Units fp8, uint32_t zero,
                                                                 T* __restrict__ out) {
   const float global = FMT == 0 ? *a.gscale : 1.f;
   const float* __restrict__ lv = a.levels;
   const wdec::E2M1Tables tables(zero);
   const int64_t begin = (int64_t)blockIdx.x * per_cta, end = begin + per_cta < units ? begin + per_cta : units;
-  constexpr int kGroup = kWordsInFlight * kThreads;
-  WordGroup<FMT> g;
+  constexpr int kGroup = kUnitsInFlight * kThreads;
+  UnitGroup<FMT> g;
   int64_t first = begin + threadIdx.x;
   for (; first - threadIdx.x + kGroup <= end; first += kGroup) {
     g.template load<false>(a, first, end, nf4_shift, fp8);
@@ -284,13 +284,13 @@ void launch_fmt(const Weight& a, int64_t bytes, void* out, int out_dtype, bool v
         // per process: a wrong count on a second GPU architecture would only resize the grid)
         static const int ctas_per_sm = [] {
           int n = 0;
-          return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_words_kernel<FMT, T>, kThreads, 0) ==
+          return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_units_kernel<FMT, T>, kThreads, 0) ==
                              cudaSuccess && n > 0 ? n : 1;
         }();
         const int64_t ctas = std::min<int64_t>(rows, (int64_t)sms * ctas_per_sm);
         const int64_t per_cta = (rows + ctas - 1) / ctas * kThreads;
         const unsigned grid = (unsigned)((units + per_cta - 1) / per_cta);
-        decode_words_kernel<FMT, T>
+        decode_units_kernel<FMT, T>
             <<<grid, kThreads, 0, stream>>>(a, units, per_cta, nf4_shift, fp8, zero, reinterpret_cast<T*>(out));
       }
     });
