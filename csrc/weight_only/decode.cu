@@ -146,7 +146,8 @@ struct Fp8Units {
 // Units of codes a thread loads before it decodes the first. Measured on the H200 (benchmarks/bench_decode.py, 4-bit
 // words): 8 units, all loaded before any is decoded, against 4-unit groups with the next group's loads issued before
 // the current one is decoded: equal on Llama-3.1-8B's MLP weights (43-44 us), 8-10% faster on 4096x1024 and 2048x2048
-// (4.4-4.7 against 5.0-5.1 us). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2 TB/s.
+// (4.4-4.7 against 5.0-5.1 us). The 16-byte-chunk kernel kept one 16-byte load in flight per thread and reached ~2
+// TB/s.
 constexpr int kUnitsInFlight = 8;
 
 // A unit of 8 codes and its block scale decoded into 8 elements of T, stored as one 16-byte piece at `dst`.
