@@ -164,23 +164,25 @@ def qlora_rows(add, tokens=512, k=576, n=1536, r=16, rounds=7, iters=300):
             if ops is None:
                 print(f"{fmt}: no decode route at [{n}, {k}]", flush=True)
                 continue
-            wq, s, g, lv, f, nn_, kk, blk = ops
+            wq, s, g, lv, f, nn_, kk, blk, nested = ops
+            nested = nested or ()  # an NF4 base's double-quantization operands, which the ops de-nest
 
-            def fwd(wq=wq, s=s, g=g, lv=lv, f=f, nn_=nn_, kk=kk, blk=blk):
-                return fwd_op(x, None, wq, s, g, lv, None, a, b, 2.0, f, nn_, kk, blk)
+            def fwd(wq=wq, s=s, g=g, lv=lv, f=f, nn_=nn_, kk=kk, blk=blk, nested=nested):
+                return fwd_op(x, None, wq, s, g, lv, None, a, b, 2.0, f, nn_, kk, blk, *nested)
 
             def fwd_inference(fwd=fwd):
                 with torch.inference_mode():
                     return fwd()
 
-            calls[f"{fmt} ext_dequantize alone"] = (
-                lambda wq=wq, s=s, g=g, lv=lv, f=f, nn_=nn_, kk=kk, blk=blk:
-                torch.ops.surogate.ext_dequantize(wq, s, g, lv, f, nn_, kk, blk, bf))
+            if not nested:  # (ext_dequantize takes no nested operands)
+                calls[f"{fmt} ext_dequantize alone"] = (
+                    lambda wq=wq, s=s, g=g, lv=lv, f=f, nn_=nn_, kk=kk, blk=blk:
+                    torch.ops.surogate.ext_dequantize(wq, s, g, lv, f, nn_, kk, blk, bf))
             calls[f"{fmt} ext_decoded_linear_fwd (decode + 3 GEMMs)"] = fwd
             calls[f"{fmt} ext_decoded_linear_fwd, inference mode (no Python autograd kernel)"] = fwd_inference
             calls[f"{fmt} ext_decoded_linear_bwd (decode + 5 GEMMs)"] = (
-                lambda wq=wq, s=s, g=g, lv=lv, f=f, nn_=nn_, kk=kk, blk=blk:
-                bwd_op(dy, x, h, wq, s, g, lv, a, b, 2.0, f, nn_, kk, blk, False, True, False, True, True))
+                lambda wq=wq, s=s, g=g, lv=lv, f=f, nn_=nn_, kk=kk, blk=blk, nested=nested:
+                bwd_op(dy, x, h, wq, s, g, lv, a, b, 2.0, f, nn_, kk, blk, False, True, False, True, True, *nested))
     best = {name: float("inf") for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
