@@ -1,22 +1,20 @@
-"""Weight-only forward GEMM at many tokens: the mixed-input WGMMA kernels (csrc/weight_only/mixed_input_gemm.cu, the
-weight decoded inside the GEMM: "smem", decoded by a producer warpgroup into shared memory, and "rs", decoded by the
-consumers into register operands, SUROGATE_HF_MIXED_INPUT_KERNEL=rs) against the dense route they replace
-(surogate::ext_dequantize into a bf16 buffer, then cuBLAS) and against bf16 cuBLAS itself, on the linears of real
-models, side by side in one process.
+"""Weight-only forward GEMM at many tokens: the mixed-input WGMMA kernel (csrc/weight_only/mixed_input_gemm.cu, the
+weight decoded inside the GEMM by the consumer warpgroups into register operands: "rs") against the dense route it
+would replace (surogate::ext_dequantize into a bf16 buffer, then cuBLAS) and against bf16 cuBLAS itself, on the
+linears of real models, side by side in one process.
 
 Each timing is a CUDA graph replay of CHAIN distinct layers back to back (their weights exceed L2 as a model's do),
 per call. Targets (issue 13): >= 0.9x bf16 cuBLAS at M >= 2048 and >= 1.5x at M <= 64, judged for every path (the
-route's default: decode + cuBLAS, or the few-token kernel at <= 64 tokens; the mixed-input kernels run in the route
-with SUROGATE_HF_MIXED_INPUT=1; at <= 64 tokens the few-token op runs the rs kernel's K-split variant for large
-NVFP4 / MXFP4 weights from 40 tokens, kernels.paths.few_token_wgmma). (results/large_m_s21.md, from 7505cfe,
-judges the smem mixed-input kernel only.)
+route's default: decode + cuBLAS, or the few-token kernel at <= 64 tokens; the mixed-input kernel runs in the route
+with SUROGATE_HF_MIXED_INPUT=1; at <= 64 tokens the few-token op runs its K-split variant for large NVFP4 / MXFP4
+weights from 40 tokens, kernels.paths.few_token_wgmma). (Results before session 25 also have a "mixed smem" column:
+a first mixed-input kernel that decoded into shared memory, since removed; results/large_m_s21.md judges it alone.)
     python benchmarks/bench_large_m.py --models Llama-3.1-8B,Qwen3-1.7B,SmolLM2-135M --tokens 16,64,2048,8192
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -76,10 +74,9 @@ def main():
     ap.add_argument("--formats", default="nvfp4,mxfp4,nf4")
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--name", default="large_m")
-    ap.add_argument("--skip-rs", action="store_true", help="leave out the register-operand kernel (and NF4's mixed "
-                    "column): device_run.sh passes it when that kernel's GPU tests failed")
+    ap.add_argument("--skip-rs", action="store_true", help="leave out the mixed-input kernel's column: device_run.sh "
+                    "passes it when that kernel's GPU tests failed")
     args = ap.parse_args()
-    os.environ.pop("SUROGATE_HF_MIXED_INPUT_KERNEL", None)
     assert ext.load(build=True) is not None, ext.status()[1]
     rows = []
     for model, proj, k, n in distinct_linears(args.models):
@@ -99,12 +96,7 @@ def main():
                         ops, block, nested = q["mixed"]
                         E.ext_mixed_input_gemm(x, *ops, n, k, block, *nested)
 
-                # the kernel is chosen per call from the variable, i.e. when the graph is captured
-                t_rs = float("nan")
-                if not args.skip_rs:
-                    os.environ["SUROGATE_HF_MIXED_INPUT_KERNEL"] = "rs"
-                    t_rs = bench_ms(graph_replay(mixed)) / args.chain
-                    os.environ.pop("SUROGATE_HF_MIXED_INPUT_KERNEL")
+                t_rs = float("nan") if args.skip_rs else bench_ms(graph_replay(mixed)) / args.chain
 
                 def dense_route(ws=ws):
                     for q in ws:
@@ -116,9 +108,7 @@ def main():
                         ops, block = q["dense"]
                         E.ext_few_token_gemm(x, *ops, n, k, block)
 
-                # (NF4 has the register-operand kernel only; at <= 64 tokens the route's kernel is the few-token
-                # one, timed in the "decode + cuBLAS" column's place)
-                t_mixed = bench_ms(graph_replay(mixed)) / args.chain if f != "nf4" else float("nan")
+                # (at <= 64 tokens the route's kernel is the few-token one, timed in the "decode + cuBLAS" column's place)
                 t_dense = bench_ms(graph_replay(few_token if m <= 64 else dense_route)) / args.chain
                 # the route's GEMM alone, on the decoded weights (not bf16's random ones: a GEMM's time can depend
                 # on its operands' values): the route's time less this is what the decode costs inside the chain
@@ -139,16 +129,15 @@ def main():
                         return ""
                     return "meets" if speed >= target else f"misses by {target - speed:.2f}x"
 
-                rows.append([f"{k}->{n}", f"{model} {proj}", m, f, t_bf16, t_gemm_decoded, t_dense, t_mixed, t_rs,
-                             t_bf16 / t_dense, t_bf16 / t_mixed, t_bf16 / t_rs, t_dense / t_rs, target,
-                             verdict(t_bf16 / t_dense), verdict(t_bf16 / t_mixed), verdict(t_bf16 / t_rs)])
+                rows.append([f"{k}->{n}", f"{model} {proj}", m, f, t_bf16, t_gemm_decoded, t_dense, t_rs,
+                             t_bf16 / t_dense, t_bf16 / t_rs, t_dense / t_rs, target, verdict(t_bf16 / t_dense),
+                             verdict(t_bf16 / t_rs)])
                 print(rows[-1], flush=True)
         del dense, quant
         torch.cuda.empty_cache()
     body = table(["shape (in->out)", "linear", "M", "format", "bf16 cuBLAS ms", "cuBLAS on the decoded weight ms",
-                  "route ms", "mixed smem ms",
-                  "mixed rs ms", "route x bf16", "mixed smem x bf16", "mixed rs x bf16", "rs vs route", "target",
-                  "route (default)", "mixed smem (opt-in)", "mixed rs (opt-in)"], rows)
+                  "route ms", "mixed rs ms", "route x bf16", "mixed rs x bf16", "rs vs route", "target",
+                  "route (default)", "mixed rs (opt-in)"], rows)
     body += ("\nroute: the default path, decode + cuBLAS from 512 tokens, the few-token op (ext_few_token_gemm) at <= 64 "
              "(from 40 tokens it runs large NVFP4 / MXFP4 weights through the register-operand kernel's K-split variant: "
              "kernels.paths.few_token_wgmma); mixed rs at <= 64 tokens is that K-split variant. cuBLAS on the decoded "

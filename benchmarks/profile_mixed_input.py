@@ -1,5 +1,5 @@
 """One weight-only GEMM call per path, for Nsight Compute (diagnostic companion of bench_large_m.py): bf16 cuBLAS, the
-mixed-input kernel (smem or rs, SUROGATE_HF_MIXED_INPUT_KERNEL as set), decode + cuBLAS and the few-token op (at most
+mixed-input kernel, decode + cuBLAS and the few-token op (at most
 64 tokens), each run --warmup times
 first so that ncu's --launch-skip can pick the last call. Example (GPU machine):
     ncu --kernel-name regex:mixed_input_gemm_rs --launch-skip 3 --launch-count 1 --set full --import-source yes \

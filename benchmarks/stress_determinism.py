@@ -1,7 +1,7 @@
 """Run-to-run equality of the weight-only few-token paths under repetition (diagnostic, GPU machine): each op called
 REPEAT times on one input must give the same bits every time. The mma few-token kernel and the register-operand
-kernel's K-split variant (through the few-token op from 40 tokens on large weights, and called directly with
-SUROGATE_HF_MIXED_INPUT_KERNEL=rs at any token count) sum fixed K ranges in a fixed order, so any difference is a
+kernel's K-split variant (through the few-token op from 40 tokens on large weights, and called directly,
+ext_mixed_input_gemm, at any token count) sum fixed K ranges in a fixed order, so any difference is a
 race. Prints the mismatching calls per (path, format, shape, tokens).
     python benchmarks/stress_determinism.py --repeat 50
 """
@@ -42,14 +42,8 @@ def main():
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 calls = {"few_token_op": lambda: E.ext_few_token_gemm(x, *ops, n, k, block)}
 
-                def rs():
-                    os.environ["SUROGATE_HF_MIXED_INPUT_KERNEL"] = "rs"
-                    try:
-                        return E.ext_mixed_input_gemm(x, *q["mixed"][0], n, k, q["mixed"][1], *q["mixed"][2])
-                    finally:
-                        os.environ.pop("SUROGATE_HF_MIXED_INPUT_KERNEL")
-
-                calls["rs_k_split"] = rs
+                calls["rs_k_split"] = lambda: E.ext_mixed_input_gemm(x, *q["mixed"][0], n, k, q["mixed"][1],
+                                                                     *q["mixed"][2])
                 for path, call in calls.items():
                     first = call()
                     bad = sum(not torch.equal(first, call()) for _ in range(args.repeat))

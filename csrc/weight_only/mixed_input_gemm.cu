@@ -1,44 +1,33 @@
-// Mixed-input GEMM for many tokens (SM90a): y [M, N] = x [M, K] @ deq(W)^T for a frozen NVFP4 or MXFP4 weight
-// W [N, K] and bf16 x, on the tensor cores' bf16 WGMMA path with the weight decoded on the fly.
+// Mixed-input GEMM (SM90a): y [M, N] = x [M, K] @ deq(W)^T for a frozen NVFP4, MXFP4 or NF4 weight W [N, K] and bf16
+// x, on the tensor cores' bf16 WGMMA path with the weight decoded on the fly into register operands.
 //
-// Hopper has no FP4 tensor cores. The route this replaces decodes the whole weight into a bf16 buffer and runs cuBLAS:
-// at 2048 tokens the decode pass writes 2 bytes per element that the GEMM reads back, a fifth of cuBLAS's time at
-// 4096 x 4096. Here the decode is a producer warpgroup's work, overlapped with the consumers' WGMMAs:
-//   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 fills at most half the SMs) as its
-//     transpose y^T = W x^T: warpgroup 0 produces, warpgroups 1 and 2 own 64 weight rows each, one m64nBMk16 WGMMA
-//     per 16 columns of K with the decoded weight as A and x as B (N = 256 tokens: the WGMMA shape that reads the
-//     least shared memory per product, which the stores of both tiles share);
+// Hopper has no FP4 tensor cores. The dense route decodes the whole weight into a bf16 buffer and runs cuBLAS: at 2048
+// tokens the decode pass writes 2 bytes per element that the GEMM reads back. Here:
+//   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 fills at most half the SMs; 64 at
+//     <= 64 tokens) as its transpose y^T = W x^T: warpgroup 0 produces, warpgroups 1 and 2 own 64 weight rows each;
 //   - per 64-column stage the producer has the TMA copy the x tile into shared memory (128-byte swizzle, zeros past M
-//     and K) and decodes the stage's 128 x 64 weight codes (loaded into registers three stages ahead) into the bf16
-//     tile the WGMMAs read, in the same swizzle: lane pairs own a row's two 32-column halves, the E2M1 decode and the
-//     block-scale multiply of e2m1_decode.cuh (exact in bf16), one 16-byte store per 8 elements;
-//   - four stages in a ring of mbarriers: full (the producer's 128 threads after their stores, fenced for the async
-//     proxy, plus the x tile's bytes) and empty (the consumers' 256 threads, once the WGMMAs that read the stage
-//     completed).
-// Each decoded element serves the CTA's BM tokens: at BM = 256 the decode costs ~2.5 instructions per element per 256
-// tokens. One producer warp per scheduler (the register file holds no more beside the consumers' accumulators) is
-// still the limit: 0.77-0.82x cuBLAS on the H200's Llama-3.1-8B linears at 2048 tokens, below decode + cuBLAS's
-// 0.85-0.92x, so the route runs this kernel only when opted in (decoded_linear.cpp). Earlier versions (H200,
-// 4096 x 4096, 2048 tokens): 128-token x 256-row tiles with cp.async copies of x, 0.4-0.5x cuBLAS (the producer, with
-// twice the decode per product and the copies on top, was the bottleneck); 256 tokens x 128 rows as y = x W^T
-// (m64n128 WGMMAs, x by TMA), 0.66x, and 0.73x with the decode left out (shared-memory bandwidth: an m64n128k16
-// WGMMA reads 6 KB per 131k products where m64n256k16 reads 10 KB per 262k).
-// A register-operand variant (mixed_input_gemm_rs_kernel below, SUROGATE_HF_MIXED_INPUT_KERNEL=rs) moves the decode
-// into the consumer warpgroups: the producer only stages codes and scales, and each consumer thread decodes its own
-// WGMMA A fragment (8 warps share the decode, overlapped with the asynchronous WGMMAs; setmaxnreg gives the consumers
-// the registers for four fragments in flight). It also takes NF4 (levels[code] * absmax from a 16-word table in
-// shared memory), and at <= 64 tokens runs 64-token tiles with K split over a thread-block cluster whose partial
-// sums meet through distributed shared memory (two CTAs per SM there, no register trade). The GPU tests find it
-// equal to this kernel bit for bit and within one rounding of the reference at 1-2048 tokens. Measured (H200,
-// docs/kernels.md): 2-15% faster than this kernel but still below decode + cuBLAS from 512 tokens (0.79-0.93x
-// cuBLAS at 2048 / 8192 tokens on the 8B / 1.7B linears but their k/v at 2048, 0.55-0.59x; the consumers wait on
-// the producer), so it stays opt-in there; at 40-64 tokens it beats the few-token mma kernel on large weights, and
-// the few-token op runs it for those (few_token_wgmma_applies, mixed_input_gemm.h).
-// Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits); products accumulate
-// in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel does. Only the fp32
-// summation order differs from x.float() @ deq(W).float().T.
+//     and K) and stores the stage's 128 x 64 weight codes and scales, the codes regrouped so that a consumer thread's
+//     fragment bytes are 8 contiguous bytes per row;
+//   - each consumer thread decodes its own m64k16 A fragments into registers (the E2M1 byte permutes and block-scale
+//     multiply of e2m1_decode.cuh, exact in bf16; NF4 by a 16-word level table in shared memory) and issues
+//     register-operand WGMMAs (m64nBMk16) against the x tile: 8 warps share the decode, overlapped with the
+//     asynchronous WGMMAs; setmaxnreg gives the consumers the registers for four fragments in flight;
+//   - a ring of mbarriers: full (the producer's 128 threads after their stores, plus the x tile's bytes) and empty (the
+//     consumers' 256 threads, once the WGMMAs that read the stage completed);
+//   - at <= 64 tokens, 64-token tiles with K split over a thread-block cluster whose partial sums meet through
+//     distributed shared memory (two CTAs per SM there, no register trade): the few-token op runs this for large
+//     weights at 40-64 tokens (few_token_wgmma_applies, mixed_input_gemm.h).
+// From 512 tokens it is still below decode + cuBLAS on most linears (0.79-0.93x cuBLAS at 2048 / 8192 tokens on the
+// H200's 8B / 1.7B linears, their k/v at 2048 0.55-0.59x: the consumers wait on the producer; docs/kernels.md), so the
+// route runs it only when opted in (SUROGATE_HF_MIXED_INPUT=1, decoded_linear.cpp). A first version decoded in the
+// producer warpgroup into a bf16 weight tile in shared memory (one decode warp per scheduler); this kernel was 2-15%
+// faster than it everywhere and equal to it bit for bit, and it was removed (docs/kernels.md keeps its history).
+// Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits; NF4's product rounded
+// once); products accumulate in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel
+// does. Only the fp32 summation order differs from x.float() @ deq(W).float().T.
 // Requirements (surogate_hf.kernels.paths.mixed_input_kernel checks them, the launcher again): K % 32 == 0 (a lane's
-// 32-column half is wholly in or out of range), 16-byte aligned codes and x, any M and N.
+// 32-column half is wholly in or out of range), 16-byte aligned codes and x, any M and N; NF4 blocks a power of two
+// >= 32 dividing K.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -61,19 +50,7 @@ using namespace wdec;
 
 constexpr int kBN = 128;        // weight rows per CTA: the WGMMA's N
 constexpr int kBK = 64;         // K per stage: one 128-byte swizzle row of bf16
-constexpr int kStages = 4;
 constexpr int kThreads = 384;   // warpgroup 0 produces, 1 and 2 consume
-constexpr int kBTile = kBN * kBK * 2;  // bytes of a stage's decoded weight tile
-// BM tokens per CTA: 256, or 128 where 256 would leave half the SMs idle (launch_fmt)
-template <int BM>
-struct Tile {
-  static constexpr int kATile = BM * kBK * 2;  // bytes of a stage's x tile
-  static constexpr int kSmemBytes = kStages * (kATile + kBTile) + 1024;  // + slack to align the tiles to 1024 bytes
-};
-
-// Byte offset of 16-byte chunk c (0..7) of row r in a tile of 128-byte rows, 128-byte swizzle (what the WGMMA
-// descriptor's layout type 1 reads: chunk c of row r at slot c ^ (r % 8), rows in 1024-byte groups of 8)
-__device__ __forceinline__ uint32_t swizzled(int r, int c) { return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -113,13 +90,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(bar)
       : "memory");
 }
-
-__device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-
-// generic-proxy writes to shared memory (st.shared) made visible to the async proxy that WGMMA reads through
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -167,30 +137,10 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
   "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), \
   "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-// d[BN / 2] += A (64 x 16) * B (16 x BN), both bf16 K-major tiles in shared memory (descriptors a, b): one warpgroup's
-// m64nBNk16 WGMMA into its fp32 fragment d. One specialization per shape: the instruction names each accumulator
-// register (as CUTLASS's wrappers do); its scale-d operand is a predicate, set to accumulate.
-template <int BN>
-__device__ __forceinline__ void wgmma_k16(float* d, uint64_t a, uint64_t b);
-template <>
-__device__ __forceinline__ void wgmma_k16<256>(float* d, uint64_t a, uint64_t b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " SG_WGMMA_ACC_REGS_128
-               ", %128, %129, p, 1, 1, 0, 0;\n}\n"
-               : SG_WGMMA_ACC_OPS_128(d)
-               : "l"(a), "l"(b), "r"(1));
-}
-template <>
-__device__ __forceinline__ void wgmma_k16<128>(float* d, uint64_t a, uint64_t b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SG_WGMMA_ACC_REGS_64
-               ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-               : SG_WGMMA_ACC_OPS_64(d)
-               : "l"(a), "l"(b), "r"(1));
-}
-
 // d[BN / 2] += A (64 x 16, bf16 in registers: the warpgroup's m64k16 A fragment, 4 words per thread) * B (16 x BN,
-// a K-major tile in shared memory, descriptor b): the register-operand form of wgmma_k16 (mixed_input_gemm_rs_kernel).
+// a K-major tile in shared memory, descriptor b): one warpgroup's m64nBNk16 WGMMA with A from registers into its fp32
+// fragment d. One specialization per shape: the instruction names each accumulator register (as CUTLASS's wrappers
+// do); its scale-d operand is a predicate, set to accumulate.
 // Fragment word j of a thread (lane l of warp w): row 16 w + l / 4 + 8 (j & 1), columns 2 (l % 4) + 8 (j >> 1)
 // + {0, 1}.
 template <int BN>
@@ -220,7 +170,7 @@ __device__ __forceinline__ void wgmma_rs_k16<64>(float* d, const uint32_t* a, ui
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// NF4's operands besides codes and absmax (the register-operand kernel only; unused by the other formats): its 16
+// NF4's operands besides codes and absmax (unused by the other formats): its 16
 // levels, the absmax block as a shift (a power of two >= 32 dividing K), and a double-quantized absmax's nested
 // operands (null when the absmax is fp32: then `scales` holds it; else `scales` holds its one-byte codes).
 struct Nf4Operands {
@@ -285,7 +235,7 @@ struct ProducerWeights {
   }
 };
 
-// Epilogue of both kernels, run by the 256 consumer threads once their last WGMMAs completed: the fp32 tile
+// The epilogue, run by the 256 consumer threads once their last WGMMAs completed: the fp32 tile
 // out[token][row] in shared memory (over the stage buffers, which both consumer warpgroups are done with), then rows
 // of y written 16 bytes at a time (accumulate: y + the sum, one rounding). m64nBM fragment of warpgroup cw:
 // acc[4j + 2h + e] = weight row 64 cw + 16 warp + lane / 4 + 8h, token 8j + 2 (lane % 4) + e. Row stride kOutLd
@@ -345,7 +295,7 @@ __device__ __forceinline__ void store_tile(const float* acc, float* out, const f
   }
 }
 
-// The K-split epilogue of the register-operand kernel (few tokens: gridDim.z CTAs of one thread-block cluster hold
+// The K-split epilogue (few tokens: gridDim.z CTAs of one thread-block cluster hold
 // fp32 partial tiles over consecutive K ranges, in out[token][row] of each one's shared memory). Run by all threads
 // of every CTA of the cluster: each CTA sums a strided share of the tile over ranks 0 .. split - 1 in order (the same
 // sum whichever CTA computes it: deterministic), times the NVFP4 global, (+ y,) one rounding.
@@ -379,7 +329,7 @@ __device__ __forceinline__ void reduce_split_tile(float* out, const float* __res
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
-// Both kernels' ring of stages: full[s] counts the producer's 128 threads (plus the x tile's TMA bytes), empty[s] the
+// The ring of stages: full[s] counts the producer's 128 threads (plus the x tile's TMA bytes), empty[s] the
 // consumers' 256 threads. Called by every thread of the CTA (it ends in a CTA barrier).
 template <int STAGES>
 __device__ __forceinline__ void init_ring(const CUtensorMap* x_map, uint64_t* full, uint64_t* empty) {
@@ -395,113 +345,7 @@ __device__ __forceinline__ void init_ring(const CUtensorMap* x_map, uint64_t* fu
   __syncthreads();
 }
 
-// accumulate: y += the product (y read in the epilogue, one rounding of the fp32 sum), else y = the product.
-// x_map: x [M, K] bf16 as a TMA tensor map, box 64 columns x BM rows, 128-byte swizzle, zeros out of bounds.
-// Tiles: a_tiles holds x (BM rows), b_tiles the decoded weight (128 rows), each K-major with 128-byte rows.
-template <int FMT, int BM>
-__global__ void __launch_bounds__(kThreads, 1)
-    mixed_input_gemm_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
-                            const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
-                            __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate, Nf4Operands, int) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kATile = Tile<BM>::kATile;
-  using Weights = ProducerWeights<FMT, kBN>;
-  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
-  const uint32_t a_tiles = base, b_tiles = base + kStages * kATile;
-  const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
-  const int m0 = blockIdx.y * BM;
-  const int64_t n0 = (int64_t)blockIdx.x * kBN;
-  const int kblocks = (K + kBK - 1) / kBK;
-  init_ring<kStages>(&x_map, full, empty);
-
-  if (wg == 0) {
-    // ---- producer: per stage, the x tile by TMA and the weight tile decoded from codes loaded two stages ahead
-    const Weights wts(w, scales, n0, N, K, t);
-    const E2M1Tables tables((uint32_t)(M >> 31));  // 0 (M > 0), not provably: the tables stay in registers
-    LaneWeights ring[3][Weights::kRows];
-#pragma unroll
-    for (int p = 0; p < 3; ++p)
-#pragma unroll
-      for (int i = 0; i < Weights::kRows; ++i) ring[p][i] = wts.load(i, p, K);
-    // x tiles go one stage ahead of the decode: the TMA's round trip overlaps a stage's decode. A stage is free for
-    // both once its empty barrier has passed, which is waited on here before its x tile is requested.
-    auto request_x = [&](int kb) {
-      const int s = kb % kStages;
-      mbar_wait(smem_addr(&empty[s]), ((kb / kStages) & 1) ^ 1);  // (open on the first pass)
-      if (t == 0) {
-        mbar_expect_tx(smem_addr(&full[s]), kATile);
-        tma_load_2d(a_tiles + s * kATile, &x_map, kb * kBK, m0, smem_addr(&full[s]));
-      }
-    };
-    request_x(0);
-    for (int kb0 = 0; kb0 < kblocks; kb0 += 3) {
-#pragma unroll
-      for (int p = 0; p < 3; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
-        const int kb = kb0 + p;
-        if (kb >= kblocks) break;
-        const int s = kb % kStages;
-        const uint32_t full_s = smem_addr(&full[s]);
-        if (kb + 1 < kblocks) request_x(kb + 1);
-#pragma unroll
-        for (int i = 0; i < Weights::kRows; ++i) {
-          uint32_t v[16];
-          decode_lane<FMT>(ring[p][i], nullptr, tables, v);
-          if (kb + 3 < kblocks) ring[p][i] = wts.load(i, kb + 3, K);  // (a slot past the end is not decoded again)
-          const int row = (t >> 1) + 64 * i, c0 = 4 * (t & 1);
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            st_shared16(b_tiles + s * kBTile + swizzled(row, c0 + c), v[4 * c], v[4 * c + 1], v[4 * c + 2],
-                        v[4 * c + 3]);
-        }
-        fence_proxy_async();
-        mbar_arrive(full_s);
-      }
-    }
-    return;
-  }
-
-  // ---- consumers: warpgroup wg - 1 owns weight rows 64 (wg - 1) .. + 64 of the tile, all BM tokens: one
-  // m64nBMk16 WGMMA per 16 columns of K, A the decoded weight tile, B the x tile (the product is y^T)
-  const int cw = wg - 1;
-  float acc[BM / 2];
-#pragma unroll
-  for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-  for (int kb = 0; kb < kblocks; ++kb) {
-    const int s = kb % kStages;
-    mbar_wait(smem_addr(&full[s]), (kb / kStages) & 1);
-    const uint32_t a = b_tiles + s * kBTile + cw * 64 * 128, b = a_tiles + s * kATile;
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBK / 16; ++k) wgmma_k16<BM>(acc, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
-    wgmma_commit();
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-    wgmma_wait<1>();  // the previous stage's WGMMAs are done: its tiles may be refilled
-    if (kb > 0) mbar_arrive(smem_addr(&empty[(kb - 1) % kStages]));
-  }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-
-  // the stages are free once both consumer warpgroups are done (the producer left after its last stage)
-  static_assert(BM * kOutLd * 4 <= kStages * (Tile<BM>::kATile + kBTile), "the output tile fits the stages");
-  store_tile<FMT, BM>(acc, reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw))), gscale, y, M, N, m0, n0,
-                      cw, t, accumulate);
-#endif
-}
-
-// ---- The register-operand variant (SUROGATE_HF_MIXED_INPUT_KERNEL=rs): the consumers decode their own A fragments.
-// The kernel above leaves the decode to one producer warp per scheduler, which the profile shows the consumers
-// waiting on. Here the producer only moves bytes: per 64-column stage the TMA copies the x tile, and the producer's
-// 128 threads store the stage's 128 x 64 weight codes (4 KiB) and scales into shared memory, the codes regrouped so
-// that a consumer thread's fragment bytes are 8 contiguous bytes per row. Each consumer warpgroup then decodes its
-// own m64k16 A fragments into registers (8 warps share the decode, overlapped with the asynchronous WGMMAs) and
-// issues register-operand WGMMAs (wgmma_rs_k16) against the x tile. Same tile, ring, epilogue and numerics as the
-// kernel above: the decoded element is the reference's, exact in bf16; the NVFP4 global multiplies the fp32 sum.
+// ---- The kernel: the producer only moves bytes, the consumers decode their own A fragments (header above).
 //
 // Codes tile of a stage: 128 rows x 32 bytes; row r's bytes 8q .. 8q + 7 are, for q = 0..3, byte q of each of the
 // row's 8 code words in K order (word i = codes of columns 8i .. 8i + 7). A consumer thread with lane % 4 == q
@@ -511,13 +355,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
 constexpr int kCodeTile = kBN * 32;
 constexpr int kScaleTile = kBN * 8;
-// The register-operand kernel's tiles of BM tokens:
+// The kernel's tiles of BM tokens:
 // - CTAs per SM: 64-token tiles (<= 64 tokens, 32 accumulators a thread) run two at <= 80 registers with no register
 //   trade, so that a K-split grid has twice the clusters resident; wider tiles run one, whose consumers take the
 //   producer's registers by setmaxnreg (their 128 or 64 accumulators and four A fragments in flight).
-// - Ring depth: 256- and 128-token tiles take a deeper ring than the smem kernel's (their stages hold no bf16 weight
-//   tile), 5 stages (186 / 106 KiB; -1% to +9% at 8192 tokens on the H200, where the consumers had waited on the
-//   stage-full barrier); 64-token tiles keep 4 (53 KiB each, two CTAs per SM).
+// - Ring depth: 256- and 128-token tiles take 5 stages (186 / 106 KiB: the stages hold codes, not a bf16 weight tile;
+//   -1% to +9% at 8192 tokens on the H200 against 4, where the consumers had waited on the stage-full barrier);
+//   64-token tiles keep 4 (53 KiB each, two CTAs per SM).
 template <int BM>
 struct RsTile {
   static constexpr int kCtasPerSm = BM == 64 ? 2 : 1;
@@ -760,23 +604,19 @@ struct Call {
   bool accumulate;
 };
 
-template <int FMT, int BM, bool RS>
-constexpr auto kernel_of() {  // (one of the two instantiated: the shared-memory kernel has no NF4)
-  if constexpr (RS) return mixed_input_gemm_rs_kernel<FMT, BM>;
-  else return mixed_input_gemm_kernel<FMT, BM>;
-}
+template <int FMT, int BM>
+constexpr auto kernel_of() { return mixed_input_gemm_rs_kernel<FMT, BM>; }
 
-template <int FMT, int BM, bool RS>
-constexpr int smem_bytes_of() { return RS ? RsTile<BM>::kSmemBytes : Tile<BM>::kSmemBytes; }
+template <int BM>
+constexpr int smem_bytes_of() { return RsTile<BM>::kSmemBytes; }
 
 // the kernel's opt-in to its dynamic shared memory, once per device
-template <int FMT, int BM, bool RS>
+template <int FMT, int BM>
 cudaError_t prepare(int dev) {
   static std::once_flag opted[kMaxDevices];
   cudaError_t err = cudaSuccess;
   std::call_once(opted[dev], [&] {
-    err = cudaFuncSetAttribute(kernel_of<FMT, BM, RS>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes_of<FMT, BM, RS>());
+    err = cudaFuncSetAttribute(kernel_of<FMT, BM>(), cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes_of<BM>());
   });
   return err;
 }
@@ -797,7 +637,7 @@ cudaLaunchConfig_t launch_config(dim3 grid, int smem_bytes, int split, cudaLaunc
   return cfg;
 }
 
-// Clusters of `split` CTAs of the few-token register-operand kernel that fit on device dev at once (cached): a grid
+// Clusters of `split` CTAs of the 64-token tiles that fit on device dev at once (cached): a grid
 // past it would run a second, nearly empty wave (as the few-token kernel found).
 template <int FMT>
 int cluster_capacity(int dev, int split) {
@@ -811,11 +651,11 @@ int cluster_capacity(int dev, int split) {
   }
   int n = 0;
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = launch_config(dim3(1, 1, (unsigned)split), smem_bytes_of<FMT, 64, true>(), split, attr,
+  cudaLaunchConfig_t cfg = launch_config(dim3(1, 1, (unsigned)split), smem_bytes_of<64>(), split, attr,
                                          nullptr);
   cfg.numAttrs = 1;
-  if (prepare<FMT, 64, true>(dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveClusters(&n, kernel_of<FMT, 64, true>(), &cfg) != cudaSuccess || n < 1) {
+  if (prepare<FMT, 64>(dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&n, kernel_of<FMT, 64>(), &cfg) != cudaSuccess || n < 1) {
     (void)cudaGetLastError();
     n = 1;
   }
@@ -825,10 +665,10 @@ int cluster_capacity(int dev, int split) {
 }
 
 // One launch: BM-token x 128-row tiles; with split > 1, each tile's K in `split` runs of steps_per_split stages by
-// the CTAs of one cluster (the register-operand kernel only)
-template <int FMT, int BM, bool RS>
+// the CTAs of one cluster
+template <int FMT, int BM>
 cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, cudaStream_t stream) {
-  cudaError_t err = prepare<FMT, BM, RS>(dev);
+  cudaError_t err = prepare<FMT, BM>(dev);
   if (err != cudaSuccess) return err;
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
@@ -844,8 +684,8 @@ cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, 
     return cudaErrorInvalidValue;
   const dim3 grid((unsigned)((c.N + kBN - 1) / kBN), (unsigned)((c.M + BM - 1) / BM), (unsigned)split);
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = launch_config(grid, smem_bytes_of<FMT, BM, RS>(), split, attr, stream);
-  return cudaLaunchKernelEx(&cfg, kernel_of<FMT, BM, RS>(), map, c.w, c.scales, c.gscale,
+  const cudaLaunchConfig_t cfg = launch_config(grid, smem_bytes_of<BM>(), split, attr, stream);
+  return cudaLaunchKernelEx(&cfg, kernel_of<FMT, BM>(), map, c.w, c.scales, c.gscale,
                             reinterpret_cast<__nv_bfloat16*>(c.y), c.M, c.N, c.K, c.accumulate, c.nf4,
                             steps_per_split);
 }
@@ -853,15 +693,15 @@ cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, 
 // 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs).
 // (64-token tiles at two CTAs per SM for the k/v projections at 2048 tokens, where even 128-token ones make at most
 // one CTA per SM, were measured slower: 0.41-0.44x cuBLAS against 0.55-0.59x, H200, aa68787.)
-template <int FMT, bool RS>
+template <int FMT>
 cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
   const int64_t wide = (int64_t)((c.N + kBN - 1) / kBN) * ((c.M + 255) / 256);
   const int steps = (c.K + kBK - 1) / kBK;
-  if (2 * wide > sms) return launch_tile<FMT, 256, RS>(c, 1, steps, dev, stream);
-  return launch_tile<FMT, 128, RS>(c, 1, steps, dev, stream);
+  if (2 * wide > sms) return launch_tile<FMT, 256>(c, 1, steps, dev, stream);
+  return launch_tile<FMT, 128>(c, 1, steps, dev, stream);
 }
 
-// At most 64 tokens (the register-operand kernel): 64-token tiles (m64n64 WGMMAs), K split over the largest cluster
+// At most 64 tokens: 64-token tiles (m64n64 WGMMAs), K split over the largest cluster
 // (<= 8 CTAs, <= one per stage) whose clusters all fit on the GPU at once, so that the weight streams through every SM.
 template <int FMT>
 cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
@@ -873,10 +713,10 @@ cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
       break;
     }
   const int per = (steps + split - 1) / split;
-  return launch_tile<FMT, 64, true>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
+  return launch_tile<FMT, 64>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }
 
-// NF4's operands for the register-operand kernel into *out, or false where they break its requirements: levels,
+// NF4's operands for the kernel into *out, or false where they break its requirements: levels,
 // blocks a power of two >= 32 dividing K, and a nested absmax's three operands all or none
 bool nf4_operands(const float* levels, int nf4_block, int K, const float* nested_absmax, const float* nested_code,
                   const float* nested_offset, Nf4Operands* out) {
@@ -887,12 +727,6 @@ bool nf4_operands(const float* levels, int nf4_block, int K, const float* nested
     return false;
   *out = Nf4Operands{levels, nested_absmax, nested_code, nested_offset, shift};
   return true;
-}
-
-// SUROGATE_HF_MIXED_INPUT_KERNEL=rs: the register-operand kernel (read per call, so that one process can time both)
-bool rs_kernel_chosen() {
-  const char* v = std::getenv("SUROGATE_HF_MIXED_INPUT_KERNEL");
-  return v != nullptr && v[0] == 'r' && v[1] == 's' && v[2] == '\0';
 }
 
 }  // namespace
@@ -910,18 +744,17 @@ bool mixed_input_gemm_supported(int dev) {
     supported[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
                      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
                      major == 9 && minor == 0 &&
-                     cudaFuncGetAttributes(&attr, mixed_input_gemm_kernel<kNVFP4, 256>) == cudaSuccess &&
-                     attr.sharedSizeBytes >= 2 * kStages * sizeof(uint64_t);
+                     cudaFuncGetAttributes(&attr, mixed_input_gemm_rs_kernel<kNVFP4, 256>) == cudaSuccess &&
+                     attr.sharedSizeBytes >= 2 * RsTile<256>::kStages * sizeof(uint64_t);
   });
   return supported[dev];
 }
 
 // y [M, N] bf16 (+)= x [M, K] bf16 @ deq(W)^T; fmt 0 NVFP4 (scales E4M3 [N, K/16], gscale the fp32 decode global),
 // 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4 (bitsandbytes packing; scales the fp32 absmax per nf4_block elements, or its
-// one-byte codes with nested_absmax / nested_code / nested_offset; levels its 16 values; the register-operand kernel
-// only: nf4_block a power of two >= 32 dividing K). K % 32 == 0, x and w 16-byte aligned, y contiguous (the caller
-// checks, mixed_input_gemm_supported first). NVFP4 / MXFP4 take the register-operand kernel where
-// SUROGATE_HF_MIXED_INPUT_KERNEL=rs, else the shared-memory one.
+// one-byte codes with nested_absmax / nested_code / nested_offset; levels its 16 values; nf4_block a power of two
+// >= 32 dividing K). K % 32 == 0, x and w 16-byte aligned, y contiguous (the caller checks,
+// mixed_input_gemm_supported first).
 cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
                                     const float* gscale, const float* levels, int nf4_block,
                                     const float* nested_absmax, const float* nested_code, const float* nested_offset,
@@ -929,19 +762,14 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
                                     cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
   Call c{x, w, scales, gscale, {}, y, M, N, K, accumulate};
-  const bool few = M <= 64;  // (the register-operand kernel's K-split variant)
+  const bool few = M <= 64;  // (64-token tiles, K split over a cluster)
   if (fmt == kNF4) {
     if (!nf4_operands(levels, nf4_block, K, nested_absmax, nested_code, nested_offset, &c.nf4))
       return cudaErrorInvalidValue;
-    return few ? launch_few_tokens<kNF4>(c, dev, stream) : launch_fmt<kNF4, true>(c, sms, dev, stream);
+    return few ? launch_few_tokens<kNF4>(c, dev, stream) : launch_fmt<kNF4>(c, sms, dev, stream);
   }
-  if (rs_kernel_chosen()) {
-    if (fmt == kNVFP4)
-      return few ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_fmt<kNVFP4, true>(c, sms, dev, stream);
-    return few ? launch_few_tokens<kMXFP4>(c, dev, stream) : launch_fmt<kMXFP4, true>(c, sms, dev, stream);
-  }
-  if (fmt == kNVFP4) return launch_fmt<kNVFP4, false>(c, sms, dev, stream);
-  return launch_fmt<kMXFP4, false>(c, sms, dev, stream);
+  if (fmt == kNVFP4) return few ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_fmt<kNVFP4>(c, sms, dev, stream);
+  return few ? launch_few_tokens<kMXFP4>(c, dev, stream) : launch_fmt<kMXFP4>(c, sms, dev, stream);
 }
 
 cudaError_t launch_mixed_input_gemm_few_tokens(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,

@@ -7,7 +7,7 @@
 
 namespace surogate {
 
-// Whether the loaded library holds the kernels' SM90a code for device dev (an attribute query, safe under capture).
+// Whether the loaded library holds the kernel's SM90a code for device dev (an attribute query, safe under capture).
 bool mixed_input_gemm_supported(int dev);
 
 // y [M, N] bf16 (+)= x [M, K] bf16 @ deq(W)^T for an NVFP4 (fmt 0), MXFP4 (1) or NF4 (2) weight; the operands and

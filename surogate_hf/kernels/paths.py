@@ -128,12 +128,10 @@ def mixed_input_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability:
                        sm90a_built: bool, nf4_block: int = 64) -> bool:
     """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) is the extension's
     mixed-input WGMMA kernel (csrc/weight_only/mixed_input_gemm.cu, the weight decoded inside the GEMM) rather than a
-    dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the shared-memory kernel is correct on every shape but
-    still slower than decode + cuBLAS (0.77-0.82x bf16 cuBLAS against 0.85-0.92x on the H200's Llama-3.1-8B linears at
-    2048 tokens; docs/kernels.md); the register-operand kernel (NVFP4 / MXFP4 with SUROGATE_HF_MIXED_INPUT_KERNEL=rs,
-    and NF4's only one) is 2-15% faster than it, still below decode + cuBLAS (NVFP4 / MXFP4 0.79-0.93x bf16 cuBLAS
-    on the H200's 8B / 1.7B linears at 2048 / 8192 tokens, the k/v ones 0.55-0.59x at 2048; results/large_m_s23.md,
-    large_m_ring_s23.md). Where opted in: NVFP4, MXFP4 or NF4 (blocks a power of two >= 32 dividing K),
+    dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the kernel (the consumers decode their register
+    operands) is correct on every shape but still below decode + cuBLAS on most linears (NVFP4 / MXFP4 0.79-0.93x bf16
+    cuBLAS on the H200's 8B / 1.7B linears at 2048 / 8192 tokens, the k/v ones 0.55-0.59x at 2048;
+    results/large_m_s23.md, large_m_ring_s23.md; docs/kernels.md). Where opted in: NVFP4, MXFP4 or NF4 (blocks a power of two >= 32 dividing K),
     >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute capability 9.0 GPU (WGMMA) and an extension compiled
     for sm_90a (kernels.ext.sm90a_built). The C++ (mixed_input_applies) decides by the same rule,
     plus 16-byte aligned contiguous operands. The input gradient keeps decode + cuBLAS."""

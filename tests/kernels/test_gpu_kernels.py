@@ -476,7 +476,7 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
     tokens: within one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T with the
     kernel's decode, bit-identical from run to run, and what the forward op runs for bf16 x on an SM90 GPU. Where
     paths.few_token_wgmma holds (large weights from 40 tokens), the op's result is the register-operand
-    WGMMA kernel's, bit for bit (ext_mixed_input_gemm with SUROGATE_HF_MIXED_INPUT_KERNEL=rs)."""
+    WGMMA kernel's, bit for bit (ext_mixed_input_gemm)."""
     from surogate_hf.kernels import ext
 
     _built_extension()
@@ -499,9 +499,7 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
         if m <= paths.FEW_TOKEN_MAX_TOKENS:  # (the kernel takes up to 64 tokens; the ops route it up to this count)
             assert torch.equal(fwd(x, *args), y), f"{fmt} [{n}, {k}] M={m}: the forward op took another kernel"
         if paths.few_token_wgmma(fmt, m, n, k, torch.cuda.get_device_capability(), ext.sm90a_built()):
-            monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
             wgmma = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, {"nvfp4": 16, "mxfp4": 32}.get(fmt, 64))
-            monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL")
             assert torch.equal(y, wgmma), f"{fmt} [{n}, {k}] M={m}: not the WGMMA kernel's result"
 
 
@@ -530,21 +528,17 @@ def _mixed_input_operands(fmt, n, k):
 
 
 @pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")
-@pytest.mark.parametrize("kernel, fmt", [("smem", "nvfp4"), ("smem", "mxfp4"), ("rs", "nvfp4"), ("rs", "mxfp4"),
-                                         ("rs", "nf4"), ("rs", "nf4_nested")])
-def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
-    """csrc's many-token mixed-input GEMMs (surogate::ext_mixed_input_gemm, WGMMA with the weight decoded in the main
-    loop: into shared memory by a producer warpgroup, or into register operands by the consumers with
-    SUROGATE_HF_MIXED_INPUT_KERNEL=rs, NF4's only kernel) on every linear of the table (and a K with a half 64-column
-    stage, an odd N) at 512 to 2048 tokens: within one bf16 rounding (plus fp32 summation-order slack) of
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "nf4_nested"])
+def test_mixed_input_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
+    """csrc's many-token mixed-input GEMM (surogate::ext_mixed_input_gemm, WGMMA with the weight decoded in the main
+    loop into register operands by the consumer warpgroups) on every linear of the table (and a K with a half
+    64-column stage, an odd N) at 512 to 2048 tokens: within one bf16 rounding (plus fp32 summation-order slack) of
     x.float() @ deq(W).float().T, bit-identical from run to run, and, opted in (SUROGATE_HF_MIXED_INPUT=1), what the
-    decode route's forward runs for bf16 x. The two NVFP4 / MXFP4 kernels issue the same WGMMA sequence on the same
-    exact bf16 operands: their outputs are equal."""
+    decode route's forward runs for bf16 x."""
     from surogate_hf.kernels import ext
 
     _built_extension()
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
-    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL", raising=False)
     k, n = nk
     base_fmt = fmt.split("_")[0]
     if base_fmt == "nf4" and k % 64:
@@ -556,14 +550,7 @@ def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
     block = {"nvfp4": 16, "mxfp4": 32}.get(base_fmt, 64)
     for m in MANY_TOKENS:
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
-        if kernel == "rs" and base_fmt != "nf4":
-            monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT_KERNEL", raising=False)
-            y_smem = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block)
-            monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
         y = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
-        if kernel == "rs" and base_fmt != "nf4":
-            assert torch.equal(y, y_smem), (f"{fmt} [{n}, {k}] M={m}: the rs kernel differs from the smem kernel; "
-                                            + _where_wrong(y != y_smem))
         _assert_within_one_rounding(y, x, wref, f"{fmt} [{n}, {k}] M={m}")
         again = torch.ops.surogate.ext_mixed_input_gemm(x, *op_args, n, k, block, *nested)
         assert torch.equal(y, again), f"{fmt} [{n}, {k}] M={m}: not deterministic; " + _where_wrong(y != again)
@@ -576,15 +563,13 @@ def test_mixed_input_kernel_over_the_shapes_table(kernel, fmt, nk, monkeypatch):
 
 @pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "nf4_nested"])
-def test_mixed_input_rs_kernel_at_few_tokens(fmt, nk, monkeypatch):
-    """The register-operand kernel at 1 to 64 tokens (ext_mixed_input_gemm with SUROGATE_HF_MIXED_INPUT_KERNEL=rs,
-    NF4 always): 64-token tiles with K split over a thread-block cluster whose fp32 partials are summed through
+def test_mixed_input_kernel_at_few_tokens(fmt, nk):
+    """The mixed-input kernel at 1 to 64 tokens (ext_mixed_input_gemm): 64-token tiles with K split over a thread-block cluster whose fp32 partials are summed through
     distributed shared memory in rank order. Within one bf16 rounding (plus fp32 summation-order slack) of
     x.float() @ deq(W).float().T and bit-identical from run to run, on every linear of the table."""
     from surogate_hf.kernels import ext
 
     _built_extension()
-    monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT_KERNEL", "rs")
     k, n = nk
     base_fmt = fmt.split("_")[0]
     if base_fmt == "nf4" and k % 64:
