@@ -5,8 +5,8 @@
 #   bash benchmarks/device_run.sh bench     [OUTDIR]   # eager end-to-end benchmarks of the open targets (~6 min)
 #   bash benchmarks/device_run.sh compiled  [OUTDIR]   # compiled layers: CUDA graphs, the casts as one op (~9 min)
 #   bash benchmarks/device_run.sh rows      [OUTDIR]   # QLoRA on the shapes.md rows below 2B, eager (~5 min)
-#   bash benchmarks/device_run.sh large_m   [OUTDIR]   # the weight-only route's GPU tests (decode, both mixed-input
-#                                                      # kernels, the module route), then bench_large_m (~8 min)
+#   bash benchmarks/device_run.sh large_m   [OUTDIR]   # the weight-only route's GPU tests (decode, the mixed-input
+#                                                      # kernel, the module route), then bench_large_m (~8 min)
 #   bash benchmarks/device_run.sh few       [OUTDIR]   # the few-token op (mma kernel; WGMMA K-split for large weights
 #                                                      # from 40 tokens): GPU tests, determinism stress, bench (~5 min)
 #   bash benchmarks/device_run.sh large_m_e2e [OUTDIR] # 4-bit QLoRA steps (Qwen3-1.7B), decode + cuBLAS against
@@ -72,12 +72,12 @@ case "$what" in
     ;;
   large_m)
     step build 150 python3 -m surogate_hf.kernels.build
-    # the register-operand kernel (first run) in a process of its own: a crash there must not cost the other results
+    # the mixed-input kernel in a process of its own: a crash there must not cost the other results
     step gpu_weight_only 200 python3 -m pytest -q tests/kernels/test_gpu_decoded_linear.py \
         tests/integrations/test_decoded_route.py tests/kernels/test_gpu_kernels.py \
-        -k "test_gpu_decoded_linear or test_decoded_route or (mixed_input and smem) or modules_match_cpu" \
+        -k "test_gpu_decoded_linear or test_decoded_route or modules_match_cpu" \
         -p no:cacheprovider -p no:logging --tb=short
-    step gpu_mixed_rs 150 python3 -m pytest -q tests/kernels/test_gpu_kernels.py -k "mixed_input and (rs or few)" \
+    step gpu_mixed_rs 150 python3 -m pytest -q tests/kernels/test_gpu_kernels.py -k "mixed_input" \
         -p no:cacheprovider -p no:logging --tb=short -x
     rs_rc=$?
     cd benchmarks

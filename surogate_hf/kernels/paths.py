@@ -131,10 +131,10 @@ def mixed_input_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability:
     dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the kernel (the consumers decode their register
     operands) is correct on every shape but still below decode + cuBLAS on most linears (NVFP4 / MXFP4 0.79-0.93x bf16
     cuBLAS on the H200's 8B / 1.7B linears at 2048 / 8192 tokens, the k/v ones 0.55-0.59x at 2048;
-    results/large_m_s23.md, large_m_ring_s23.md; docs/kernels.md). Where opted in: NVFP4, MXFP4 or NF4 (blocks a power of two >= 32 dividing K),
-    >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute capability 9.0 GPU (WGMMA) and an extension compiled
-    for sm_90a (kernels.ext.sm90a_built). The C++ (mixed_input_applies) decides by the same rule,
-    plus 16-byte aligned contiguous operands. The input gradient keeps decode + cuBLAS."""
+    results/large_m_s23.md, large_m_ring_s23.md; docs/kernels.md). Where opted in: NVFP4, MXFP4 or NF4 (blocks a
+    power of two >= 32 dividing K), >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute capability 9.0 GPU
+    (WGMMA) and an extension compiled for sm_90a (kernels.ext.sm90a_built). The C++ (mixed_input_applies) decides by
+    the same rule, plus 16-byte aligned contiguous operands. The input gradient keeps decode + cuBLAS."""
     nf4_ok = nf4_block >= 32 and nf4_block & (nf4_block - 1) == 0 and k % nf4_block == 0
     return (fmt in ("nvfp4", "mxfp4", "nf4") and (fmt != "nf4" or nf4_ok) and m >= MIXED_INPUT_MIN_TOKENS
             and dtype == torch.bfloat16 and k % 32 == 0 and capability is not None and tuple(capability) == (9, 0)
