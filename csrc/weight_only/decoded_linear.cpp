@@ -156,13 +156,54 @@ struct BlasOperand {
   bool ok;
 };
 
-BlasOperand blas_operand(const at::Tensor& t) {
-  if (t.dim() != 2 || t.is_conj() || t.is_neg()) return {'n', 0, false};
-  if (t.is_contiguous()) return {'n', t.stride(0), t.stride(0) >= 1};
-  if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(1, t.size(0))) return {'t', t.stride(1), true};
-  if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, t.size(1))) return {'n', t.stride(0), true};
+// That operand for a 2-D view with these sizes and strides (is_contiguous as ATen computes it: size-1 dims skipped)
+BlasOperand blas_layout(int64_t size0, int64_t size1, int64_t stride0, int64_t stride1) {
+  const bool contiguous = size0 == 0 || size1 == 0 ||
+                          ((size1 == 1 || stride1 == 1) && (size0 == 1 || stride0 == (size1 == 1 ? 1 : size1)));
+  if (contiguous) return {'n', stride0, stride0 >= 1};
+  if (stride0 == 1 && stride1 >= std::max<int64_t>(1, size0)) return {'t', stride1, true};
+  if (stride1 == 1 && stride0 >= std::max<int64_t>(1, size1)) return {'n', stride0, true};
   return {'n', 0, false};
 }
+
+// A logical 2-D GEMM operand: a tensor's [r0, c0] view with strides (s0, s1), or its transpose (flipped), described
+// without ATen view ops: the route's GEMMs took ~10 views and no-op casts per LoRA linear and step, each about a
+// microsecond of host time at a small model's widths, where the step is bound by host time. blas() is blas_layout of
+// the view it stands for, so cuBLAS gets the arguments the view would have given it; only the aten fallback builds the
+// view (tensor()).
+struct Mat {
+  at::Tensor src;
+  int64_t r0 = 0, c0 = 0, s0 = 0, s1 = 0;  // the view as made, before any t()
+  bool flipped = false;                    // t() applied (an odd number of times)
+  int64_t rows() const { return flipped ? c0 : r0; }
+  int64_t cols() const { return flipped ? r0 : c0; }
+  Mat t() const { return {src, r0, c0, s0, s1, !flipped}; }
+  BlasOperand blas() const {
+    if (src.is_conj() || src.is_neg()) return {'n', 0, false};
+    return flipped ? blas_layout(c0, r0, s1, s0) : blas_layout(r0, c0, s0, s1);
+  }
+  at::Tensor tensor() const {  // the view itself (the aten fallback's operand)
+    const at::Tensor v = src.dim() == 2 ? src : src.as_strided({r0, c0}, {s0, s1});
+    return flipped ? v.t() : v;
+  }
+};
+
+// A 2-D tensor as it is
+Mat mat(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 2, "ext_decoded_linear: a GEMM operand must be 2-D, got ", t.sizes());
+  return {t, t.size(0), t.size(1), t.stride(0), t.stride(1), false};
+}
+
+// A tensor of any rank as [numel / cols, cols], as t.reshape({-1, cols}) views it (x [..., k] as the GEMM's [M, k]):
+// a contiguous one without the view op
+Mat rows_of(const at::Tensor& t, int64_t cols) {
+  if (t.dim() == 2 && t.size(1) == cols) return mat(t);
+  if (cols > 0 && t.is_contiguous()) return {t, t.numel() / cols, cols, cols, 1, false};
+  return mat(t.reshape({-1, cols}));
+}
+
+// t itself when it already has dtype dt (no dispatcher call for the no-op cast), else t.to(dt)
+at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dt) { return t.scalar_type() == dt ? t : t.to(dt); }
 
 // The option's value "reduced-precision reductions allowed": a bool in older torch, CuBLASReductionOption's first value
 // (AllowReducedPrecisionWithSplitK, torch's default) in newer.
@@ -184,52 +225,67 @@ bool cublas_gemm_matches_aten(at::ScalarType dt) {
   return false;
 }
 
-// out [M, N] (contiguous) = alpha * a [M, K] @ b [K, N] + beta * out, as at::addmm_out(out, out, a, b, beta, alpha)
-// computes it, minus its dispatch: the cublasGemmEx call ATen makes for a bf16 / fp16 GEMM (at::cuda::blas::gemm is not
-// exported), with the same arguments: row-major out is column-major out^T = b^T a^T, fp32 compute, the default
+// One op call's GEMM context: whether its dtype's GEMMs are the direct cuBLAS call, and then the handle, fetched once
+// (at::cuda::getCurrentCUDABlasHandle binds the current stream and torch's workspace to it on every call; an op's
+// GEMMs all run on one stream). The math mode is set per GEMM: an aten fallback in between may change it.
+struct Blas {
+  at::ScalarType dt;
+  bool direct;
+  cublasHandle_t handle;
+  explicit Blas(at::ScalarType dtype)
+      : dt(dtype), direct(cublas_gemm_matches_aten(dtype)),
+        handle(direct ? at::cuda::getCurrentCUDABlasHandle() : nullptr) {}
+};
+
+// out (contiguous, holding [M, N]) = alpha * a [M, K] @ b [K, N] + beta * out, as at::addmm_out(out, out, a, b, beta,
+// alpha) computes it, minus its dispatch: the cublasGemmEx call ATen makes for a bf16 / fp16 GEMM (at::cuda::blas::gemm
+// is not exported), with the same arguments: row-major out is column-major out^T = b^T a^T, fp32 compute, the default
 // tensor-op algorithm, leading dimensions adjusted as ATen's _cublasAdjustLdLevel3 does. So the same kernel and bits
 // (the GPU tests compare against torch.addmm bit for bit). At a small model's widths a GEMM takes a few microseconds of
 // GPU time and its aten call as many of host time, and this route makes eight per LoRA linear per step. Other
 // layouts, dtypes or settings go through aten (beta 0: out is never read).
-void gemm_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha, double beta) {
+void gemm_into(const at::Tensor& out, const Mat& a, const Mat& b, double alpha, double beta, const Blas& blas) {
   // (aten checks these itself; cuBLAS would read out of bounds)
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
-                  out.size(1) == b.size(1),
-              "ext_decoded_linear: GEMM operands of mismatched shapes ", a.sizes(), " @ ", b.sizes(), " -> ",
-              out.sizes(), " (an adapter or input whose width is not the layer's?)");
-  const BlasOperand left = blas_operand(b), right = blas_operand(a);
-  const int64_t m = b.size(1), n = a.size(0), k = a.size(1);  // of the column-major product out^T [N, M]
+  TORCH_CHECK(a.cols() == b.rows() && out.numel() == a.rows() * b.cols(),
+              "ext_decoded_linear: GEMM operands of mismatched shapes [", a.rows(), ", ", a.cols(), "] @ [", b.rows(),
+              ", ", b.cols(), "] -> ", out.sizes(), " (an adapter or input whose width is not the layer's?)");
+  const int64_t m = b.cols(), n = a.rows(), k = a.cols();  // of the column-major product out^T [N, M]
   const auto dt = out.scalar_type();
-  const bool direct = left.ok && right.ok && m > 0 && n > 0 && k > 0 && out.is_contiguous() &&
-                      a.scalar_type() == dt && b.scalar_type() == dt && cublas_gemm_matches_aten(dt) &&
-                      m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && left.ld <= INT_MAX && right.ld <= INT_MAX;
+  const BlasOperand ab = a.blas(), bb = b.blas();
+  const bool direct = blas.direct && blas.dt == dt && ab.ok && bb.ok && m > 0 && n > 0 && k > 0 &&
+                      out.is_contiguous() && a.src.scalar_type() == dt && b.src.scalar_type() == dt &&
+                      m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && ab.ld <= INT_MAX && bb.ld <= INT_MAX;
   if (!direct) {
-    at::addmm_out(out, out, a, b, beta, alpha);
+    at::Tensor o = out.dim() == 2 ? out : out.view({a.rows(), b.cols()});
+    at::addmm_out(o, o, a.tensor(), b.tensor(), beta, alpha);
     return;
   }
-  int64_t lda = left.ld, ldb = right.ld, ldc = m;
-  const bool ta = left.trans == 't', tb = right.trans == 't';
+  int64_t lda = bb.ld, ldb = ab.ld, ldc = m;
+  const bool ta = bb.trans == 't', tb = ab.trans == 't';
   if (n <= 1) ldc = std::max<int64_t>(m, 1);
   if (ta ? m <= 1 : k <= 1) lda = std::max<int64_t>(ta ? k : m, 1);
   if (tb ? k <= 1 : n <= 1) ldb = std::max<int64_t>(tb ? n : k, 1);
   const cudaDataType_t type = dt == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   const float falpha = static_cast<float>(alpha), fbeta = static_cast<float>(beta);
-  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // on the current stream, with torch's workspace
-  TORCH_CUDABLAS_CHECK(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
-  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m,
-                                    (int)n, (int)k, &falpha, b.const_data_ptr(), type, (int)lda, a.const_data_ptr(),
-                                    type, (int)ldb, &fbeta, out.mutable_data_ptr(), type, (int)ldc,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
+  TORCH_CUDABLAS_CHECK(cublasSetMathMode(blas.handle, CUBLAS_DEFAULT_MATH));
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(blas.handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    (int)m, (int)n, (int)k, &falpha, b.src.const_data_ptr(), type, (int)lda,
+                                    a.src.const_data_ptr(), type, (int)ldb, &fbeta, out.mutable_data_ptr(), type,
+                                    (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
 }
 
-// alpha * (a @ b) as one GEMM into a fresh [M, N] (beta 0: the uninitialised output is never read)
-at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double alpha) {
-  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
-  gemm_into(out, a, b, alpha, 0.0);
+// alpha * (a @ b) as one GEMM into a fresh [M, N] (beta 0: the uninitialised output is never read); `shape`: the
+// output's sizes when not [M, N] (a caller's [..., N])
+at::Tensor scaled_mm(const Mat& a, const Mat& b, double alpha, const Blas& blas, at::IntArrayRef shape = {}) {
+  const std::array<int64_t, 2> mn{a.rows(), b.cols()};
+  at::Tensor out = at::empty(shape.empty() ? at::IntArrayRef(mn) : shape, a.src.options().dtype(blas.dt));
+  gemm_into(out, a, b, alpha, 0.0, blas);
   return out;
 }
 
-at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) { return scaled_mm(a, b, 1.0); }
+at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef shape = {}) {
+  return scaled_mm(a, b, 1.0, blas, shape);
+}
 
 // The forward's base GEMM as the mixed-input kernel (csrc/weight_only/mixed_input_gemm.cu: the weight decoded inside
 // the GEMM, no dense pass), opted into with SUROGATE_HF_MIXED_INPUT=1: it is correct on every shape but still slower
@@ -244,32 +300,33 @@ constexpr int64_t kMixedInputMinTokens = 512;
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
 // (the operands' sizes and dtypes are check_weight_operands', which the mixed-input path runs too: this is the rule)
-bool mixed_input_applies(const at::Tensor& x2, const Operands& op) {
+// x: the GEMM's input of m rows (any rank, [..., k])
+bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
   const char* opt_in = std::getenv("SUROGATE_HF_MIXED_INPUT");
   const bool enabled = opt_in != nullptr && std::string(opt_in) == "1";
   const bool nf4_blocks_ok = op.block >= 32 && (op.block & (op.block - 1)) == 0 && op.k % op.block == 0;
-  return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x2.scalar_type() == at::kBFloat16 &&
-         x2.size(0) >= kMixedInputMinTokens &&
-         x2.size(0) <= INT_MAX && op.n <= INT_MAX && op.k % 32 == 0 && x2.is_contiguous() && aligned16(x2) &&
-         aligned16(op.w) && surogate::mixed_input_gemm_supported(x2.get_device());
+  return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x.scalar_type() == at::kBFloat16 &&
+         m >= kMixedInputMinTokens &&
+         m <= INT_MAX && op.n <= INT_MAX && op.k % 32 == 0 && x.is_contiguous() && aligned16(x) &&
+         aligned16(op.w) && surogate::mixed_input_gemm_supported(x.get_device());
 }
 
-// y [M, n] (+)= x2 @ deq(W)^T by the mixed-input kernel (y contiguous; accumulate: one rounding of y + the fp32 sum,
-// as cuBLAS's beta = 1)
-void mixed_input_into(at::Tensor& y, const at::Tensor& x2, const Operands& op, bool accumulate) {
-  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.size(0) == x2.size(0) && y.size(1) == op.n,
+// y (contiguous, [M, n] as rows) (+)= x [M, k] (contiguous, any rank) @ deq(W)^T by the mixed-input kernel
+// (accumulate: one rounding of y + the fp32 sum, as cuBLAS's beta = 1)
+void mixed_input_into(at::Tensor& y, const at::Tensor& x, int64_t m, const Operands& op, bool accumulate) {
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.numel() == m * op.n,
               "ext_decoded_linear: the mixed-input GEMM's output must be a contiguous bf16 [M, n]");
-  const int dev = x2.get_device();
+  const int dev = x.get_device();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // (fp32 operands may be their int32 bytes: the kernels read the bits)
   auto f32 = [](const at::Tensor& t) { return t.defined() ? static_cast<const float*>(t.const_data_ptr()) : nullptr; };
   const bool nf4 = op.fmt == 2;
   const cudaError_t err = surogate::launch_mixed_input_gemm(
-      (int)op.fmt, x2.const_data_ptr(), reinterpret_cast<const uint8_t*>(op.w.const_data_ptr()),
+      (int)op.fmt, x.const_data_ptr(), reinterpret_cast<const uint8_t*>(op.w.const_data_ptr()),
       reinterpret_cast<const uint8_t*>(op.scales.const_data_ptr()), op.fmt == 0 ? f32(op.gscale) : nullptr,
       nf4 ? f32(op.levels) : nullptr, (int)op.block, nf4 ? f32(op.nested.absmax) : nullptr,
-      nf4 ? f32(op.nested.code) : nullptr, nf4 ? f32(op.nested.offset) : nullptr, y.mutable_data_ptr(),
-      (int)x2.size(0), (int)op.n, (int)op.k, accumulate, sms, dev, at::cuda::getCurrentCUDAStream());
+      nf4 ? f32(op.nested.code) : nullptr, nf4 ? f32(op.nested.offset) : nullptr, y.mutable_data_ptr(), (int)m,
+      (int)op.n, (int)op.k, accumulate, sms, dev, at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) (void)cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, "ext_decoded_linear: mixed-input GEMM launch failed: ", cudaGetErrorString(err));
 }
@@ -280,57 +337,76 @@ void mixed_input_into(at::Tensor& y, const at::Tensor& x2, const Operands& op, b
 // math, reads it in the epilogue at little cost. (The other order made the rank-r GEMM read and write y: a profiled
 // compiled Qwen3-1.7B step spent ~16 ms of its 168 ms in those accumulating GEMMs.)
 // The adapter's share of the forward, (+ bias) + scaling * (xl2 A^T) B^T, which the base GEMM then accumulates onto;
-// h = xl2 A^T goes to *h_out. dt: x's dtype, which A, B and the bias are cast to.
-at::Tensor adapter_output(const at::Tensor& xl2, const at::Tensor& bias, const at::Tensor& lora_a,
-                          const at::Tensor& lora_b, double scaling, at::ScalarType dt, at::Tensor* h_out) {
-  at::Tensor h = gemm(xl2, lora_a.to(dt).t());
-  const at::Tensor bt = lora_b.to(dt).t();
-  at::Tensor y = bias.defined() ? at::addmm(bias.to(dt), h, bt, 1.0, scaling) : scaled_mm(h, bt, scaling);
+// h = xl2 A^T goes to *h_out. dt: x's dtype, which A, B and the bias are cast to. y_shape: y's sizes ([..., n]).
+at::Tensor adapter_output(const Mat& xl2, const at::Tensor& bias, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                          double scaling, const Blas& blas, at::IntArrayRef y_shape, at::Tensor* h_out) {
+  const auto dt = blas.dt;
+  at::Tensor h = gemm(xl2, mat(as_dtype(lora_a, dt)).t(), blas);
+  const Mat bt = mat(as_dtype(lora_b, dt)).t();
+  at::Tensor y;
+  if (bias.defined()) {
+    y = at::addmm(as_dtype(bias, dt), h, bt.tensor(), 1.0, scaling);
+    if (y.sizes() != y_shape) y = at::_unsafe_view(y, y_shape);
+  } else {
+    y = scaled_mm(mat(h), bt, scaling, blas, y_shape);
+  }
   if (h_out) *h_out = h;
   return y;
 }
 
-at::Tensor forward_2d(const at::Tensor& x2, const at::Tensor& xl2, const Operands& op, const at::Tensor& bias,
-                      const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling, at::Tensor* h_out) {
-  const auto dt = x2.scalar_type();
-  if (mixed_input_applies(x2, op)) {  // the same sums as below, without the dense weight
+// y [..., n] (y_shape) = x deq(W)^T (+ bias) (+ the adapter's share) for x [..., k] (its rows: [M, k])
+at::Tensor forward_rows(const at::Tensor& x, const at::Tensor& x_lora, const Operands& op, const at::Tensor& bias,
+                        const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling, at::IntArrayRef y_shape,
+                        at::Tensor* h_out) {
+  const auto dt = x.scalar_type();
+  const Blas blas(dt);
+  const Mat x2 = rows_of(x, op.k);
+  const Mat xl2 = x_lora.defined() ? rows_of(x_lora, op.k) : x2;
+  if (mixed_input_applies(x, x2.rows(), op)) {  // the same sums as below, without the dense weight
     op.check();
-    at::Tensor y = lora_a.defined() ? adapter_output(xl2, bias, lora_a, lora_b, scaling, dt, h_out)
-                   : bias.defined() ? bias.to(dt).expand({x2.size(0), op.n}).contiguous()
-                                    : at::empty({x2.size(0), op.n}, x2.options());
-    mixed_input_into(y, x2, op, lora_a.defined() || bias.defined());
+    at::Tensor y = lora_a.defined() ? adapter_output(xl2, bias, lora_a, lora_b, scaling, blas, y_shape, h_out)
+                   : bias.defined() ? as_dtype(bias, dt).expand(y_shape).contiguous()
+                                    : at::empty(y_shape, x.options());
+    mixed_input_into(y, x, x2.rows(), op, lora_a.defined() || bias.defined());
     return y;
   }
-  const at::Tensor wt = op.decode(dt).t();
-  if (!lora_a.defined()) return bias.defined() ? at::addmm(bias.to(dt), x2, wt) : gemm(x2, wt);
-  at::Tensor y = adapter_output(xl2, bias, lora_a, lora_b, scaling, dt, h_out);
-  gemm_into(y, x2, wt, 1.0, 1.0);
+  const Mat wt = mat(op.decode(dt)).t();
+  if (!lora_a.defined()) {
+    if (!bias.defined()) return gemm(x2, wt, blas, y_shape);
+    return at::_unsafe_view(at::addmm(as_dtype(bias, dt), x2.tensor(), wt.tensor()), y_shape);
+  }
+  at::Tensor y = adapter_output(xl2, bias, lora_a, lora_b, scaling, blas, y_shape, h_out);
+  gemm_into(y, x2, wt, 1.0, 1.0, blas);
   return y;
 }
 
-// The backward on 2-D operands: (dx, dx_lora, dA, dB), each undefined where not wanted. dy2 [M, n]; xl2 [M, k] is the
-// adapter's input (x itself unless separate_xl); h = xl2 A^T from the forward. Without separate_xl the adapter's input
-// gradient is summed into dx by the addmm.
-std::array<at::Tensor, 4> backward_2d(const at::Tensor& dy2, const at::Tensor& xl2, const at::Tensor& h,
-                                      const Operands& op, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                                      double scaling, bool separate_xl, bool want_x, bool want_xl, bool want_a,
-                                      bool want_b) {
+// The backward: (dx, dx_lora, dA, dB), each undefined where not wanted. dy [..., n] (as rows: [M, n]); xl the adapter's
+// input (x itself unless separate_xl; [..., k] as rows); h = xl2 A^T from the forward; x_shape / xl_shape: the sizes of
+// dx / dx_lora. Without separate_xl the adapter's input gradient is summed into dx by the accumulating GEMM.
+std::array<at::Tensor, 4> backward_rows(const at::Tensor& dy, const at::Tensor& xl, const at::Tensor& h,
+                                        const Operands& op, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                                        double scaling, bool separate_xl, bool want_x, bool want_xl, bool want_a,
+                                        bool want_b, at::IntArrayRef x_shape, at::IntArrayRef xl_shape) {
   std::array<at::Tensor, 4> out;
   const bool lora = lora_a.defined();
-  const auto dt = dy2.scalar_type();
+  const auto dt = dy.scalar_type();
+  const Blas blas(dt);
+  const Mat dy2 = rows_of(dy, op.n);
   at::Tensor dh;
-  if (lora && (want_a || (want_x && !separate_xl) || want_xl)) dh = scaled_mm(dy2, lora_b.to(dt), scaling);
+  if (lora && (want_a || (want_x && !separate_xl) || want_xl))
+    dh = scaled_mm(dy2, mat(as_dtype(lora_b, dt)), scaling, blas);
+  const Mat a = lora ? mat(as_dtype(lora_a, dt)) : Mat{};
   if (want_x) {  // (the adapter's share first, the base GEMM accumulating onto it: as in the forward)
     if (lora && !separate_xl) {
-      out[0] = gemm(dh, lora_a.to(dt));
-      gemm_into(out[0], dy2, op.decode(dt), 1.0, 1.0);
+      out[0] = gemm(mat(dh), a, blas, x_shape);
+      gemm_into(out[0], dy2, mat(op.decode(dt)), 1.0, 1.0, blas);
     } else {
-      out[0] = gemm(dy2, op.decode(dt));
+      out[0] = gemm(dy2, mat(op.decode(dt)), blas, x_shape);
     }
   }
-  if (lora && want_xl) out[1] = gemm(dh, lora_a.to(dt));
-  if (lora && want_a) out[2] = gemm(dh.t(), xl2).to(lora_a.scalar_type());
-  if (lora && want_b) out[3] = scaled_mm(dy2.t(), h, scaling).to(lora_b.scalar_type());
+  if (lora && want_xl) out[1] = gemm(mat(dh), a, blas, xl_shape);
+  if (lora && want_a) out[2] = as_dtype(gemm(mat(dh).t(), rows_of(xl, op.k), blas), lora_a.scalar_type());
+  if (lora && want_b) out[3] = as_dtype(scaled_mm(dy2.t(), mat(h), scaling, blas), lora_b.scalar_type());
   return out;
 }
 
@@ -386,13 +462,13 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
                       nested_of(nested_absmax, nested_code, nested_offset)};
     const bool lora = lora_a.has_value();
-    const at::Tensor x2 = x.reshape({-1, k});
-    const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
     at::Tensor h;
-    at::Tensor y = forward_2d(x2, xl2, op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling, &h);
+    at::Tensor y = forward_rows(x, or_undef(x_lora), op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling,
+                                out_shape(x, n), &h);
     // the frozen operands are module-owned (never versioned by training): kept as plain references, like the
     // Python plan path's; the activations go through save_for_backward (activation checkpointing sees them)
-    ctx->save_for_backward({lora ? xl2 : at::Tensor(), h, or_undef(lora_a), or_undef(lora_b)});
+    ctx->save_for_backward({lora ? (x_lora.has_value() ? *x_lora : x) : at::Tensor(), h, or_undef(lora_a),
+                            or_undef(lora_b)});
     auto& d = ctx->saved_data;
     d["w"] = w;
     d["scales"] = scales;
@@ -404,7 +480,7 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
       d["nested_offset"] = op.nested.offset;
     }
     save_call(ctx, x, x_lora, lora, lora_b.has_value(), scaling, fmt, n, k, block);
-    return at::_unsafe_view(y, out_shape(x, n));  // a fresh output, not a view of an intermediate
+    return y;  // a fresh output in x's shape, not a view of an intermediate
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -412,7 +488,7 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return out;
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &xl2 = saved[0], &h = saved[1], &lora_a = saved[2], &lora_b = saved[3];
+    const at::Tensor &xl = saved[0], &h = saved[1], &lora_a = saved[2], &lora_b = saved[3];
     const auto& d = ctx->saved_data;
     auto get = [&](const char* key) { auto it = d.find(key); return it == d.end() ? at::Tensor() : it->second.toTensor(); };
     const Operands op{get("w"), get("scales"), get("gscale"), get("levels"), d.at("fmt").toInt(), d.at("n").toInt(),
@@ -426,10 +502,12 @@ class DecodedLinear : public torch::autograd::Function<DecodedLinear> {
     // no graph is recorded in here either, unless a double backward asked for one
     c10::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const auto g = backward_2d(dy.reshape({-1, op.n}), xl2, h, op, lora_a, lora_b, scaling, separate_xl, want_x,
-                               want_xl, want_a, want_b);
-    if (g[0].defined()) out[0] = at::_unsafe_view(g[0], d.at("x_shape").toIntVector());
-    if (g[1].defined()) out[1] = at::_unsafe_view(g[1], d.at("xl_shape").toIntVector());
+    const std::vector<int64_t> x_shape = d.at("x_shape").toIntVector();
+    const std::vector<int64_t> xl_shape = separate_xl ? d.at("xl_shape").toIntVector() : x_shape;
+    const auto g = backward_rows(dy, xl, h, op, lora_a, lora_b, scaling, separate_xl, want_x, want_xl, want_a, want_b,
+                                 x_shape, xl_shape);
+    out[0] = g[0];
+    out[1] = g[1];
     out[2] = g[2];
     out[3] = g[3];
     return out;
@@ -463,11 +541,8 @@ at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tens
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
                     nested_of(nested_absmax, nested_code, nested_offset)};
-  const at::Tensor x2 = x.reshape({-1, k});
-  const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
-  return at::_unsafe_view(
-      forward_2d(x2, xl2, op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling, nullptr),
-      out_shape(x, n));
+  return forward_rows(x, or_undef(x_lora), op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling,
+                      out_shape(x, n), nullptr);
 }
 
 
@@ -488,12 +563,11 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
                     nested_of(nested_absmax, nested_code, nested_offset)};
-  const at::Tensor x2 = x.reshape({-1, k});
-  const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : x2;
   at::Tensor h;
-  at::Tensor y = forward_2d(x2, xl2, op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling, &h);
+  at::Tensor y = forward_rows(x, or_undef(x_lora), op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling,
+                              out_shape(x, n), &h);
   if (!h.defined()) h = at::empty({0}, x.options());
-  return {at::_unsafe_view(y, out_shape(x, n)), h};
+  return {y, h};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cuda(
@@ -511,10 +585,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cu
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
                     nested_of(nested_absmax, nested_code, nested_offset)};
-  const at::Tensor xl2 = x_lora.has_value() ? x_lora->reshape({-1, k}) : at::Tensor();
-  auto g = backward_2d(dy.reshape({-1, n}), xl2, or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
-                       separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora,
-                       want_b && lora);
+  // (2-D gradients, as the op's schema states them: [M, k])
+  const int64_t m = n > 0 ? dy.numel() / n : 0;
+  const std::array<int64_t, 2> mk{m, k};
+  auto g = backward_rows(dy, or_undef(x_lora), or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
+                         separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora, want_b && lora, mk, mk);
   for (auto& t : g)
     if (!t.defined()) t = at::empty({0}, dy.options());
   return {g[0], g[1], g[2], g[3]};
