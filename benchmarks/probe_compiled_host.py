@@ -3,7 +3,9 @@
 For each bench_e2e setup (compiled decoder layers), on the shape's config cut to a few layers: dynamo's counters after
 the warm-up (graph breaks and their reasons, unique graphs, frames), then torch.profiler (CPU activities only) over
 a few steps: the number of compiled-region entries per step, and the ops by host self time per step. The difference
-between two setups' tables is the host work one adds.
+between two setups' tables is the host work one adds. --guards: also the share of dynamo's guard evaluation, by
+timing steps with torch.compiler.set_stance(skip_guard_eval_unsafe=True) (only the guards that tell cache entries
+apart are checked) against normal steps, alternating, in one process.
     python benchmarks/probe_compiled_host.py --shape smollm2-135m --layers 4 \
         --setups peft_bf16_compiled,ours_mxfp4_compiled,ours_nf4_compiled
 """
@@ -30,6 +32,8 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--guards", action="store_true", help="time steps without full guard evaluation too")
+    ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
     E.SHAPE = args.shape
     from torch._dynamo.utils import counters
@@ -55,6 +59,28 @@ def main():
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps
+        if args.guards:
+            timed = {False: [], True: []}
+            for _ in range(3):
+                for skip in (False, True):
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        for _ in range(args.steps):
+                            step()
+                        torch.cuda.synchronize()
+                    timed[skip].append((time.perf_counter() - t0) / args.steps * 1e3)
+            full, skipped = min(timed[False]), min(timed[True])
+            print(
+                f"  guards: {full:.2f} ms/step with full guard evaluation, {skipped:.2f} without "
+                f"(best of 3 alternating blocks of {args.steps} steps): {full - skipped:.2f} ms/step, "
+                f"{(full - skipped) / args.layers * 1e3:.0f} us per decoder layer"
+            )
+        if args.no_profile:
+            del model, opt, params, step
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         acts = [torch.profiler.ProfilerActivity.CPU]
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(args.steps):
