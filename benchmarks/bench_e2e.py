@@ -319,8 +319,15 @@ def main():
                     help="measure every setup this many times, the setups interleaved round by round, and report the "
                          "median tok/s with the spread: host-bound rows (small models) vary by 10-20%% between runs of "
                          "one process, which one round cannot tell from a real difference")
+    ap.add_argument("--gc-off", action="store_true",
+                    help="freeze the objects alive after the warm-up and turn Python's garbage collector off for the "
+                         "timed steps (common.GC_OFF), in every setup alike")
     ap.add_argument("--name", default="e2e_qwen3_1.7b")
     args = ap.parse_args()
+    if args.gc_off:
+        from common import GC_OFF
+
+        GC_OFF.append(True)
     global SHAPE
     SHAPE = args.shape
     RECIPE_KNOBS.update(json.loads(args.recipe_knobs))
@@ -397,6 +404,7 @@ def main():
             + (f"{args.rounds} rounds (setups interleaved; medians), " if args.rounds > 1 else "")
             + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
             + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "")
+            + ("; Python's garbage collector frozen and off in the timed steps (--gc-off)" if args.gc_off else "")
             + (f"; traced fp8 casts: {args.traced_cast}" if args.traced_cast else "") + ".\n\n")
     body += table(["setup", "tokens/s", "peak GiB", "trainable M", "ratio", "target", "note"], rows)
     if errors:

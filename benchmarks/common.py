@@ -65,9 +65,16 @@ def speed_knobs(recipe) -> dict:
     return {"fp4_high_precision_tail": 0.0} if recipe == "nvfp4" else {}
 
 
+GC_OFF = []  # bench_e2e --gc-off: Python's garbage collector frozen and off during the timed steps
+
+
 def time_train_steps(step, warmup: int, steps: int) -> tuple[float, float | None, torch.Tensor]:
     """(seconds for `steps` timed steps after `warmup`, peak GiB over warm-up and timed steps or None off CUDA,
-    the last loss). Raises on a non-finite loss: a broken setup must not report a speed."""
+    the last loss). Raises on a non-finite loss: a broken setup must not report a speed. With GC_OFF set, the objects
+    alive after the warm-up are frozen (gc.freeze) and the collector is off for the timed steps: a host-bound step
+    otherwise takes a full collection's pause at a random step."""
+    import gc
+
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
@@ -76,11 +83,20 @@ def time_train_steps(step, warmup: int, steps: int) -> tuple[float, float | None
     for _ in range(warmup):
         step()
     sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    sync()
-    seconds = time.perf_counter() - t0
+    if GC_OFF:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        sync()
+        seconds = time.perf_counter() - t0
+    finally:
+        if GC_OFF:
+            gc.enable()
+            gc.unfreeze()
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
     return seconds, (torch.cuda.max_memory_allocated() / 2**30 if cuda else None), loss
