@@ -167,8 +167,9 @@ BlasOperand blas_layout(int64_t size0, int64_t size1, int64_t stride0, int64_t s
 }
 
 // A logical 2-D GEMM operand: a tensor's [r0, c0] view with strides (s0, s1), or its transpose (flipped), described
-// without ATen view ops: the route's GEMMs took ~10 views and no-op casts per LoRA linear and step, each about a
-// microsecond of host time at a small model's widths, where the step is bound by host time. blas() is blas_layout of
+// without ATen view ops. The route's ops made ~10 views and no-op casts per forward and ~15 per backward; without them
+// (and with one cuBLAS handle per call) an op call takes 6-10% less host time against PEFT's calls, which is what a
+// small model's step is bound by (results/host/compiled_host_and_op_args_2c10e45_h100.md). blas() is blas_layout of
 // the view it stands for, so cuBLAS gets the arguments the view would have given it; only the aten fallback builds the
 // view (tensor()).
 struct Mat {
@@ -183,7 +184,9 @@ struct Mat {
     return flipped ? blas_layout(c0, r0, s1, s0) : blas_layout(r0, c0, s0, s1);
   }
   at::Tensor tensor() const {  // the view itself (the aten fallback's operand)
-    const at::Tensor v = src.dim() == 2 ? src : src.as_strided({r0, c0}, {s0, s1});
+    const bool as_made = src.dim() == 2 && src.size(0) == r0 && src.size(1) == c0 && src.stride(0) == s0 &&
+                         src.stride(1) == s1;
+    const at::Tensor v = as_made ? src : src.as_strided({r0, c0}, {s0, s1});
     return flipped ? v.t() : v;
   }
 };
