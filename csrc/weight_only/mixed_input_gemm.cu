@@ -5,14 +5,13 @@
 // tokens the decode pass writes 2 bytes per element that the GEMM reads back. Here:
 //   - a CTA computes a BM-token x 128-row tile of y (BM = 256, or 128 where 256 fills at most half the SMs; 64 at
 //     <= 64 tokens) as its transpose y^T = W x^T: warpgroup 0 produces, warpgroups 1 and 2 own 64 weight rows each;
-//   - per 64-column stage the producer has the TMA copy the x tile into shared memory (128-byte swizzle, zeros past M
-//     and K) and stores the stage's 128 x 64 weight codes and scales, the codes regrouped so that a consumer thread's
-//     fragment bytes are 8 contiguous bytes per row;
+//   - per 64-column stage the producer has the TMA copy the x tile (128-byte swizzle) and the stage's 128 x 64 weight
+//     codes (32-byte swizzle) into shared memory, zeros past M, N and K, and its threads store the stage's scales;
 //   - each consumer thread decodes its own m64k16 A fragments into registers (the E2M1 byte permutes and block-scale
 //     multiply of e2m1_decode.cuh, exact in bf16; NF4 by a 16-word level table in shared memory) and issues
 //     register-operand WGMMAs (m64nBMk16) against the x tile: 8 warps share the decode, overlapped with the
 //     asynchronous WGMMAs; setmaxnreg gives the consumers the registers for four fragments in flight;
-//   - a ring of mbarriers: full (the producer's 128 threads after their stores, plus the x tile's bytes) and empty (the
+//   - a ring of mbarriers: full (the producer's 128 threads after their stores, plus the TMA's bytes) and empty (the
 //     consumers' 256 threads, once the WGMMAs that read the stage completed);
 //   - at <= 64 tokens, 64-token tiles with K split over a thread-block cluster whose partial sums meet through
 //     distributed shared memory (two CTAs per SM there, no register trade): the few-token op runs this for large
@@ -181,24 +180,22 @@ struct Nf4Operands {
   int shift = 0;                         // log2(block)
 };
 
-// The producer's weight rows: thread t decodes the 32-column half t % 2 of rows t / 2 + 64 i (i < BN / 64) of the CTA's
-// BN, so a warp's 16-byte loads cover 16 rows' 32 contiguous bytes each. Rows past N read row N - 1 (in bounds; their
-// sums are never stored).
+// The producer's scale rows: thread t stages the scale(s) of the 32-column half t % 2 of rows t / 2 + 64 i (i < BN / 64)
+// of the CTA's BN (the codes come by TMA). Rows past N read row N - 1's (in bounds and finite: their codes are zeros,
+// their sums never stored).
 template <int FMT, int BN>
-struct ProducerWeights {
+struct ProducerScales {
   static constexpr int kRows = BN / 64;
-  const uint8_t* codes;   // w + n0 * K/2
   const uint8_t* scale;   // NVFP4: + n0 * K/16; MXFP4: + n0 * K/32; NF4: the absmax (fp32 or nested codes), unshifted
   int64_t n0k;            // NF4: n0 * K, the flat index of the CTA's first element
   int nf4_shift;          // NF4: log2(block)
   bool nested;            // NF4: the absmax is one-byte codes
-  int off[kRows];         // byte offset of the half's codes at stage 0, from codes
+  int off[kRows];         // byte offset of the half's codes at stage 0 from the CTA's first row (scale index: a shift)
   int half_col;           // first column of the half at stage 0
 
-  __device__ __forceinline__ ProducerWeights(const uint8_t* w, const uint8_t* scales, int64_t n0, int N, int K, int t,
-                                             const Nf4Operands& nf4 = {})
-      : codes(w + n0 * (K / 2)),
-        scale(FMT == kNF4 ? scales : scales + n0 * (FMT == kNVFP4 ? K / 16 : K / 32)),
+  __device__ __forceinline__ ProducerScales(const uint8_t* scales, int64_t n0, int N, int K, int t,
+                                            const Nf4Operands& nf4 = {})
+      : scale(FMT == kNF4 ? scales : scales + n0 * (FMT == kNVFP4 ? K / 16 : K / 32)),
         n0k(n0 * K),
         nf4_shift(nf4.shift),
         nested(nf4.nested_code != nullptr),
@@ -211,27 +208,22 @@ struct ProducerWeights {
     }
   }
 
-  // the half's 32 codes and scale(s) of row i at stage kb; zeros past K (K % 32 == 0: a half is wholly in or out)
-  __device__ __forceinline__ LaneWeights load(int i, int kb, int K) const {
-    LaneWeights lw{make_uint4(0, 0, 0, 0), 0u};
-    if (kb * kBK + half_col < K) {
-      const int o = off[i] + kb * (kBK / 2);  // bytes: 2 elements each
-      lw.codes = ld_stream(codes + o);
-      if (FMT == kNVFP4) {
-        // the scale bytes of elements 2o .. 2o + 31, (2o / 16, + 1), as one 16-bit load (o / 8 is even: K % 32 == 0).
-        // Two byte loads merged here made the producer wait for them at once (Nsight Compute: its top stall)
-        lw.scale = *reinterpret_cast<const uint16_t*>(scale + (o >> 3));
-      } else if (FMT == kMXFP4) {
-        lw.scale = scale[o >> 4];
-      } else {
-        // the half's block (it lies in one: block % 32 == 0 and K % block == 0): the fp32 absmax, or its one-byte code
-        // with the block's nested index above it (b / 256 < 2^24 for any weight of fewer than 2^38 elements)
-        const int64_t b = (n0k + 2 * (int64_t)o) >> nf4_shift;
-        lw.scale = nested ? (uint32_t)scale[b] | (uint32_t)((b >> 8) << 8)
-                          : reinterpret_cast<const uint32_t*>(scale)[b];
-      }
+  // the half's scale(s) of row i at stage kb; zero past K (K % 32 == 0: a half is wholly in or out)
+  __device__ __forceinline__ uint32_t load(int i, int kb, int K) const {
+    if (kb * kBK + half_col >= K) return 0u;
+    const int o = off[i] + kb * (kBK / 2);  // the codes' byte offset: 2 elements each
+    if (FMT == kNVFP4) {
+      // the scale bytes of elements 2o .. 2o + 31, (2o / 16, + 1), as one 16-bit load (o / 8 is even: K % 32 == 0).
+      // Two byte loads merged here made the producer wait for them at once (Nsight Compute: its top stall)
+      return *reinterpret_cast<const uint16_t*>(scale + (o >> 3));
+    } else if (FMT == kMXFP4) {
+      return scale[o >> 4];
+    } else {
+      // the half's block (it lies in one: block % 32 == 0 and K % block == 0): the fp32 absmax, or its one-byte code
+      // with the block's nested index above it (b / 256 < 2^24 for any weight of fewer than 2^38 elements)
+      const int64_t b = (n0k + 2 * (int64_t)o) >> nf4_shift;
+      return nested ? (uint32_t)scale[b] | (uint32_t)((b >> 8) << 8) : reinterpret_cast<const uint32_t*>(scale)[b];
     }
-    return lw;
   }
 };
 
@@ -329,12 +321,14 @@ __device__ __forceinline__ void reduce_split_tile(float* out, const float* __res
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
-// The ring of stages: full[s] counts the producer's 128 threads (plus the x tile's TMA bytes), empty[s] the
+// The ring of stages: full[s] counts the producer's 128 threads (plus the x and codes tiles' TMA bytes), empty[s] the
 // consumers' 256 threads. Called by every thread of the CTA (it ends in a CTA barrier).
 template <int STAGES>
-__device__ __forceinline__ void init_ring(const CUtensorMap* x_map, uint64_t* full, uint64_t* empty) {
+__device__ __forceinline__ void init_ring(const CUtensorMap* x_map, const CUtensorMap* w_map, uint64_t* full,
+                                          uint64_t* empty) {
   if (threadIdx.x == 0) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(x_map)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(w_map)) : "memory");
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(smem_addr(&full[s]), 128);
@@ -347,10 +341,13 @@ __device__ __forceinline__ void init_ring(const CUtensorMap* x_map, uint64_t* fu
 
 // ---- The kernel: the producer only moves bytes, the consumers decode their own A fragments (header above).
 //
-// Codes tile of a stage: 128 rows x 32 bytes; row r's bytes 8q .. 8q + 7 are, for q = 0..3, byte q of each of the
-// row's 8 code words in K order (word i = codes of columns 8i .. 8i + 7). A consumer thread with lane % 4 == q
-// needs, for k16 step s, the bytes of columns 16s + 2q (+1) and 16s + 2q + 8 (+9): bytes q of words 2s and 2s + 1,
-// i.e. bytes 2s, 2s + 1 of its 8: one 8-byte load per row serves the whole stage. Scales tile: 128 rows x 8 bytes
+// Codes tile of a stage: the weight's 128 rows x 32 bytes as they are in memory (word i of a row = codes of columns
+// 8i .. 8i + 7), copied by the TMA with its 32-byte swizzle: the 16-byte half c of row r sits at half c ^ (r / 4 % 2),
+// so the 8 rows a warp reads at once fall in 8 different bank groups. A consumer thread with lane % 4 == q needs, for
+// k16 step s, the bytes of columns 16s + 2q (+1) and 16s + 2q + 8 (+9): byte q of words 2s and 2s + 1. It loads its
+// two rows' 32 bytes (two 16-byte loads a row, shared by the 4 lanes of a row) and gathers byte q of each word by byte
+// permutes. (Until session 27 the producer threads loaded the codes into registers and stored them regrouped, so
+// that a thread's bytes were 8 contiguous ones; that staging was the producer's top stall.) Scales tile: 128 rows x 8 bytes
 // (NVFP4: the E4M3 scale of k16 step s in byte s; MXFP4: the E8M0 scale of 32-column half h in byte h; NF4: the fp32
 // absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
 constexpr int kCodeTile = kBN * 32;
@@ -370,14 +367,16 @@ struct RsTile {
   static constexpr int kSmemBytes = kStages * (kATile + kCodeTile + kScaleTile) + 1024;
 };
 
-// byte q of each of four words, in word order: the regrouping of the codes tile (prmt: a transpose of 4 x 4 bytes)
-__device__ __forceinline__ void byte_transpose4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t* q) {
-  const uint32_t t0 = prmt(w0, w1, 0x5140u), t1 = prmt(w2, w3, 0x5140u);  // bytes 0, 1 of each
-  const uint32_t t2 = prmt(w0, w1, 0x7362u), t3 = prmt(w2, w3, 0x7362u);  // bytes 2, 3 of each
-  q[0] = prmt(t0, t1, 0x5410u);
-  q[1] = prmt(t0, t1, 0x7632u);
-  q[2] = prmt(t2, t3, 0x5410u);
-  q[3] = prmt(t2, t3, 0x7632u);
+// byte q of each of the four words of v, in word order; sel = q | (q + 4) << 4 (prmt: byte q of a, byte q of b)
+__device__ __forceinline__ uint32_t gather_byte(uint4 v, uint32_t sel) {
+  return prmt(prmt(v.x, v.y, sel), prmt(v.z, v.w, sel), 0x5410u);
+}
+
+__device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
 }
 
 __device__ __forceinline__ uint2 ld_shared8(uint32_t addr) {
@@ -422,13 +421,13 @@ __device__ __forceinline__ void step_scales(uint32_t word, uint32_t* pairs) {
 
 template <int FMT, int BM>
 __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
-    mixed_input_gemm_rs_kernel(const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ w,
+    mixed_input_gemm_rs_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                                const uint8_t* __restrict__ scales, const float* __restrict__ gscale,
                                __nv_bfloat16* __restrict__ y, int M, int N, int K, bool accumulate,
                                const Nf4Operands nf4, int steps_per_split) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kATile = RsTile<BM>::kATile, kRing = RsTile<BM>::kStages;
-  using Weights = ProducerWeights<FMT, kBN>;
+  using Scales = ProducerScales<FMT, kBN>;
   __shared__ __align__(8) uint64_t full[kRing], empty[kRing];
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
@@ -441,54 +440,49 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
   const int nsteps = min((K + kBK - 1) / kBK - kb_first, steps_per_split);
   __shared__ float levels[16];  // NF4: a 16-word table in 16 banks, so any lookup pattern is conflict-free
   if (FMT == kNF4 && threadIdx.x < 16) levels[threadIdx.x] = nf4.levels[threadIdx.x];
-  init_ring<kRing>(&x_map, full, empty);  // (its CTA barrier publishes the table too)
+  init_ring<kRing>(&x_map, &w_map, full, empty);  // (its CTA barrier publishes the table too)
 
   if (wg == 0) {
-    // ---- producer: per stage, the x tile by TMA and the codes and scales (loaded three stages ahead) regrouped
-    // into shared memory. Thread t holds the 32-column half t % 2 of rows t / 2 + 64 i: code words 4h .. 4h + 3 of
-    // the row's stage segment, whose bytes q go to bytes 8q + 4h .. + 3 of the row in the codes tile.
+    // ---- producer: per stage, the x and codes tiles by TMA (thread 0), and the scales (loaded kLook stages ahead)
+    // into shared memory. Thread t holds the 32-column half h = t % 2 of rows t / 2 + 64 i.
     if constexpr (RsTile<BM>::kCtasPerSm == 1)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");  // registers to the consumers' fragments
-    const Weights wts(w, scales, n0, N, K, t, nf4);
+    constexpr int kLook = 4;
+    const Scales sc(scales, n0, N, K, t, nf4);
     const int h = t & 1;
-    const float nf4_offset = FMT == kNF4 && wts.nested ? *nf4.offset : 0.f;
-    LaneWeights ring[3][Weights::kRows];
+    const float nf4_offset = FMT == kNF4 && sc.nested ? *nf4.offset : 0.f;
+    uint32_t ring[kLook][Scales::kRows];
 #pragma unroll
-    for (int p = 0; p < 3; ++p)
+    for (int p = 0; p < kLook; ++p)
 #pragma unroll
-      for (int i = 0; i < Weights::kRows; ++i)
-        ring[p][i] = p < nsteps ? wts.load(i, kb_first + p, K) : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
-    for (int j0 = 0; j0 < nsteps; j0 += 3) {
+      for (int i = 0; i < Scales::kRows; ++i) ring[p][i] = p < nsteps ? sc.load(i, kb_first + p, K) : 0u;
+    for (int j0 = 0; j0 < nsteps; j0 += kLook) {
 #pragma unroll
-      for (int p = 0; p < 3; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
+      for (int p = 0; p < kLook; ++p) {  // unrolled by the ring's depth: its slots are indexed statically
         const int j = j0 + p, kb = kb_first + j;  // (j: the stage's place in this CTA's run)
         if (j >= nsteps) break;
         const int s = j % kRing;
         mbar_wait(smem_addr(&empty[s]), ((j / kRing) & 1) ^ 1);  // (open on the first pass)
         if (t == 0) {
-          mbar_expect_tx(smem_addr(&full[s]), kATile);
+          // zeros past M, N and K (the codes' zeros past N and K meet zero x columns or unstored rows)
+          mbar_expect_tx(smem_addr(&full[s]), kATile + kCodeTile);
           tma_load_2d(x_tiles + s * kATile, &x_map, kb * kBK, m0, smem_addr(&full[s]));
+          tma_load_2d(code_tiles + s * kCodeTile, &w_map, kb * (kBK / 2), (int)n0, smem_addr(&full[s]));
         }
 #pragma unroll
-        for (int i = 0; i < Weights::kRows; ++i) {
-          const LaneWeights lw = ring[p][i];
-          if (j + 3 < nsteps) ring[p][i] = wts.load(i, kb + 3, K);
-          const int row = (t >> 1) + 64 * i;
-          uint32_t q[4];
-          byte_transpose4(lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w, q);
-          const uint32_t dst = code_tiles + s * kCodeTile + row * 32 + 4 * h;
-#pragma unroll
-          for (int c = 0; c < 4; ++c) st_shared4(dst + 8 * c, q[c]);
-          const uint32_t sdst = scale_tiles + s * kScaleTile + row * 8;
+        for (int i = 0; i < Scales::kRows; ++i) {
+          const uint32_t scale = ring[p][i];
+          if (j + kLook < nsteps) ring[p][i] = sc.load(i, kb + kLook, K);
+          const uint32_t sdst = scale_tiles + s * kScaleTile + ((t >> 1) + 64 * i) * 8;
           if (FMT == kNVFP4) {
-            st_shared2(sdst + 2 * h, lw.scale);  // the E4M3 scales of steps 2h, 2h + 1
+            st_shared2(sdst + 2 * h, scale);  // the E4M3 scales of steps 2h, 2h + 1
           } else if (FMT == kMXFP4) {
-            asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(sdst + h), "h"((unsigned short)lw.scale) : "memory");
+            asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(sdst + h), "h"((unsigned short)scale) : "memory");
           } else {
-            uint32_t absmax = lw.scale;
-            if (wts.nested) {  // formats.nf4.nf4_absmax: nested_code[q] * nested_absmax[b / 256] + offset, each rounded
-              const float code = nf4.nested_code[lw.scale & 0xFFu], scale = nf4.nested_absmax[lw.scale >> 8];
-              absmax = __float_as_uint(__fadd_rn(__fmul_rn(code, scale), nf4_offset));
+            uint32_t absmax = scale;
+            if (sc.nested) {  // formats.nf4.nf4_absmax: nested_code[q] * nested_absmax[b / 256] + offset, each rounded
+              const float code = nf4.nested_code[scale & 0xFFu], nscale = nf4.nested_absmax[scale >> 8];
+              absmax = __float_as_uint(__fadd_rn(__fmul_rn(code, nscale), nf4_offset));
             }
             st_shared4(sdst + 4 * h, absmax);
           }
@@ -503,16 +497,26 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
     if constexpr (RsTile<BM>::kCtasPerSm == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const int cw = wg - 1, lane = t & 31;
     const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
-    const uint32_t code_off = r0 * 32 + 8 * (lane & 3), scale_off = r0 * 8;
+    // row r0's 16-byte halves 0 and 1 at these offsets (the TMA's 32-byte swizzle; r0 + 8: 256 bytes further, the
+    // same swizzle); byte q = lane % 4 of each word by prmt(a, b, q | (q + 4) << 4)
+    const uint32_t code_lo = r0 * 32 + (((r0 >> 2) & 1) << 4), code_hi = code_lo ^ 16u, scale_off = r0 * 8;
+    const uint32_t byte_sel = (lane & 3) | (((lane & 3) + 4) << 4);
     const E2M1Tables tables((uint32_t)(M >> 31));  // 0 (M > 0), not provably: the tables stay in registers
     float acc[BM / 2];
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-    for (int j = 0; j < nsteps; ++j) {
+
+    // The A fragments of stage j's four k16 steps, frag[step][0..3] (rows r0, r0 + 8, r0, r0 + 8 of the m64k16
+    // fragment), decoded from its codes and scales once the stage is full
+    auto decode_stage = [&](int j, uint32_t (&frag)[kBK / 16][4]) {
       const int s = j % kRing;
       mbar_wait(smem_addr(&full[s]), (j / kRing) & 1);
-      const uint32_t ct = code_tiles + s * kCodeTile + code_off, st = scale_tiles + s * kScaleTile + scale_off;
-      const uint2 c0 = ld_shared8(ct), c1 = ld_shared8(ct + 8 * 32);  // rows r0, r0 + 8
+      const uint32_t ct = code_tiles + s * kCodeTile, st = scale_tiles + s * kScaleTile + scale_off;
+      // rows r0, r0 + 8: byte q of words 0-3 (k16 steps 0, 1) and of words 4-7 (steps 2, 3)
+      const uint2 c0 = make_uint2(gather_byte(ld_shared16(ct + code_lo), byte_sel),
+                                  gather_byte(ld_shared16(ct + code_hi), byte_sel));
+      const uint2 c1 = make_uint2(gather_byte(ld_shared16(ct + code_lo + 256), byte_sel),
+                                  gather_byte(ld_shared16(ct + code_hi + 256), byte_sel));
       uint32_t sp0[4], sp1[4];
       uint2 am0, am1;  // NF4: the rows' fp32 absmax bits of halves 0 and 1
       if (FMT == kNF4) {
@@ -522,7 +526,6 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
         step_scales<FMT>(ld_shared4(st), sp0);
         step_scales<FMT>(ld_shared4(st + 8 * 8), sp1);
       }
-      const uint32_t x_tile = x_tiles + s * kATile;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         // bytes 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); bytes 2, 3: step 2 half + 1
@@ -535,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int step = 2 * half + e;
-          uint32_t a[4];
+          uint32_t* a = frag[step];
           if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
             const float m0f = __uint_as_float(half ? am0.y : am0.x), m1f = __uint_as_float(half ? am1.y : am1.x);
             a[0] = nf4_pair(w0 >> (16 * e), levels, m0f);
@@ -548,18 +551,38 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
             a[2] = bf16x2_mul(d0[2 * e + 1], sp0[step]);
             a[3] = bf16x2_mul(d1[2 * e + 1], sp1[step]);
           }
-#pragma unroll
-          for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-          wgmma_fence();
-          wgmma_rs_k16<BM>(acc, a, smem_desc(x_tile + 32 * step));
-          wgmma_commit();
         }
       }
+    };
+    auto issue_stage = [&](int j, const uint32_t (&frag)[kBK / 16][4]) {
+      const uint32_t x_tile = x_tiles + (j % kRing) * kATile;
+#pragma unroll
+      for (int step = 0; step < kBK / 16; ++step) {
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+        wgmma_rs_k16<BM>(acc, frag[step], smem_desc(x_tile + 32 * step));
+        wgmma_commit();
+      }
+    };
+    // A WGMMA reads its A registers asynchronously, and a loop body's registers are the same ones every time round:
+    // a fragment may be written again only once the WGMMAs that read it are complete (PTX: writing it earlier is
+    // undefined). Until session 27 the loop left the last three WGMMAs in flight and decoded the next stage into the
+    // same registers; while the producer made the consumers wait, those WGMMAs had always read them by then. With the
+    // codes by TMA the consumers no longer wait, and MXFP4's rows r0 came out wrong, differently from run to run.
+    // So each stage waits for its own WGMMAs before the next decode, and the other consumer warpgroup (at 64 tokens,
+    // the other three) keeps the tensor cores busy meanwhile. (Tried: decoding stage j + 1 into a second set of
+    // fragments while stage j's WGMMAs run. Copied into the first set after the wait, the SASS wrote the first set's
+    // registers before it and every format broke; with the stages alternating between the two sets, ptxas serialized
+    // the WGMMAs, C7513. tests/kernels/test_csrc_ptxas.py checks the SASS for both hazards.)
+    uint32_t frag[kBK / 16][4];
+    for (int j = 0; j < nsteps; ++j) {
+      decode_stage(j, frag);
+      issue_stage(j, frag);
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-      // all but this stage's last WGMMAs are done: the previous stage's x tile may be refilled
-      wgmma_wait<kBK / 16 - 1>();
-      if (j > 0) mbar_arrive(smem_addr(&empty[(j - 1) % kRing]));
+      wgmma_wait<0>();
+      mbar_arrive(smem_addr(&empty[j % kRing]));  // its x tile, codes and scales may be refilled
     }
     wgmma_wait<0>();
 #pragma unroll
@@ -682,10 +705,20 @@ cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, 
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
+  // the codes [N, K/2] bytes: boxes of one stage's 32 bytes x the CTA's 128 rows, 32-byte swizzle (the consumers'
+  // bank groups), zeros past N and K/2 (a row stride of K/2 bytes: a multiple of 16, K % 32 == 0)
+  CUtensorMap w_map;
+  const cuuint64_t w_dims[2] = {(cuuint64_t)c.K / 2, (cuuint64_t)c.N};
+  const cuuint64_t w_strides[1] = {(cuuint64_t)c.K / 2};
+  const cuuint32_t w_box[2] = {(cuuint32_t)kBK / 2, (cuuint32_t)kBN};
+  if (encode(&w_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(c.w), w_dims, w_strides, w_box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return cudaErrorInvalidValue;
   const dim3 grid((unsigned)((c.N + kBN - 1) / kBN), (unsigned)((c.M + BM - 1) / BM), (unsigned)split);
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = launch_config(grid, smem_bytes_of<BM>(), split, attr, stream);
-  return cudaLaunchKernelEx(&cfg, kernel_of<FMT, BM>(), map, c.w, c.scales, c.gscale,
+  return cudaLaunchKernelEx(&cfg, kernel_of<FMT, BM>(), map, w_map, c.scales, c.gscale,
                             reinterpret_cast<__nv_bfloat16*>(c.y), c.M, c.N, c.K, c.accumulate, c.nf4,
                             steps_per_split);
 }

@@ -10,12 +10,19 @@ no GPU: what a kernel edit can break silently, since the GPU tests check results
   CTA was given (168 x 384); with fewer, the consumers' setmaxnreg.inc would wait forever. Those of 64-token tiles
   (<= 64 tokens, K split over a cluster) trade nothing and fit two CTAs per SM: <= 80 registers.
 
+- No instruction writes a register that a WGMMA still in flight reads as its A operand, and no loop goes round with
+  a WGMMA in flight (the loop body would redefine its fragment registers): a register-operand WGMMA reads them
+  asynchronously, and PTX leaves writing them before the covering wgmma.wait_group undefined. ptxas does not prevent
+  it: the kernel's results came out wrong, differently from run to run, only when the consumers ran fast enough
+  (session 27). Checked on the SASS (cuobjdump), where the toolkit has it.
+
 Skipped where no CUDA toolkit (nvcc) is installed.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -36,7 +43,7 @@ def ptxas_report(tmp_path_factory):
     proc = subprocess.run([nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
                            "-Xptxas", "-v", "-o", str(out), str(SOURCE)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stderr
+    return proc.stderr, out
 
 
 def _functions(report: str) -> dict[str, dict]:
@@ -53,6 +60,7 @@ def _functions(report: str) -> dict[str, dict]:
 
 
 def test_the_mixed_input_kernels_compile_without_spills_or_serialized_wgmmas(ptxas_report):
+    ptxas_report, _ = ptxas_report
     funcs = _functions(ptxas_report)
     rs = {n: f for n, f in funcs.items() if "mixed_input_gemm_rs_kernel" in n}
     # NVFP4 / MXFP4 / NF4 at 64-, 128- and 256-token tiles (the one mixed-input kernel: no other is compiled)
@@ -65,3 +73,64 @@ def test_the_mixed_input_kernels_compile_without_spills_or_serialized_wgmmas(ptx
     assert len(wide) == 6 and all(f["registers"] == 168 for f in wide.values()), rs
     # two CTAs of 384 threads per SM: 65536 / 768 registers, in the allocation's steps of 8
     assert all(f["registers"] <= 80 for n, f in rs.items() if n not in wide), rs
+
+
+def _cuobjdump(nvcc: str) -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    cand = Path(nvcc).resolve().parent / "cuobjdump"
+    return str(cand) if cand.exists() else None
+
+
+def wgmma_register_hazards(sass: str) -> dict[str, list[str]]:
+    """{kernel: [what breaks the rule]} over cuobjdump -sass text: an instruction that writes one of the four A
+    registers of an HGMMA not yet covered by a WARPGROUP.DEPBAR (gsb0 <= n keeps the last n in flight), or a backward
+    branch taken with an HGMMA in flight. Straight-line order: enough for these kernels, whose loops are one block."""
+    found = {}
+    for body in re.split(r"\n\s*Function : ", sass)[1:]:
+        name, problems, in_flight = body.split()[0], [], []
+        for line in body.splitlines():
+            m = re.search(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([\w.]+)\s*([^;]*);", line)
+            if not m:
+                continue
+            addr, op, args = int(m.group(1), 16), m.group(3), m.group(4)
+            if op.startswith("HGMMA"):
+                in_flight.append(int(re.findall(r"R(\d+)", args)[1]))
+            elif op.startswith("WARPGROUP.DEPBAR"):
+                keep = int(args.split(",")[-1], 16)
+                in_flight = in_flight[len(in_flight) - keep:] if keep else []
+            elif op.startswith("BRA") and in_flight and (t := re.match(r"(0x[0-9a-f]+)", args)) and int(t.group(1), 16) < addr:
+                problems.append(f"{addr:#06x} loops back with {len(in_flight)} WGMMAs in flight")
+            elif (d := re.match(r"R(\d+)", args)) and not op.startswith(("ST", "RED", "ATOM", "SYNCS", "BAR")):
+                r = int(d.group(1))
+                problems += [f"{addr:#06x} {op} writes R{r}, A operand of an HGMMA in flight" for a in in_flight
+                             if a <= r < a + 4]
+        if problems:
+            found[name] = problems[:5]
+    return found
+
+
+def test_no_instruction_overwrites_the_a_fragments_of_a_wgmma_in_flight(ptxas_report):
+    _, cubin = ptxas_report
+    tool = _cuobjdump(_nvcc())
+    if tool is None:
+        pytest.skip("no cuobjdump in the CUDA toolkit")
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, timeout=300).stdout
+    assert sass.count("HGMMA") >= 9 * 4, "no WGMMA found in the SASS"
+    assert wgmma_register_hazards(sass) == {}
+
+
+def test_the_hazard_check_finds_what_it_looks_for():
+    """The check itself, on SASS lines shaped like the kernel's before session 27 (three WGMMAs left in flight round
+    the loop) and like a decode that writes a fragment register in flight."""
+    head = "\n\tFunction : kernel\n"
+    hgmma = "        /*{:04x}*/                   HGMMA.64x256x16.F32.BF16 R24, R{}, gdesc[UR16], R24, gsb0 ;\n"
+    depbar = "        /*{:04x}*/                   WARPGROUP.DEPBAR.LE gsb0, 0x{} ;\n"
+    body = "".join(hgmma.format(0x100 + 16 * i, 152 + 4 * i) for i in range(4))
+    looped = head + body + depbar.format(0x140, 3) + "        /*0150*/               @!P0 BRA 0x90 ;\n"
+    assert "loops back" in wgmma_register_hazards(looped)["kernel"][0]
+    waited = head + body + depbar.format(0x140, 0) + "        /*0150*/               @!P0 BRA 0x90 ;\n"
+    assert wgmma_register_hazards(waited) == {}
+    written = head + body + "        /*0140*/                   HMUL2.BF16_V2 R157, R7, R158 ;\n" + depbar.format(0x150, 0)
+    assert "writes R157" in wgmma_register_hazards(written)["kernel"][0]
