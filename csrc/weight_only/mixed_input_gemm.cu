@@ -16,9 +16,9 @@
 //   - at <= 64 tokens, 64-token tiles with K split over a thread-block cluster whose partial sums meet through
 //     distributed shared memory (two CTAs per SM there, no register trade): the few-token op runs this for large
 //     weights at 40-64 tokens (few_token_wgmma_applies, mixed_input_gemm.h).
-// From 512 tokens it is still below decode + cuBLAS on most linears (0.79-0.93x cuBLAS at 2048 / 8192 tokens on the
-// H200's 8B / 1.7B linears, their k/v at 2048 0.55-0.59x: the consumers wait on the producer; docs/kernels.md), so the
-// route runs it only when opted in (SUROGATE_HF_MIXED_INPUT=1, decoded_linear.cpp). A first version decoded in the
+// From 512 tokens it is still level with or below decode + cuBLAS (H200, 2048 tokens: 0.83-0.90x cuBLAS on the 8B /
+// 1.7B linears, 0.90-1.00x the route; their k/v 0.68-0.70x; a grid of 1.94 waves against cuBLAS's persistent one;
+// docs/kernels.md), so the route runs it only when opted in (SUROGATE_HF_MIXED_INPUT=1, decoded_linear.cpp). A first version decoded in the
 // producer warpgroup into a bf16 weight tile in shared memory (one decode warp per scheduler); this kernel was 2-15%
 // faster than it everywhere and equal to it bit for bit, and it was removed (docs/kernels.md keeps its history).
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits; NF4's product rounded
