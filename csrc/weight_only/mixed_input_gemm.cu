@@ -18,9 +18,10 @@
 //     weights at 40-64 tokens (few_token_wgmma_applies, mixed_input_gemm.h).
 // From 512 tokens it is still level with or below decode + cuBLAS (H200, 2048 tokens: 0.83-0.90x cuBLAS on the 8B /
 // 1.7B linears, 0.90-1.00x the route; their k/v 0.68-0.70x; a grid of 1.94 waves against cuBLAS's persistent one;
-// docs/kernels.md), so the route runs it only when opted in (SUROGATE_HF_MIXED_INPUT=1, decoded_linear.cpp). A first version decoded in the
-// producer warpgroup into a bf16 weight tile in shared memory (one decode warp per scheduler); this kernel was 2-15%
-// faster than it everywhere and equal to it bit for bit, and it was removed (docs/kernels.md keeps its history).
+// docs/kernels.md), so the route runs it only when opted in (SUROGATE_HF_MIXED_INPUT=1, decoded_linear.cpp). A first
+// version decoded in the producer warpgroup into a bf16 weight tile in shared memory (one decode warp per scheduler);
+// this kernel was 2-15% faster than it everywhere and equal to it bit for bit, and it was removed (docs/kernels.md
+// keeps its history).
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits; NF4's product rounded
 // once); products accumulate in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel
 // does. Only the fp32 summation order differs from x.float() @ deq(W).float().T.
@@ -180,9 +181,9 @@ struct Nf4Operands {
   int shift = 0;                         // log2(block)
 };
 
-// The producer's scale rows: thread t stages the scale(s) of the 32-column half t % 2 of rows t / 2 + 64 i (i < BN / 64)
-// of the CTA's BN (the codes come by TMA). Rows past N read row N - 1's (in bounds and finite: their codes are zeros,
-// their sums never stored).
+// The producer's scale rows: thread t stages the scale(s) of the 32-column half t % 2 of rows t / 2 + 64 i
+// (i < BN / 64) of the CTA's BN (the codes come by TMA). Rows past N read row N - 1's (in bounds and finite: their
+// codes are zeros, their sums never stored).
 template <int FMT, int BN>
 struct ProducerScales {
   static constexpr int kRows = BN / 64;
@@ -347,9 +348,9 @@ __device__ __forceinline__ void init_ring(const CUtensorMap* x_map, const CUtens
 // k16 step s, the bytes of columns 16s + 2q (+1) and 16s + 2q + 8 (+9): byte q of words 2s and 2s + 1. It loads its
 // two rows' 32 bytes (two 16-byte loads a row, shared by the 4 lanes of a row) and gathers byte q of each word by byte
 // permutes. (Until session 27 the producer threads loaded the codes into registers and stored them regrouped, so
-// that a thread's bytes were 8 contiguous ones; that staging was the producer's top stall.) Scales tile: 128 rows x 8 bytes
-// (NVFP4: the E4M3 scale of k16 step s in byte s; MXFP4: the E8M0 scale of 32-column half h in byte h; NF4: the fp32
-// absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
+// that a thread's bytes were 8 contiguous ones; that staging was the producer's top stall.)
+// Scales tile: 128 rows x 8 bytes (NVFP4: the E4M3 scale of k16 step s in byte s; MXFP4: the E8M0 scale of 32-column
+// half h in byte h; NF4: the fp32 absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
 constexpr int kCodeTile = kBN * 32;
 constexpr int kScaleTile = kBN * 8;
 // The kernel's tiles of BM tokens:

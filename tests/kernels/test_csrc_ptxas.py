@@ -100,7 +100,8 @@ def wgmma_register_hazards(sass: str) -> dict[str, list[str]]:
             elif op.startswith("WARPGROUP.DEPBAR"):
                 keep = int(args.split(",")[-1], 16)
                 in_flight = in_flight[len(in_flight) - keep:] if keep else []
-            elif op.startswith("BRA") and in_flight and (t := re.match(r"(0x[0-9a-f]+)", args)) and int(t.group(1), 16) < addr:
+            elif (op.startswith("BRA") and in_flight and (to := re.match(r"0x[0-9a-f]+", args))
+                  and int(to[0], 16) < addr):
                 problems.append(f"{addr:#06x} loops back with {len(in_flight)} WGMMAs in flight")
             elif (d := re.match(r"R(\d+)", args)) and not op.startswith(("ST", "RED", "ATOM", "SYNCS", "BAR")):
                 r = int(d.group(1))
@@ -132,5 +133,6 @@ def test_the_hazard_check_finds_what_it_looks_for():
     assert "loops back" in wgmma_register_hazards(looped)["kernel"][0]
     waited = head + body + depbar.format(0x140, 0) + "        /*0150*/               @!P0 BRA 0x90 ;\n"
     assert wgmma_register_hazards(waited) == {}
-    written = head + body + "        /*0140*/                   HMUL2.BF16_V2 R157, R7, R158 ;\n" + depbar.format(0x150, 0)
+    hmul = "        /*0140*/                   HMUL2.BF16_V2 R157, R7, R158 ;\n"
+    written = head + body + hmul + depbar.format(0x150, 0)
     assert "writes R157" in wgmma_register_hazards(written)["kernel"][0]
