@@ -9,8 +9,9 @@
 //     codes (32-byte swizzle) into shared memory, zeros past M, N and K, and its threads store the stage's scales;
 //   - each consumer thread decodes its own m64k16 A fragments into registers (the E2M1 byte permutes and block-scale
 //     multiply of e2m1_decode.cuh, exact in bf16; NF4 by a 16-word level table in shared memory) and issues
-//     register-operand WGMMAs (m64nBMk16) against the x tile: 8 warps share the decode, overlapped with the
-//     asynchronous WGMMAs; setmaxnreg gives the consumers the registers for four fragments in flight;
+//     register-operand WGMMAs (m64nBMk16) against the x tile: 8 warps share the decode, one warpgroup decoding while
+//     the other's WGMMAs run (each waits for its own stage's WGMMAs before decoding the next: they read the fragment
+//     registers asynchronously); setmaxnreg gives the consumers the registers for a stage's four fragments;
 //   - a ring of mbarriers: full (the producer's 128 threads after their stores, plus the TMA's bytes) and empty (the
 //     consumers' 256 threads, once the WGMMAs that read the stage completed);
 //   - at <= 64 tokens, 64-token tiles with K split over a thread-block cluster whose partial sums meet through
@@ -356,7 +357,7 @@ constexpr int kScaleTile = kBN * 8;
 // The kernel's tiles of BM tokens:
 // - CTAs per SM: 64-token tiles (<= 64 tokens, 32 accumulators a thread) run two at <= 80 registers with no register
 //   trade, so that a K-split grid has twice the clusters resident; wider tiles run one, whose consumers take the
-//   producer's registers by setmaxnreg (their 128 or 64 accumulators and four A fragments in flight).
+//   producer's registers by setmaxnreg (their 128 or 64 accumulators and a stage's four A fragments).
 // - Ring depth: 256- and 128-token tiles take 5 stages (186 / 106 KiB: the stages hold codes, not a bf16 weight tile;
 //   -1% to +9% at 8192 tokens on the H200 against 4, where the consumers had waited on the stage-full barrier);
 //   64-token tiles keep 4 (53 KiB each, two CTAs per SM).
