@@ -86,7 +86,8 @@ def _cuobjdump(nvcc: str) -> str | None:
 def wgmma_register_hazards(sass: str) -> dict[str, list[str]]:
     """{kernel: [what breaks the rule]} over cuobjdump -sass text: an instruction that writes one of the four A
     registers of an HGMMA not yet covered by a WARPGROUP.DEPBAR (gsb0 <= n keeps the last n in flight), or a backward
-    branch taken with an HGMMA in flight. Straight-line order: enough for these kernels, whose loops are one block."""
+    branch taken with an HGMMA in flight. Read in listing order; the backward-branch rule covers what a loop carries
+    round."""
     found = {}
     for body in re.split(r"\n\s*Function : ", sass)[1:]:
         name, problems, in_flight = body.split()[0], [], []
