@@ -67,6 +67,25 @@ def dense_chain(n: int, k: int, chain: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(chain)]
 
 
+def bf16_chain_ms(x: torch.Tensor, dense: list[torch.Tensor]) -> float:
+    """bf16 cuBLAS, x @ w.T for each weight of the chain back to back in one CUDA graph: ms per call."""
+    def bf16():
+        for w in dense:
+            torch.nn.functional.linear(x, w)
+
+    return bench_ms(graph_replay(bf16)) / len(dense)
+
+
+def route_chain_ms(x: torch.Tensor, ws: list, n: int, k: int, outs: list[torch.Tensor]) -> float:
+    """The decode route over the chain (ws: each weight's ext_dequantize operands and block): decode into a bf16
+    buffer, then cuBLAS into outs, in one CUDA graph; ms per call."""
+    def route():
+        for (ops, block), y in zip(ws, outs):
+            torch.mm(x, E.ext_dequantize(*ops, n, k, block, torch.bfloat16).t(), out=y)
+
+    return bench_ms(graph_replay(route)) / len(ws)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="Llama-3.1-8B,Qwen3-1.7B,SmolLM2-135M")
@@ -85,11 +104,7 @@ def main():
         for m in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
-            def bf16(dense=dense):
-                for w in dense:
-                    torch.nn.functional.linear(x, w)
-
-            t_bf16 = bench_ms(graph_replay(bf16)) / args.chain
+            t_bf16 = bf16_chain_ms(x, dense)
             for f, ws in quant.items():
                 def mixed(ws=ws):
                     for q in ws:

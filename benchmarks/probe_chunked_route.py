@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from bench_large_m import _quantize, dense_chain, distinct_linears
+from bench_large_m import _quantize, bf16_chain_ms, dense_chain, distinct_linears, route_chain_ms
 from bench_shapes import graph_replay
 from common import bench_ms, table, write_result
 
@@ -58,19 +58,10 @@ def main():
         for m in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
-            def bf16(dense=dense):
-                for w in dense:
-                    torch.nn.functional.linear(x, w)
-
-            t_bf16 = bench_ms(graph_replay(bf16)) / args.chain
+            t_bf16 = bf16_chain_ms(x, dense)
             for f, ws in quant.items():
                 outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
-
-                def route(ws=ws, outs=outs):
-                    for (ops, block), y in zip(ws, outs):
-                        torch.mm(x, E.ext_dequantize(*ops, n, k, block, torch.bfloat16).t(), out=y)
-
-                t_route = bench_ms(graph_replay(route)) / args.chain
+                t_route = route_chain_ms(x, ws, n, k, outs)
                 ref = [y.clone() for y in outs]
                 decoded = [E.ext_dequantize(*ops, n, k, block, torch.bfloat16) for ops, block in ws]
 
