@@ -350,10 +350,13 @@ __device__ __forceinline__ void init_ring(const CUtensorMap* x_map, const CUtens
 // two rows' 32 bytes (two 16-byte loads a row, shared by the 4 lanes of a row) and gathers byte q of each word by byte
 // permutes. (Until session 27 the producer threads loaded the codes into registers and stored them regrouped, so
 // that a thread's bytes were 8 contiguous ones; that staging was the producer's top stall.)
-// Scales tile: 128 rows x 8 bytes (NVFP4: the E4M3 scale of k16 step s in byte s; MXFP4: the E8M0 scale of 32-column
-// half h in byte h; NF4: the fp32 absmax of half h in bytes 4h .. 4h + 3, de-nested by the producer).
+// Scales tile: 128 rows x 16 bytes (NVFP4 / MXFP4: word s = the bf16 pair (scale, scale) of k16 step s, converted by
+// the producer, so that the consumers load their A fragments' multipliers as they are; NF4: the fp32 absmax of half h
+// in bytes 4h .. 4h + 3, de-nested by the producer). (Until session 28 the tile held the E4M3 / E8M0 bytes and every
+// consumer thread converted them each stage: ~20 of the ~190 instructions of its stage, for 8 values.)
 constexpr int kCodeTile = kBN * 32;
-constexpr int kScaleTile = kBN * 8;
+constexpr int kScaleRow = 16;
+constexpr int kScaleTile = kBN * kScaleRow;
 // The kernel's tiles of BM tokens:
 // - CTAs per SM: 64-token tiles (<= 64 tokens, 32 accumulators a thread) run two at <= 80 registers with no register
 //   trade, so that a K-split grid has twice the clusters resident; wider tiles run one, whose consumers take the
@@ -386,16 +389,11 @@ __device__ __forceinline__ uint2 ld_shared8(uint32_t addr) {
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ uint32_t ld_shared4(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
 __device__ __forceinline__ void st_shared4(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
-__device__ __forceinline__ void st_shared2(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"((unsigned short)v) : "memory");
+__device__ __forceinline__ void st_shared8(uint32_t addr, uint32_t lo, uint32_t hi) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(lo), "r"(hi) : "memory");
 }
 
 // NF4: the low byte of `byte` (two codes, bitsandbytes-packed: the even column in the high nibble) -> a bf16 pair of
@@ -406,19 +404,16 @@ __device__ __forceinline__ uint32_t nf4_pair(uint32_t byte, const float* levels,
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// The block scales of one row for the stage as bf16 pairs, one per k16 step (both halves the same scale)
+// A 32-column half's block scale(s) as the bf16 pairs of its two k16 steps (both elements of a pair the same scale):
+// NVFP4 two E4M3 bytes (steps 2h, 2h + 1), MXFP4 one E8M0 byte (both steps)
 template <int FMT>
-__device__ __forceinline__ void step_scales(uint32_t word, uint32_t* pairs) {
+__device__ __forceinline__ uint2 half_step_scales(uint32_t raw) {
   if (FMT == kNVFP4) {
-    const uint32_t s01 = e4m3x2_to_bf16x2(word), s23 = e4m3x2_to_bf16x2(word >> 16);
-    pairs[0] = prmt(s01, s01, 0x1010u);
-    pairs[1] = prmt(s01, s01, 0x3232u);
-    pairs[2] = prmt(s23, s23, 0x1010u);
-    pairs[3] = prmt(s23, s23, 0x3232u);
-  } else {
-    pairs[0] = pairs[1] = bf16_pair(e8m0_to_bf16_bits(word & 0xFFu));
-    pairs[2] = pairs[3] = bf16_pair(e8m0_to_bf16_bits((word >> 8) & 0xFFu));
+    const uint32_t s01 = e4m3x2_to_bf16x2(raw);
+    return make_uint2(prmt(s01, s01, 0x1010u), prmt(s01, s01, 0x3232u));
   }
+  const uint32_t pair = bf16_pair(e8m0_to_bf16_bits(raw & 0xFFu));
+  return make_uint2(pair, pair);
 }
 
 template <int FMT, int BM>
@@ -442,6 +437,8 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
   const int nsteps = min((K + kBK - 1) / kBK - kb_first, steps_per_split);
   __shared__ float levels[16];  // NF4: a 16-word table in 16 banks, so any lookup pattern is conflict-free
   if (FMT == kNF4 && threadIdx.x < 16) levels[threadIdx.x] = nf4.levels[threadIdx.x];
+  __shared__ uint32_t zero_word;  // a 0 the compiler cannot see (E2M1Tables below)
+  if (threadIdx.x == 0) zero_word = 0u;
   init_ring<kRing>(&x_map, &w_map, full, empty);  // (its CTA barrier publishes the table too)
 
   if (wg == 0) {
@@ -475,11 +472,10 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
         for (int i = 0; i < Scales::kRows; ++i) {
           const uint32_t scale = ring[p][i];
           if (j + kLook < nsteps) ring[p][i] = sc.load(i, kb + kLook, K);
-          const uint32_t sdst = scale_tiles + s * kScaleTile + ((t >> 1) + 64 * i) * 8;
-          if (FMT == kNVFP4) {
-            st_shared2(sdst + 2 * h, scale);  // the E4M3 scales of steps 2h, 2h + 1
-          } else if (FMT == kMXFP4) {
-            asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(sdst + h), "h"((unsigned short)scale) : "memory");
+          const uint32_t sdst = scale_tiles + s * kScaleTile + ((t >> 1) + 64 * i) * kScaleRow;
+          if (FMT != kNF4) {
+            const uint2 pairs = half_step_scales<FMT>(scale);  // words 2h, 2h + 1: steps 2h, 2h + 1
+            st_shared8(sdst + 8 * h, pairs.x, pairs.y);
           } else {
             uint32_t absmax = scale;
             if (sc.nested) {  // formats.nf4.nf4_absmax: nested_code[q] * nested_absmax[b / 256] + offset, each rounded
@@ -501,9 +497,16 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
     const int r0 = cw * 64 + (t >> 5) * 16 + (lane >> 2);
     // row r0's 16-byte halves 0 and 1 at these offsets (the TMA's 32-byte swizzle; r0 + 8: 256 bytes further, the
     // same swizzle); byte q = lane % 4 of each word by prmt(a, b, q | (q + 4) << 4)
-    const uint32_t code_lo = r0 * 32 + (((r0 >> 2) & 1) << 4), code_hi = code_lo ^ 16u, scale_off = r0 * 8;
+    const uint32_t code_lo = r0 * 32 + (((r0 >> 2) & 1) << 4), code_hi = code_lo ^ 16u, scale_off = r0 * kScaleRow;
+    // the x tiles' WGMMA descriptors: stage s, step k at x_desc + s * kATile / 16 + 2 k (the start address field holds
+    // addr / 16 in 14 bits; every stage's address is below 2^18: no carry out of the field)
+    const uint64_t x_desc = smem_desc(x_tiles);
     const uint32_t byte_sel = (lane & 3) | (((lane & 3) + 4) << 4);
-    const E2M1Tables tables((uint32_t)(M >> 31));  // 0 (M > 0), not provably: the tables stay in registers
+    // 0, loaded: the tables stay in per-thread registers. (With M >> 31, uniform across the warp, the compiler kept
+    // them in uniform registers and copied one into a register before each prmt: 16 of a stage's ~160 instructions.)
+    uint32_t zero;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(zero) : "r"(smem_addr(&zero_word)) : "memory");
+    const E2M1Tables tables(zero);
     float acc[BM / 2];
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
@@ -519,14 +522,14 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
                                   gather_byte(ld_shared16(ct + code_hi), byte_sel));
       const uint2 c1 = make_uint2(gather_byte(ld_shared16(ct + code_lo + 256), byte_sel),
                                   gather_byte(ld_shared16(ct + code_hi + 256), byte_sel));
-      uint32_t sp0[4], sp1[4];
+      uint4 sp0, sp1;  // NVFP4 / MXFP4: rows r0, r0 + 8: the bf16 scale pairs of steps 0-3
       uint2 am0, am1;  // NF4: the rows' fp32 absmax bits of halves 0 and 1
       if (FMT == kNF4) {
         am0 = ld_shared8(st);
-        am1 = ld_shared8(st + 8 * 8);
+        am1 = ld_shared8(st + 8 * kScaleRow);
       } else {
-        step_scales<FMT>(ld_shared4(st), sp0);
-        step_scales<FMT>(ld_shared4(st + 8 * 8), sp1);
+        sp0 = ld_shared16(st);
+        sp1 = ld_shared16(st + 8 * kScaleRow);
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -548,22 +551,24 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
             a[2] = nf4_pair(w0 >> (16 * e + 8), levels, m0f);
             a[3] = nf4_pair(w1 >> (16 * e + 8), levels, m1f);
           } else {  // exact: e2m1 times a block scale has at most 5 significant bits
-            a[0] = bf16x2_mul(d0[2 * e], sp0[step]);
-            a[1] = bf16x2_mul(d1[2 * e], sp1[step]);
-            a[2] = bf16x2_mul(d0[2 * e + 1], sp0[step]);
-            a[3] = bf16x2_mul(d1[2 * e + 1], sp1[step]);
+            const uint32_t s0 = step == 0 ? sp0.x : step == 1 ? sp0.y : step == 2 ? sp0.z : sp0.w;
+            const uint32_t s1 = step == 0 ? sp1.x : step == 1 ? sp1.y : step == 2 ? sp1.z : sp1.w;
+            a[0] = bf16x2_mul(d0[2 * e], s0);
+            a[1] = bf16x2_mul(d1[2 * e], s1);
+            a[2] = bf16x2_mul(d0[2 * e + 1], s0);
+            a[3] = bf16x2_mul(d1[2 * e + 1], s1);
           }
         }
       }
     };
     auto issue_stage = [&](int j, const uint32_t (&frag)[kBK / 16][4]) {
-      const uint32_t x_tile = x_tiles + (j % kRing) * kATile;
+      const uint64_t stage_desc = x_desc + (uint32_t)((j % kRing) * (kATile >> 4));
 #pragma unroll
       for (int step = 0; step < kBK / 16; ++step) {
 #pragma unroll
         for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
         wgmma_fence();
-        wgmma_rs_k16<BM>(acc, frag[step], smem_desc(x_tile + 32 * step));
+        wgmma_rs_k16<BM>(acc, frag[step], stage_desc + 2 * step);  // (x_tile + 32 step)
         wgmma_commit();
       }
     };
