@@ -304,21 +304,37 @@ __device__ __forceinline__ void reduce_split_tile(float* out, const float* __res
   cluster.sync();  // every CTA's partial tile is in its shared memory
   const int split = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
   const float g = FMT == kNVFP4 ? *gscale : 1.f;
-  for (int e = rank * kThreads + (int)threadIdx.x; e < BM * kBN; e += split * kThreads) {
-    const int tok = e / kBN, col = e % kBN;
+  // Four columns a thread (16-byte reads of each CTA's tile: kOutLd % 4 == 0), the CTAs' partial sums added in rank
+  // order; a 256-token tile has 8192 such quads. Wider tiles than 64 tokens run one CTA per SM, whose producer gave
+  // registers away (setmaxnreg.dec): only the consumers' 256 threads add there.
+  constexpr int kAdders = BM > 64 ? kThreads - 128 : kThreads;
+  const int adder = (int)threadIdx.x - (kThreads - kAdders);
+  for (int q = rank * kAdders + adder; adder >= 0 && q < BM * kBN / 4; q += split * kAdders) {
+    const int tok = q / (kBN / 4), col = 4 * (q % (kBN / 4));
     const int row = m0 + tok;
     const int64_t n = n0 + col;
     if (row >= M || n >= N) continue;
-    float v[kMaxSplit];
-#pragma unroll
-    for (int r = 0; r < kMaxSplit; ++r) v[r] = r < split ? cluster.map_shared_rank(out, r)[tok * kOutLd + col] : 0.f;
-    float sum = 0.f;
+    float4 v[kMaxSplit];
 #pragma unroll
     for (int r = 0; r < kMaxSplit; ++r)
-      if (r < split) sum += v[r];
+      v[r] = r < split ? *reinterpret_cast<const float4*>(cluster.map_shared_rank(out, r) + tok * kOutLd + col)
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < kMaxSplit; ++r)
+      if (r < split) {
+        sum[0] += v[r].x;
+        sum[1] += v[r].y;
+        sum[2] += v[r].z;
+        sum[3] += v[r].w;
+      }
     __nv_bfloat16* dst = y + (int64_t)row * N + n;
-    const float scaled = __fmul_rn(sum, g);  // (as store_tile: no fused multiply-add with y)
-    *dst = __float2bfloat16_rn(accumulate ? __fadd_rn(scaled, __bfloat162float(*dst)) : scaled);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (n + i < N) {
+        const float scaled = __fmul_rn(sum[i], g);  // (as store_tile: no fused multiply-add with y)
+        dst[i] = __float2bfloat16_rn(accumulate ? __fadd_rn(scaled, __bfloat162float(dst[i])) : scaled);
+      }
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
@@ -667,9 +683,9 @@ cudaLaunchConfig_t launch_config(dim3 grid, int smem_bytes, int split, cudaLaunc
   return cfg;
 }
 
-// Clusters of `split` CTAs of the 64-token tiles that fit on device dev at once (cached): a grid
+// Clusters of `split` CTAs of the BM-token tiles that fit on device dev at once (cached): a grid
 // past it would run a second, nearly empty wave (as the few-token kernel found).
-template <int FMT>
+template <int FMT, int BM>
 int cluster_capacity(int dev, int split) {
   static std::mutex mutex;
   static std::unordered_map<int, int> cache;
@@ -681,11 +697,11 @@ int cluster_capacity(int dev, int split) {
   }
   int n = 0;
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = launch_config(dim3(1, 1, (unsigned)split), smem_bytes_of<64>(), split, attr,
+  cudaLaunchConfig_t cfg = launch_config(dim3(1, 1, (unsigned)split), smem_bytes_of<BM>(), split, attr,
                                          nullptr);
   cfg.numAttrs = 1;
-  if (prepare<FMT, 64>(dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveClusters(&n, kernel_of<FMT, 64>(), &cfg) != cudaSuccess || n < 1) {
+  if (prepare<FMT, BM>(dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&n, kernel_of<FMT, BM>(), &cfg) != cudaSuccess || n < 1) {
     (void)cudaGetLastError();
     n = 1;
   }
@@ -730,14 +746,28 @@ cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, 
                             steps_per_split);
 }
 
-// 256-token tiles unless they would fill at most half the SMs; then 128-token ones (twice the CTAs, m64n128 WGMMAs).
-// (64-token tiles at two CTAs per SM for the k/v projections at 2048 tokens, where even 128-token ones make at most
-// one CTA per SM, were measured slower: 0.41-0.44x cuBLAS against 0.55-0.59x, H200, aa68787.)
+// 256-token tiles unless they would fill at most half the SMs. Then the same tiles with K split over a cluster of
+// `split` CTAs (their partial sums added through DSMEM): the largest split whose clusters all fit at once, that
+// leaves each CTA at least kMinSplitSteps stages, and that either makes 4x the CTAs or leaves each CTA
+// kMinPairSteps stages. Otherwise 128-token tiles (twice the CTAs, m64n128 WGMMAs: twice the decode per product).
+// H200, 2652f14 + this rule's first form (any split of >= 8 stages), against 128-token tiles
+// (benchmarks/results/decode/large_m_rs_split_first_form_h200.md): splits of 4-8 gained 21-99% (Llama-3.1-8B k/v,
+// Qwen3-1.7B q / k/v / down and Qwen3-0.6B down at 512 tokens), 2-way splits of >= 32 stages 9-24% (8B q / down at
+// 512, k/v at 2048), while 2-way splits of 8-16 stages lost 7-21% (Qwen3-0.6B q / k/v / gate at 512, k/v at 2048;
+// 1.7B k/v at 2048).
+// (64-token tiles at two CTAs per SM for the k/v projections at 2048 tokens were measured slower than 128-token
+// ones: 0.41-0.44x cuBLAS against 0.55-0.59x, H200, aa68787.)
+constexpr int kMinSplitSteps = 8, kMinPairSteps = 32;
 template <int FMT>
 cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
   const int64_t wide = (int64_t)((c.N + kBN - 1) / kBN) * ((c.M + 255) / 256);
   const int steps = (c.K + kBK - 1) / kBK;
   if (2 * wide > sms) return launch_tile<FMT, 256>(c, 1, steps, dev, stream);
+  for (int s = std::min(kMaxSplit, steps / kMinSplitSteps); s >= 2; --s)
+    if ((s >= 4 || steps / s >= kMinPairSteps) && wide * s <= sms && wide <= cluster_capacity<FMT, 256>(dev, s)) {
+      const int per = (steps + s - 1) / s;
+      return launch_tile<FMT, 256>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
+    }
   return launch_tile<FMT, 128>(c, 1, steps, dev, stream);
 }
 
@@ -748,7 +778,7 @@ cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
   const int steps = (c.K + kBK - 1) / kBK, tiles = (c.N + kBN - 1) / kBN;
   int split = 1;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
-    if (tiles <= cluster_capacity<FMT>(dev, s)) {
+    if (tiles <= cluster_capacity<FMT, 64>(dev, s)) {
       split = s;
       break;
     }
