@@ -291,22 +291,31 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 }
 
 // The forward's base GEMM as the mixed-input kernel (csrc/weight_only/mixed_input_gemm.cu: the weight decoded inside
-// the GEMM, no dense pass), opted into with SUROGATE_HF_MIXED_INPUT=1: it is correct on every shape but still slower
-// than decode + cuBLAS (docs/kernels.md has the measurements), so the dense route stays the default. Where opted in:
-// NVFP4 / MXFP4 / NF4 (blocks a power of two >= 32 dividing K), bf16 x of at least kMixedInputMinTokens rows (this
-// route's 4-bit calls all have >= 512: kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an
-// SM90a build on a cc 9.0 GPU;
+// the GEMM, no dense pass) rather than decode + cuBLAS. Where it can run (NVFP4 / MXFP4 / NF4 with blocks a power of
+// two >= 32 dividing K, bf16 x of at least kMixedInputMinTokens rows (this route's 4-bit calls all have >= 512:
+// kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an SM90a build on a cc 9.0 GPU), it is
+// - the default for NVFP4 / MXFP4 weights of at least kMixedInputDefaultMinElements at up to
+//   kMixedInputDefaultMaxTokens rows (Llama-3.1-8B q / o / gate / up / down, Qwen3-1.7B gate / up / down), where it
+//   measured 0.97-1.35x decode + cuBLAS's speed at 512-2048 tokens, 0.93x on the 1.7B gate / up at 1024 (H200,
+//   benchmarks/results/decode/large_m_default_s28_h200.md, large_m_rs_split_first_form_h200.md);
+// - off elsewhere, where it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), unless
+//   SUROGATE_HF_MIXED_INPUT=1 opts every call that can run it in; SUROGATE_HF_MIXED_INPUT=0 turns it off everywhere.
 // surogate_hf.kernels.paths.mixed_input_kernel states the same rule. (The variable is read per call, as the Python
 // rule reads it.)
 constexpr int64_t kMixedInputMinTokens = 512;
+constexpr int64_t kMixedInputDefaultMaxTokens = 2048;
+constexpr int64_t kMixedInputDefaultMinElements = 12 << 20;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
 // (the operands' sizes and dtypes are check_weight_operands', which the mixed-input path runs too: this is the rule)
 // x: the GEMM's input of m rows (any rank, [..., k])
 bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
-  const char* opt_in = std::getenv("SUROGATE_HF_MIXED_INPUT");
-  const bool enabled = opt_in != nullptr && std::string(opt_in) == "1";
+  const char* opt = std::getenv("SUROGATE_HF_MIXED_INPUT");
+  const std::string choice = opt != nullptr ? std::string(opt) : std::string();
+  const bool by_default = op.fmt <= 1 && m <= kMixedInputDefaultMaxTokens &&
+                          op.n * op.k >= kMixedInputDefaultMinElements;
+  const bool enabled = choice == "1" || (choice != "0" && by_default);
   const bool nf4_blocks_ok = op.block >= 32 && (op.block & (op.block - 1)) == 0 && op.k % op.block == 0;
   return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x.scalar_type() == at::kBFloat16 &&
          m >= kMixedInputMinTokens &&

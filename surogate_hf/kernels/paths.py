@@ -122,23 +122,34 @@ def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int
 
 
 MIXED_INPUT_MIN_TOKENS = 512  # csrc/weight_only/decoded_linear.cpp: kMixedInputMinTokens
+MIXED_INPUT_DEFAULT_MAX_TOKENS = 2048  # kMixedInputDefaultMaxTokens
+MIXED_INPUT_DEFAULT_MIN_ELEMENTS = 12 << 20  # kMixedInputDefaultMinElements
 
 
-def mixed_input_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
+def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
                        sm90a_built: bool, nf4_block: int = 64) -> bool:
-    """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) is the extension's
-    mixed-input WGMMA kernel (csrc/weight_only/mixed_input_gemm.cu, the weight decoded inside the GEMM) rather than a
-    dense decode + cuBLAS. Opt-in (SUROGATE_HF_MIXED_INPUT=1): the kernel (the consumers decode their register
-    operands) is correct on every shape but still below decode + cuBLAS on most linears (NVFP4 / MXFP4 0.79-0.93x bf16
-    cuBLAS on the H200's 8B / 1.7B linears at 2048 / 8192 tokens, the k/v ones 0.55-0.59x at 2048;
-    results/large_m_s23.md, large_m_ring_s23.md; docs/kernels.md). Where opted in: NVFP4, MXFP4 or NF4 (blocks a
-    power of two >= 32 dividing K), >= MIXED_INPUT_MIN_TOKENS bf16 rows, K % 32 == 0, a compute capability 9.0 GPU
-    (WGMMA) and an extension compiled for sm_90a (kernels.ext.sm90a_built). The C++ (mixed_input_applies) decides by
-    the same rule, plus 16-byte aligned contiguous operands. The input gradient keeps decode + cuBLAS."""
+    """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) for an [n, k]
+    weight and m rows of x is the extension's mixed-input WGMMA kernel (csrc/weight_only/mixed_input_gemm.cu, the
+    weight decoded inside the GEMM) rather than a dense decode + cuBLAS.
+
+    It can run for NVFP4, MXFP4 or NF4 (blocks a power of two >= 32 dividing K), >= MIXED_INPUT_MIN_TOKENS bf16 rows,
+    K % 32 == 0, on a compute capability 9.0 GPU (WGMMA) with an extension compiled for sm_90a
+    (kernels.ext.sm90a_built). Where it can, it is the default for NVFP4 / MXFP4 weights of at least
+    MIXED_INPUT_DEFAULT_MIN_ELEMENTS elements at up to MIXED_INPUT_DEFAULT_MAX_TOKENS rows (Llama-3.1-8B q / o / gate
+    / up / down, Qwen3-1.7B gate / up / down): 0.97-1.35x decode + cuBLAS's speed at 512-2048 tokens, 0.93x on the
+    1.7B gate / up at 1024 (H200; benchmarks/results/decode/large_m_default_s28_h200.md, docs/kernels.md).
+    Elsewhere it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), so decode + cuBLAS stays there
+    unless SUROGATE_HF_MIXED_INPUT=1 opts every call that can run the kernel in; SUROGATE_HF_MIXED_INPUT=0 turns it
+    off. The C++ (mixed_input_applies) decides by the same rule, plus 16-byte aligned contiguous operands. The input
+    gradient keeps decode + cuBLAS."""
     nf4_ok = nf4_block >= 32 and nf4_block & (nf4_block - 1) == 0 and k % nf4_block == 0
-    return (fmt in ("nvfp4", "mxfp4", "nf4") and (fmt != "nf4" or nf4_ok) and m >= MIXED_INPUT_MIN_TOKENS
-            and dtype == torch.bfloat16 and k % 32 == 0 and capability is not None and tuple(capability) == (9, 0)
-            and sm90a_built and os.environ.get("SUROGATE_HF_MIXED_INPUT") == "1")
+    can_run = (fmt in ("nvfp4", "mxfp4", "nf4") and (fmt != "nf4" or nf4_ok) and m >= MIXED_INPUT_MIN_TOKENS
+               and dtype == torch.bfloat16 and k % 32 == 0 and capability is not None and tuple(capability) == (9, 0)
+               and sm90a_built)
+    choice = os.environ.get("SUROGATE_HF_MIXED_INPUT")
+    by_default = (fmt in ("nvfp4", "mxfp4") and m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
+                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS)
+    return can_run and (choice == "1" or (choice != "0" and by_default))
 
 
 _ELEMENT_BLOCK = {"nvfp4": 16, "mxfp4": 32}

@@ -543,7 +543,7 @@ def test_mixed_input_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
     base_fmt = fmt.split("_")[0]
     if base_fmt == "nf4" and k % 64:
         pytest.skip("NF4's 64-element blocks must divide K")
-    if not paths.mixed_input_kernel(base_fmt, 2048, k, torch.bfloat16, torch.cuda.get_device_capability(),
+    if not paths.mixed_input_kernel(base_fmt, 2048, n, k, torch.bfloat16, torch.cuda.get_device_capability(),
                                     ext.sm90a_built()):
         pytest.skip("the mixed-input kernel needs a compute capability 9.0 GPU (WGMMA, sm_90a)")
     op_args, nested, wref = _mixed_input_operands(fmt, n, k)
@@ -559,6 +559,13 @@ def test_mixed_input_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
         routed = torch.ops.surogate.ext_decoded_linear(x, None, w, scales, gscale, levels, None, None, None, 1.0, code,
                                                        n, k, block, *nested)
         assert torch.equal(routed, y), f"{fmt} [{n}, {k}] M={m}: the decode route took another kernel"
+        # and by default where the rule says so (paths.mixed_input_kernel: large NVFP4 / MXFP4 weights)
+        monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT")
+        if paths.mixed_input_kernel(base_fmt, m, n, k, torch.bfloat16, torch.cuda.get_device_capability(), True):
+            routed = torch.ops.surogate.ext_decoded_linear(x, None, w, scales, gscale, levels, None, None, None, 1.0,
+                                                           code, n, k, block, *nested)
+            assert torch.equal(routed, y), f"{fmt} [{n}, {k}] M={m}: the default route took another kernel"
+        monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
 
 
 @pytest.mark.parametrize("nk", SHAPES_NK + [(160, 999)], ids=lambda nk: f"{nk[0]}to{nk[1]}")

@@ -169,27 +169,46 @@ def test_few_token_split_fills_the_gpu_where_the_weight_is_large():
 def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_input_kernel(fmt, monkeypatch):
     """Opted in (SUROGATE_HF_MIXED_INPUT=1), on a cc 9.0 GPU with the extension's sm_90a code, the decode route's bf16
     forward (>= 512 tokens) runs the mixed-input WGMMA kernel on every linear of the table (each K is a multiple of
-    32, and of NF4's 64-element blocks); not where it cannot run, and not by default (decode + cuBLAS is faster)."""
-    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
-    assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True)
+    32, and of NF4's 64-element blocks); not where it cannot run, and not with SUROGATE_HF_MIXED_INPUT=0."""
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "1")
     for _, _, k, n in S.all_linears():
         for m in (512, 777, 2048, 8192):
-            assert P.mixed_input_kernel(fmt, m, k, torch.bfloat16, SM90, True), f"{fmt} [{n}, {k}] M={m}"
-        assert not P.mixed_input_kernel(fmt, 511, k, torch.bfloat16, SM90, True)  # below the decode route's rows
-        assert not P.mixed_input_kernel(fmt, 2048, k, torch.float16, SM90, True)
-        assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, (10, 0), True)  # WGMMA is SM90a's
-        assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, SM90, False)  # built without sm_90a
-        assert not P.mixed_input_kernel(fmt, 2048, k, torch.bfloat16, None, True)
-    assert not P.mixed_input_kernel(fmt, 2048, 48, torch.bfloat16, SM90, True)  # a lane's 32 codes
+            assert P.mixed_input_kernel(fmt, m, n, k, torch.bfloat16, SM90, True), f"{fmt} [{n}, {k}] M={m}"
+        assert not P.mixed_input_kernel(fmt, 511, n, k, torch.bfloat16, SM90, True)  # below the decode route's rows
+        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.float16, SM90, True)
+        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, (10, 0), True)  # WGMMA is SM90a's
+        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, SM90, False)  # built without sm_90a
+        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, None, True)
+    assert not P.mixed_input_kernel(fmt, 2048, 4096, 48, torch.bfloat16, SM90, True)  # a lane's 32 codes
     if fmt == "nf4":  # a 32-column half of a stage lies in one absmax block: blocks of 2^j >= 32 dividing K
-        assert P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=32)
-        assert P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=4096)
-        assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=16)
-        assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True, nf4_block=96)
-        assert not P.mixed_input_kernel(fmt, 2048, 2880, torch.bfloat16, SM90, True, nf4_block=128)
+        assert P.mixed_input_kernel(fmt, 2048, 4096, 4096, torch.bfloat16, SM90, True, nf4_block=32)
+        assert P.mixed_input_kernel(fmt, 2048, 4096, 4096, torch.bfloat16, SM90, True, nf4_block=4096)
+        assert not P.mixed_input_kernel(fmt, 2048, 4096, 4096, torch.bfloat16, SM90, True, nf4_block=16)
+        assert not P.mixed_input_kernel(fmt, 2048, 4096, 4096, torch.bfloat16, SM90, True, nf4_block=96)
+        assert not P.mixed_input_kernel(fmt, 2048, 4096, 2880, torch.bfloat16, SM90, True, nf4_block=128)
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "0")
-    assert not P.mixed_input_kernel(fmt, 2048, 4096, torch.bfloat16, SM90, True)
+    for _, _, k, n in S.all_linears():
+        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, SM90, True)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_the_mixed_input_kernel_is_the_default_for_large_fp4_weights_up_to_2048_tokens(fmt, monkeypatch):
+    """Unset, SUROGATE_HF_MIXED_INPUT leaves the kernel where it measured at least decode + cuBLAS's speed: NVFP4 /
+    MXFP4 weights of >= 12 Mi elements at 512-2048 tokens (Llama-3.1-8B q / gate / up / down, Qwen3-1.7B gate / up /
+    down); the k/v projections, smaller models, more tokens and NF4 keep decode + cuBLAS."""
+    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
+    fp4 = fmt != "nf4"
+    large = [("Llama-3.1-8B", p) for p in ("q", "o", "gate_up", "down")] + [("Qwen3-1.7B", p) for p in ("gate_up", "down")]
+    for model, proj in large:
+        k, n = S.linears(model)[proj]
+        for m in (512, 777, 2048):
+            assert P.mixed_input_kernel(fmt, m, n, k, torch.bfloat16, SM90, True) == fp4, f"{model} {proj} M={m}"
+        assert not P.mixed_input_kernel(fmt, 2049, n, k, torch.bfloat16, SM90, True), f"{model} {proj}"
+        assert not P.mixed_input_kernel(fmt, 511, n, k, torch.bfloat16, SM90, True), f"{model} {proj}"
+        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, (10, 0), True), f"{model} {proj}"
+    for model, proj in (("Llama-3.1-8B", "kv"), ("Qwen3-1.7B", "q"), ("SmolLM2-135M", "gate_up"), ("Qwen3-0.6B", "down")):
+        k, n = S.linears(model)[proj]
+        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, SM90, True), f"{model} {proj}"
 
 
 def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
