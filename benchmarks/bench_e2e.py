@@ -10,6 +10,7 @@ process; failures are reported."""
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import gc
 import time
@@ -204,6 +205,9 @@ SETUPS = {
                           "lora"),
     "ours_nvfp4": ("ours nvfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "nvfp4"), "lora"),
     "ours_mxfp4": ("ours mxfp4 QLoRA, bf16 adapters", lambda L: ours_qlora(L, "mxfp4"), "lora"),
+    **{f"ours_{f}_decode_route": (f"ours {f} QLoRA, bf16 adapters, every forward by decode + cuBLAS "
+                                  "(SUROGATE_HF_MIXED_INPUT=0)", lambda L, f=f: ours_qlora(L, f), "lora")
+       for f in ("nvfp4", "mxfp4")},
     "ours_nvfp4_compiled": ("ours nvfp4 QLoRA, bf16 adapters, compiled layers",
                             compiled(lambda L: ours_qlora(L, "nvfp4")), "lora"),
     "ours_mxfp4_compiled": ("ours mxfp4 QLoRA, bf16 adapters, compiled layers",
@@ -246,8 +250,10 @@ TARGETS = {
     "ours_nf4_fp8_hybrid": [("peft_bf16", 1.0)],
     "ours_nvfp4_nvfp4": [("peft_bf16", 0.8), ("ours_nvfp4", 0.8)],
     "ours_nf4_compiled": [("peft_bf16_compiled", 1.0), ("bnb_nf4", 1.5)],
-    "ours_nvfp4": [("peft_bf16", 1.0)],
-    "ours_mxfp4": [("peft_bf16", 1.0), ("ours_nvfp4", 1.0)],
+    "ours_nvfp4": [("peft_bf16", 1.0), ("ours_nvfp4_decode_route", 1.0)],
+    "ours_mxfp4": [("peft_bf16", 1.0), ("ours_nvfp4", 1.0), ("ours_mxfp4_decode_route", 1.0)],
+    "ours_nvfp4_decode_route": [("peft_bf16", 1.0)],
+    "ours_mxfp4_decode_route": [("peft_bf16", 1.0)],
     "ours_nvfp4_compiled": [("peft_bf16_compiled", 1.0)],
     "ours_mxfp4_compiled": [("peft_bf16_compiled", 1.0), ("ours_nvfp4_compiled", 1.0)],
     **{f"ours_{f}_compiled_traced": [("peft_bf16_compiled", 1.0), (f"ours_{f}_compiled", 1.0)]
@@ -270,6 +276,8 @@ SMALL_MODEL_TARGETS = {
 
 
 GRAD_CKPT = []  # --grad-ckpt: activation checkpointing on every setup (what fits a big model on one GPU)
+# environment a setup runs under (read per call by the extension: an A/B of a path choice in one process, interleaved)
+SETUP_ENV = {f"ours_{f}_decode_route": {"SUROGATE_HF_MIXED_INPUT": "0"} for f in ("nvfp4", "mxfp4")}
 
 
 def run_setup(key, layers, batch, seq, warmup, steps):
@@ -277,6 +285,19 @@ def run_setup(key, layers, batch, seq, warmup, steps):
 
     # FusedRMSNorm's eager CUDA path: the extension's C++ op, except in the `_triton_norms` A/B setups
     norm.EXT_RMSNORM = not key.endswith("_triton_norms")
+    saved = {name: os.environ.get(name) for name in SETUP_ENV.get(key, {})}
+    os.environ.update(SETUP_ENV.get(key, {}))
+    try:
+        return _run_setup(key, layers, batch, seq, warmup, steps)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_setup(key, layers, batch, seq, warmup, steps):
     model = SETUPS[key][1](layers)
     if GRAD_CKPT:
         model.train()
