@@ -195,7 +195,12 @@ def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_inp
 def test_the_mixed_input_kernel_is_the_default_for_large_fp4_weights_up_to_2048_tokens(fmt, monkeypatch):
     """Unset, SUROGATE_HF_MIXED_INPUT leaves the kernel where it measured at least decode + cuBLAS's speed: NVFP4 /
     MXFP4 weights of >= 12 Mi elements at 512-2048 tokens (Llama-3.1-8B q / gate / up / down, Qwen3-1.7B gate / up /
-    down); the k/v projections, smaller models, more tokens and NF4 keep decode + cuBLAS."""
+    down); the k/v projections, smaller models, more tokens and NF4 keep decode + cuBLAS. The C++ states the same
+    constants (csrc/weight_only/decoded_linear.cpp: mixed_input_applies)."""
+    source = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "decoded_linear.cpp").read_text()
+    assert f"kMixedInputMinTokens = {P.MIXED_INPUT_MIN_TOKENS};" in source
+    assert f"kMixedInputDefaultMaxTokens = {P.MIXED_INPUT_DEFAULT_MAX_TOKENS};" in source
+    assert f"kMixedInputDefaultMinElements = {P.MIXED_INPUT_DEFAULT_MIN_ELEMENTS >> 20} << 20;" in source
     monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
     fp4 = fmt != "nf4"
     large = [("Llama-3.1-8B", p) for p in ("q", "o", "gate_up", "down")] + [("Qwen3-1.7B", p) for p in ("gate_up", "down")]
