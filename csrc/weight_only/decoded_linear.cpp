@@ -313,6 +313,9 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const
 bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
   const char* opt = std::getenv("SUROGATE_HF_MIXED_INPUT");
   const std::string choice = opt != nullptr ? std::string(opt) : std::string();
+  TORCH_CHECK(choice.empty() || choice == "0" || choice == "1", "SUROGATE_HF_MIXED_INPUT=", choice,
+              ": expected 1 (the mixed-input kernel wherever it can run), 0 (never: decode + cuBLAS) or unset (the "
+              "default rule, surogate_hf.kernels.paths.mixed_input_kernel)");
   const bool by_default = op.fmt <= 1 && m <= kMixedInputDefaultMaxTokens &&
                           op.n * op.k >= kMixedInputDefaultMinElements;
   const bool enabled = choice == "1" || (choice != "0" && by_default);

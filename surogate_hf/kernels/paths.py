@@ -146,7 +146,10 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
     can_run = (fmt in ("nvfp4", "mxfp4", "nf4") and (fmt != "nf4" or nf4_ok) and m >= MIXED_INPUT_MIN_TOKENS
                and dtype == torch.bfloat16 and k % 32 == 0 and capability is not None and tuple(capability) == (9, 0)
                and sm90a_built)
-    choice = os.environ.get("SUROGATE_HF_MIXED_INPUT")
+    choice = os.environ.get("SUROGATE_HF_MIXED_INPUT", "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"SUROGATE_HF_MIXED_INPUT={choice!r}: expected 1 (the mixed-input kernel wherever it can run), "
+                         "0 (never: decode + cuBLAS) or unset (the default rule)")
     by_default = (fmt in ("nvfp4", "mxfp4") and m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
                   and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS)
     return can_run and (choice == "1" or (choice != "0" and by_default))

@@ -189,6 +189,9 @@ def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_inp
     monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "0")
     for _, _, k, n in S.all_linears():
         assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, SM90, True)
+    monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "yes")  # not silently the default: an error naming the variable
+    with pytest.raises(ValueError, match="SUROGATE_HF_MIXED_INPUT='yes'"):
+        P.mixed_input_kernel(fmt, 2048, 4096, 4096, torch.bfloat16, SM90, True)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
