@@ -99,6 +99,7 @@ def main():
     args = ap.parse_args()
     assert ext.load(build=True) is not None, ext.status()[1]
     capability, sm90a = torch.cuda.get_device_capability(), ext.sm90a_built() and not args.skip_rs
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for model, proj, k, n in distinct_linears(args.models):
         dense = dense_chain(n, k, args.chain)
@@ -142,7 +143,7 @@ def main():
                 target = 0.9 if m >= 2048 else 1.5 if m <= 64 else None
                 # what a module's forward runs for these tokens (above 64: the decode route's rule, which takes the
                 # mixed-input kernel for large NVFP4 / MXFP4 weights up to 2048 tokens)
-                takes_rs = m > 64 and paths.mixed_input_kernel(f, m, n, k, torch.bfloat16, capability, sm90a)
+                takes_rs = m > 64 and paths.mixed_input_kernel(f, m, n, k, torch.bfloat16, capability, sm90a, sms=sms)
                 t_default = t_rs if takes_rs else t_dense
 
                 def verdict(speed, target=target):

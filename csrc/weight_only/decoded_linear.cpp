@@ -295,9 +295,14 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 // two >= 32 dividing K, bf16 x of at least kMixedInputMinTokens rows (this route's 4-bit calls all have >= 512:
 // kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an SM90a build on a cc 9.0 GPU), it is
 // - the default for NVFP4 / MXFP4 weights of at least kMixedInputDefaultMinElements at up to
-//   kMixedInputDefaultMaxTokens rows (Llama-3.1-8B q / o / gate / up / down, Qwen3-1.7B gate / up / down), where it
-//   measured 0.97-1.35x decode + cuBLAS's speed at 512-2048 tokens, 0.93x on the 1.7B gate / up at 1024 (H200,
-//   benchmarks/results/decode/large_m_default_s28_h200.md, large_m_rs_split_first_form_h200.md);
+//   kMixedInputDefaultMaxTokens rows where its 256-token tiles fill the GPU well enough to be the faster. On the
+//   large weights of the Llama-3.1-8B and Qwen3-1.7B shapes it ran at kMixedInputSpeed x bf16 cuBLAS's speed at full
+//   waves, and decode + cuBLAS took bf16's time x (1 + kRouteDecodeTokens / rows) (its decode 0.43x a 512-row GEMM's
+//   time, 0.11x a 2048-row one's); so it is taken where kMixedInputSpeed x its fill (mixed_input_fill: CTAs over
+//   whole waves) x (1 + kRouteDecodeTokens / rows) >= 1. Measured there: 0.97-1.35x decode + cuBLAS's speed
+//   (Llama-3.1-8B q / o / gate / up / down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200;
+//   benchmarks/results/decode/large_m_default_s28_h200.md, large_m_rs_split_first_form_h200.md). The fill leaves out
+//   the one loss among those rows, the 1.7B gate / up at 1024 tokens (0.93x: 192 CTAs, a fill of 0.73);
 // - off elsewhere, where it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), unless
 //   SUROGATE_HF_MIXED_INPUT=1 opts every call that can run it in; SUROGATE_HF_MIXED_INPUT=0 turns it off everywhere.
 // surogate_hf.kernels.paths.mixed_input_kernel states the same rule. (The variable is read per call, as the Python
@@ -305,6 +310,8 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 constexpr int64_t kMixedInputMinTokens = 512;
 constexpr int64_t kMixedInputDefaultMaxTokens = 2048;
 constexpr int64_t kMixedInputDefaultMinElements = 12 << 20;
+constexpr double kMixedInputSpeed = 0.97;
+constexpr double kRouteDecodeTokens = 220;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
@@ -316,8 +323,13 @@ bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
   TORCH_CHECK(choice.empty() || choice == "0" || choice == "1", "SUROGATE_HF_MIXED_INPUT=", choice,
               ": expected 1 (the mixed-input kernel wherever it can run), 0 (never: decode + cuBLAS) or unset (the "
               "default rule, surogate_hf.kernels.paths.mixed_input_kernel)");
-  const bool by_default = op.fmt <= 1 && m <= kMixedInputDefaultMaxTokens &&
-                          op.n * op.k >= kMixedInputDefaultMinElements;
+  const auto fills = [&] {  // 256-token tiles (the 128-token ones decode twice per product: slower, where measured)
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    return surogate::mixed_input_tiles(m, op.n, op.k, sms, [](int, long long) { return true; }).bm == 256 &&
+           kMixedInputSpeed * surogate::mixed_input_fill(m, op.n, op.k, sms) * (1.0 + kRouteDecodeTokens / m) >= 1.0;
+  };
+  const bool by_default = op.fmt <= 1 && m >= kMixedInputMinTokens && m <= kMixedInputDefaultMaxTokens &&
+                          op.n * op.k >= kMixedInputDefaultMinElements && fills();
   const bool enabled = choice == "1" || (choice != "0" && by_default);
   const bool nf4_blocks_ok = op.block >= 32 && (op.block & (op.block - 1)) == 0 && op.k % op.block == 0;
   return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x.scalar_type() == at::kBFloat16 &&

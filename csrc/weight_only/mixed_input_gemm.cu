@@ -49,7 +49,7 @@ namespace {
 
 using namespace wdec;
 
-constexpr int kBN = 128;        // weight rows per CTA: the WGMMA's N
+constexpr int kBN = kMixedInputRows;  // weight rows per CTA: the WGMMA's N
 constexpr int kBK = 64;         // K per stage: one 128-byte swizzle row of bf16
 constexpr int kThreads = 384;   // warpgroup 0 produces, 1 and 2 consume
 
@@ -293,7 +293,7 @@ __device__ __forceinline__ void store_tile(const float* acc, float* out, const f
 // fp32 partial tiles over consecutive K ranges, in out[token][row] of each one's shared memory). Run by all threads
 // of every CTA of the cluster: each CTA sums a strided share of the tile over ranks 0 .. split - 1 in order (the same
 // sum whichever CTA computes it: deterministic), times the NVFP4 global, (+ y,) one rounding.
-constexpr int kMaxSplit = 8;  // the portable cluster size
+constexpr int kMaxSplit = kMixedInputMaxSplit;  // the portable cluster size
 
 template <int FMT, int BM>
 __device__ __forceinline__ void reduce_split_tile(float* out, const float* __restrict__ gscale,
@@ -746,29 +746,15 @@ cudaError_t launch_tile(const Call& c, int split, int steps_per_split, int dev, 
                             steps_per_split);
 }
 
-// 256-token tiles unless they would fill at most half the SMs. Then the same tiles with K split over a cluster of
-// `split` CTAs (their partial sums added through DSMEM): the largest split whose clusters all fit at once, that
-// leaves each CTA at least kMinSplitSteps stages, and that either makes 4x the CTAs or leaves each CTA
-// kMinPairSteps stages. Otherwise 128-token tiles (twice the CTAs, m64n128 WGMMAs: twice the decode per product).
-// H200, 2652f14 + this rule's first form (any split of >= 8 stages), against 128-token tiles
-// (benchmarks/results/decode/large_m_rs_split_first_form_h200.md): splits of 4-8 gained 21-99% (Llama-3.1-8B k/v,
-// Qwen3-1.7B q / k/v / down and Qwen3-0.6B down at 512 tokens), 2-way splits of >= 32 stages 9-24% (8B q / down at
-// 512, k/v at 2048), while 2-way splits of 8-16 stages lost 7-21% (Qwen3-0.6B q / k/v / gate at 512, k/v at 2048;
-// 1.7B k/v at 2048).
-// (64-token tiles at two CTAs per SM for the k/v projections at 2048 tokens were measured slower than 128-token
-// ones: 0.41-0.44x cuBLAS against 0.55-0.59x, H200, aa68787.)
-constexpr int kMinSplitSteps = 8, kMinPairSteps = 32;
+// The many-token tiles (the rule and its measurements: mixed_input_tiles, mixed_input_gemm.h)
 template <int FMT>
 cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
-  const int64_t wide = (int64_t)((c.N + kBN - 1) / kBN) * ((c.M + 255) / 256);
   const int steps = (c.K + kBK - 1) / kBK;
-  if (2 * wide > sms) return launch_tile<FMT, 256>(c, 1, steps, dev, stream);
-  for (int s = std::min(kMaxSplit, steps / kMinSplitSteps); s >= 2; --s)
-    if ((s >= 4 || steps / s >= kMinPairSteps) && wide * s <= sms && wide <= cluster_capacity<FMT, 256>(dev, s)) {
-      const int per = (steps + s - 1) / s;
-      return launch_tile<FMT, 256>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
-    }
-  return launch_tile<FMT, 128>(c, 1, steps, dev, stream);
+  const MixedInputTiles tiles = mixed_input_tiles(
+      c.M, c.N, c.K, sms, [&](int s, long long clusters) { return clusters <= cluster_capacity<FMT, 256>(dev, s); });
+  if (tiles.bm == 128) return launch_tile<FMT, 128>(c, 1, steps, dev, stream);
+  const int per = (steps + tiles.split - 1) / tiles.split;
+  return launch_tile<FMT, 256>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }
 
 // At most 64 tokens: 64-token tiles (m64n64 WGMMAs), K split over the largest cluster

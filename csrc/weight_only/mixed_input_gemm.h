@@ -18,6 +18,46 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
                                     void* y, int M, int N, int K, bool accumulate, int sms, int dev,
                                     cudaStream_t stream);
 
+// The many-token launch's tiles (mixed_input_gemm.cu, launch_fmt), of kMixedInputRows weight rows and 64-column
+// stages: 256-token tiles unless they would fill at most half the SMs. Then the same tiles with K split over a
+// cluster of `split` CTAs (their partial sums added through DSMEM): the largest split whose clusters all fit at once
+// (fits(split, clusters)), that leaves each CTA at least kMixedInputMinSplitSteps stages, and that either makes 4x
+// the CTAs or leaves each CTA kMixedInputMinPairSteps stages. Otherwise 128-token tiles (twice the CTAs, m64n128
+// WGMMAs: twice the decode per product).
+// H200, 2652f14 + this rule's first form (any split of >= 8 stages), against 128-token tiles
+// (benchmarks/results/decode/large_m_rs_split_first_form_h200.md): splits of 4-8 gained 21-99% (Llama-3.1-8B k/v,
+// Qwen3-1.7B q / k/v / down and Qwen3-0.6B down at 512 tokens), 2-way splits of >= 32 stages 9-24% (8B q / down at
+// 512, k/v at 2048), while 2-way splits of 8-16 stages lost 7-21% (Qwen3-0.6B q / k/v / gate at 512, k/v at 2048;
+// 1.7B k/v at 2048). (64-token tiles at two CTAs per SM for the k/v projections at 2048 tokens were measured slower
+// than 128-token ones: 0.41-0.44x cuBLAS against 0.55-0.59x, H200, aa68787.)
+// surogate_hf.kernels.paths.mixed_input_tiles states the same rule.
+constexpr int kMixedInputRows = 128, kMixedInputMaxSplit = 8;
+constexpr int kMixedInputMinSplitSteps = 8, kMixedInputMinPairSteps = 32;
+struct MixedInputTiles {
+  int bm;     // tokens per tile: 256 or 128
+  int split;  // CTAs per tile, each over a run of K
+};
+template <class Fits>
+inline MixedInputTiles mixed_input_tiles(long long m, long long n, long long k, int sms, Fits fits) {
+  const long long wide = ((n + kMixedInputRows - 1) / kMixedInputRows) * ((m + 255) / 256);
+  const long long steps = (k + 63) / 64;
+  if (2 * wide > sms) return {256, 1};
+  for (long long s = steps / kMixedInputMinSplitSteps < kMixedInputMaxSplit ? steps / kMixedInputMinSplitSteps
+                                                                              : kMixedInputMaxSplit;
+       s >= 2; --s)
+    if ((s >= 4 || steps / s >= kMixedInputMinPairSteps) && wide * s <= sms && fits((int)s, wide)) return {256, (int)s};
+  return {128, 1};
+}
+
+// The share of the SMs' time that launch keeps busy: its CTAs over whole waves of one per SM (a split's clusters
+// taken to fit)
+inline double mixed_input_fill(long long m, long long n, long long k, int sms) {
+  const MixedInputTiles t = mixed_input_tiles(m, n, k, sms, [](int, long long) { return true; });
+  const long long ctas = ((n + kMixedInputRows - 1) / kMixedInputRows) * ((m + t.bm - 1) / t.bm) * t.split;
+  const long long waves = (ctas + sms - 1) / sms;
+  return (double)ctas / (double)(waves * sms);
+}
+
 // The few-token op's (ext_few_token_gemm) choice of kernel: from kFewTokenWgmmaMinTokens to 64 tokens a weight of at
 // least kFewTokenWgmmaMinElements (NF4: also at least kFewTokenWgmmaNf4MinRows rows) takes the register-operand WGMMA
 // kernel (64-token tiles, K split over a cluster), where each weight fragment is decoded once for all the tokens;

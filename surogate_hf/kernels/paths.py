@@ -124,34 +124,67 @@ def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int
 MIXED_INPUT_MIN_TOKENS = 512  # csrc/weight_only/decoded_linear.cpp: kMixedInputMinTokens
 MIXED_INPUT_DEFAULT_MAX_TOKENS = 2048  # kMixedInputDefaultMaxTokens
 MIXED_INPUT_DEFAULT_MIN_ELEMENTS = 12 << 20  # kMixedInputDefaultMinElements
+MIXED_INPUT_SPEED = 0.97  # kMixedInputSpeed
+ROUTE_DECODE_TOKENS = 220  # kRouteDecodeTokens
+# csrc/weight_only/mixed_input_gemm.h: kMixedInputRows, kMixedInputMaxSplit, kMixedInputMinSplitSteps,
+# kMixedInputMinPairSteps
+MIXED_INPUT_ROWS, MIXED_INPUT_MAX_SPLIT, MIXED_INPUT_MIN_SPLIT_STEPS, MIXED_INPUT_MIN_PAIR_STEPS = 128, 8, 8, 32
+
+
+def mixed_input_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """(tokens per tile, CTAs per tile) of the mixed-input kernel's launch for m >= 65 rows (mixed_input_tiles in
+    csrc/weight_only/mixed_input_gemm.h, which has the rule's measurements; a split's clusters taken to fit, as the
+    launcher checks on the device): 256-token tiles unless they would fill at most half the SMs; then K split 2-8 ways
+    over a cluster (4x the CTAs, or 2-way with >= 32 stages a CTA, each CTA >= 8 stages); else 128-token tiles."""
+    wide = -(-n // MIXED_INPUT_ROWS) * -(-m // 256)
+    steps = -(-k // 64)
+    if 2 * wide > sms:
+        return 256, 1
+    for s in range(min(MIXED_INPUT_MAX_SPLIT, steps // MIXED_INPUT_MIN_SPLIT_STEPS), 1, -1):
+        if (s >= 4 or steps // s >= MIXED_INPUT_MIN_PAIR_STEPS) and wide * s <= sms:
+            return 256, s
+    return 128, 1
+
+
+def mixed_input_fill(m: int, n: int, k: int, sms: int) -> float:
+    """The share of the SMs' time the mixed-input kernel's launch keeps busy: its CTAs over whole waves of one per
+    SM (mixed_input_fill, mixed_input_gemm.h)."""
+    bm, split = mixed_input_tiles(m, n, k, sms)
+    ctas = -(-n // MIXED_INPUT_ROWS) * -(-m // bm) * split
+    return ctas / (-(-ctas // sms) * sms)
 
 
 def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
-                       sm90a_built: bool, nf4_block: int = 64) -> bool:
+                       sm90a_built: bool, nf4_block: int = 64, sms: int = 132) -> bool:
     """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) for an [n, k]
-    weight and m rows of x is the extension's mixed-input WGMMA kernel (csrc/weight_only/mixed_input_gemm.cu, the
-    weight decoded inside the GEMM) rather than a dense decode + cuBLAS.
+    weight and m rows of x, on a GPU of `sms` SMs, is the extension's mixed-input WGMMA kernel
+    (csrc/weight_only/mixed_input_gemm.cu, the weight decoded inside the GEMM) rather than a dense decode + cuBLAS.
 
     It can run for NVFP4, MXFP4 or NF4 (blocks a power of two >= 32 dividing K), >= MIXED_INPUT_MIN_TOKENS bf16 rows,
     K % 32 == 0, on a compute capability 9.0 GPU (WGMMA) with an extension compiled for sm_90a
     (kernels.ext.sm90a_built). Where it can, it is the default for NVFP4 / MXFP4 weights of at least
-    MIXED_INPUT_DEFAULT_MIN_ELEMENTS elements at up to MIXED_INPUT_DEFAULT_MAX_TOKENS rows (Llama-3.1-8B q / o / gate
-    / up / down, Qwen3-1.7B gate / up / down): 0.97-1.35x decode + cuBLAS's speed at 512-2048 tokens, 0.93x on the
-    1.7B gate / up at 1024 (H200; benchmarks/results/decode/large_m_default_s28_h200.md, docs/kernels.md).
+    MIXED_INPUT_DEFAULT_MIN_ELEMENTS elements at up to MIXED_INPUT_DEFAULT_MAX_TOKENS rows whose 256-token tiles fill
+    the GPU well enough: MIXED_INPUT_SPEED x mixed_input_fill x (1 + ROUTE_DECODE_TOKENS / m) >= 1 (on the
+    Llama-3.1-8B and
+    Qwen3-1.7B large weights the kernel ran at 0.97x bf16 cuBLAS's speed at full waves, and decode + cuBLAS took
+    bf16's time x (1 + 220 / m)). Measured there: 0.97-1.35x decode + cuBLAS's speed (Llama-3.1-8B q / o / gate / up /
+    down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200; benchmarks/results/decode/large_m_default_s28_h200.md,
+    docs/kernels.md); the fill leaves out the one loss among them (the 1.7B gate / up at 1024 tokens, 0.93x).
     Elsewhere it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), so decode + cuBLAS stays there
     unless SUROGATE_HF_MIXED_INPUT=1 opts every call that can run the kernel in; SUROGATE_HF_MIXED_INPUT=0 turns it
-    off. The C++ (mixed_input_applies) decides by the same rule, plus 16-byte aligned contiguous operands. The input
-    gradient keeps decode + cuBLAS."""
+    off. The C++ (mixed_input_applies in csrc/weight_only/decoded_linear.cpp) decides by the same rule, plus 16-byte
+    aligned contiguous operands. The input gradient keeps decode + cuBLAS."""
     nf4_ok = nf4_block >= 32 and nf4_block & (nf4_block - 1) == 0 and k % nf4_block == 0
     can_run = (fmt in ("nvfp4", "mxfp4", "nf4") and (fmt != "nf4" or nf4_ok) and m >= MIXED_INPUT_MIN_TOKENS
                and dtype == torch.bfloat16 and k % 32 == 0 and capability is not None and tuple(capability) == (9, 0)
                and sm90a_built)
     choice = os.environ.get("SUROGATE_HF_MIXED_INPUT", "")
     if choice not in ("", "0", "1"):
-        raise ValueError(f"SUROGATE_HF_MIXED_INPUT={choice!r}: expected 1 (the mixed-input kernel wherever it can run), "
-                         "0 (never: decode + cuBLAS) or unset (the default rule)")
-    by_default = (fmt in ("nvfp4", "mxfp4") and m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
-                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS)
+        raise ValueError(f"SUROGATE_HF_MIXED_INPUT={choice!r}: expected 1 (the mixed-input kernel wherever it can "
+                         "run), 0 (never: decode + cuBLAS) or unset (the default rule)")
+    by_default = (fmt in ("nvfp4", "mxfp4") and MIXED_INPUT_MIN_TOKENS <= m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
+                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS and mixed_input_tiles(m, n, k, sms)[0] == 256
+                  and MIXED_INPUT_SPEED * mixed_input_fill(m, n, k, sms) * (1 + ROUTE_DECODE_TOKENS / m) >= 1)
     return can_run and (choice == "1" or (choice != "0" and by_default))
 
 

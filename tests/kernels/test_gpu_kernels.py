@@ -561,7 +561,9 @@ def test_mixed_input_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
         assert torch.equal(routed, y), f"{fmt} [{n}, {k}] M={m}: the decode route took another kernel"
         # and by default where the rule says so (paths.mixed_input_kernel: large NVFP4 / MXFP4 weights)
         monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT")
-        if paths.mixed_input_kernel(base_fmt, m, n, k, torch.bfloat16, torch.cuda.get_device_capability(), True):
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        if paths.mixed_input_kernel(base_fmt, m, n, k, torch.bfloat16, torch.cuda.get_device_capability(), True,
+                                    sms=sms):
             routed = torch.ops.surogate.ext_decoded_linear(x, None, w, scales, gscale, levels, None, None, None, 1.0,
                                                            code, n, k, block, *nested)
             assert torch.equal(routed, y), f"{fmt} [{n}, {k}] M={m}: the default route took another kernel"

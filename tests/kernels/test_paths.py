@@ -194,29 +194,64 @@ def test_many_token_forwards_of_every_shapes_table_linear_can_take_the_mixed_inp
         P.mixed_input_kernel(fmt, 2048, 4096, 4096, torch.bfloat16, SM90, True)
 
 
+def test_the_mixed_input_tiles_follow_the_measured_split_rule():
+    """The many-token launch (mixed_input_tiles, mirrored from csrc/weight_only/mixed_input_gemm.h on a 132-SM GPU):
+    256-token tiles where they fill more than half the SMs; else a K split of 4-8 ways, or 2 ways with >= 32 stages
+    a CTA (2-way splits of 8-16 stages measured slower than 128-token tiles); else 128-token tiles."""
+    header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
+    assert (f"kMixedInputRows = {P.MIXED_INPUT_ROWS}, kMixedInputMaxSplit = {P.MIXED_INPUT_MAX_SPLIT};" in header)
+    assert (f"kMixedInputMinSplitSteps = {P.MIXED_INPUT_MIN_SPLIT_STEPS}, "
+            f"kMixedInputMinPairSteps = {P.MIXED_INPUT_MIN_PAIR_STEPS};" in header)
+    shape = {(model, proj): (k, n) for model, proj, k, n in S.all_linears()}
+
+    def tiles(model, proj, m):
+        k, n = shape[(model, proj)]
+        return P.mixed_input_tiles(m, n, k, 132)
+
+    assert tiles("Llama-3.1-8B", "q", 2048) == (256, 1)  # 256 tiles
+    assert tiles("Llama-3.1-8B", "q", 512) == (256, 2)  # 64 tiles, 32 stages a CTA
+    assert tiles("Llama-3.1-8B", "kv", 512) == (256, 8)  # 16 tiles
+    assert tiles("Llama-3.1-8B", "kv", 2048) == (256, 2)
+    assert tiles("Qwen3-1.7B", "q", 512) == (256, 4)
+    assert tiles("Qwen3-1.7B", "down", 1024) == (256, 2)  # 96 stages: 48 a CTA
+    assert tiles("Qwen3-1.7B", "kv", 2048) == (128, 1)  # a 2-way split would leave 16 stages a CTA
+    assert tiles("Qwen3-0.6B", "q", 512) == (128, 1)
+    assert P.mixed_input_fill(2048, 4096, 4096, 132) == pytest.approx(256 / 264)
+    assert P.mixed_input_fill(1024, 6144, 2048, 132) == pytest.approx(192 / 264)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
-def test_the_mixed_input_kernel_is_the_default_for_large_fp4_weights_up_to_2048_tokens(fmt, monkeypatch):
-    """Unset, SUROGATE_HF_MIXED_INPUT leaves the kernel where it measured at least decode + cuBLAS's speed: NVFP4 /
-    MXFP4 weights of >= 12 Mi elements at 512-2048 tokens (Llama-3.1-8B q / gate / up / down, Qwen3-1.7B gate / up /
-    down); the k/v projections, smaller models, more tokens and NF4 keep decode + cuBLAS. The C++ states the same
-    constants (csrc/weight_only/decoded_linear.cpp: mixed_input_applies)."""
+def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, monkeypatch):
+    """Unset, SUROGATE_HF_MIXED_INPUT leaves the kernel to NVFP4 / MXFP4 weights of >= 12 Mi elements at 512-2048
+    tokens whose 256-token tiles fill the GPU enough (0.97 x fill x (1 + 220 / M) >= 1): every row where it measured
+    faster than decode + cuBLAS (Llama-3.1-8B q / o / gate_up / down, Qwen3-1.7B gate_up / down at 512 and 2048
+    tokens, the 8B q / down and 1.7B down at 1024), not the 1.7B gate_up at 1024 (0.93x, a fill of 0.73); the k/v
+    projections, smaller models, more tokens and NF4 keep decode + cuBLAS. The C++ states the same constants
+    (csrc/weight_only/decoded_linear.cpp: mixed_input_applies)."""
     source = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "decoded_linear.cpp").read_text()
     assert f"kMixedInputMinTokens = {P.MIXED_INPUT_MIN_TOKENS};" in source
     assert f"kMixedInputDefaultMaxTokens = {P.MIXED_INPUT_DEFAULT_MAX_TOKENS};" in source
     assert f"kMixedInputDefaultMinElements = {P.MIXED_INPUT_DEFAULT_MIN_ELEMENTS >> 20} << 20;" in source
+    assert f"kMixedInputSpeed = {P.MIXED_INPUT_SPEED};" in source
+    assert f"kRouteDecodeTokens = {P.ROUTE_DECODE_TOKENS};" in source
     monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
     fp4 = fmt != "nf4"
-    large = [("Llama-3.1-8B", p) for p in ("q", "o", "gate_up", "down")] + [("Qwen3-1.7B", p) for p in ("gate_up", "down")]
-    for model, proj in large:
+
+    def default(model, proj, m):
         k, n = S.linears(model)[proj]
-        for m in (512, 777, 2048):
-            assert P.mixed_input_kernel(fmt, m, n, k, torch.bfloat16, SM90, True) == fp4, f"{model} {proj} M={m}"
-        assert not P.mixed_input_kernel(fmt, 2049, n, k, torch.bfloat16, SM90, True), f"{model} {proj}"
-        assert not P.mixed_input_kernel(fmt, 511, n, k, torch.bfloat16, SM90, True), f"{model} {proj}"
-        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, (10, 0), True), f"{model} {proj}"
+        return P.mixed_input_kernel(fmt, m, n, k, torch.bfloat16, SM90, True)
+
+    for model, proj, tokens in [("Llama-3.1-8B", p, (512, 2048)) for p in ("q", "o", "gate_up", "down")] + [
+            ("Llama-3.1-8B", "q", (1024,)), ("Llama-3.1-8B", "down", (1024,)), ("Qwen3-1.7B", "gate_up", (512, 2048)),
+            ("Qwen3-1.7B", "down", (512, 1024, 2048))]:
+        for m in tokens:
+            assert default(model, proj, m) == fp4, f"{model} {proj} M={m}"
+        assert not default(model, proj, 2049) and not default(model, proj, 511), f"{model} {proj}"
+    assert not default("Qwen3-1.7B", "gate_up", 1024)  # 192 CTAs on 132 SMs
     for model, proj in (("Llama-3.1-8B", "kv"), ("Qwen3-1.7B", "q"), ("SmolLM2-135M", "gate_up"), ("Qwen3-0.6B", "down")):
-        k, n = S.linears(model)[proj]
-        assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, SM90, True), f"{model} {proj}"
+        assert not default(model, proj, 2048), f"{model} {proj}"
+    k, n = S.linears("Llama-3.1-8B")["q"]
+    assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, (10, 0), True)  # WGMMA is SM90a's
 
 
 def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
