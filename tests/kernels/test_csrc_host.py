@@ -1,7 +1,9 @@
 """The NVFP4 block math of the csrc kernels (csrc/fp4/nvfp4_math.cuh), built for the host with nvcc and checked bit
 for bit against the reference (surogate::nvfp4_amax / nvfp4_qdq, formats.nvfp4.qdq_nvfp4) with no GPU; likewise the
 dense decode's element math (csrc/weight_only/decode_math.cuh, harness tests/kernels/host/decode_host.cu) against the
-formats' reference decode (ops.ext.decode_reference).
+formats' reference decode (ops.ext.decode_reference); and the mixed-input kernel's launch rules
+(csrc/weight_only/mixed_input_gemm.h, harness tests/kernels/host/mixed_input_rules_host.cu) against their Python
+mirror (kernels.paths).
 
 The harness (tests/kernels/host/nvfp4_qdq_host.cu) walks the blocks the way the kernels do and calls the same
 __host__ __device__ functions; the GPU tests check the kernels themselves (tests/kernels/test_gpu_kernels.py).
@@ -200,3 +202,26 @@ def test_decode_element_math_de_nests_the_nf4_absmax(decode_harness, n, k):
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     flat = decode_reference(packed, F.nf4_absmax(st).float(), None, levels, code, n, k, 64, torch.float32)
     assert torch.equal(ref.view(torch.int32), flat.view(torch.int32))
+
+
+def test_the_python_mirror_of_the_mixed_input_rules_matches_the_header(tmp_path_factory):
+    """kernels.paths.mixed_input_tiles / mixed_input_fill / few_token_wgmma state the rules of
+    csrc/weight_only/mixed_input_gemm.h (the launch's tiles, its fill, the few-token op's kernel); the header built
+    for the host (tests/kernels/host/mixed_input_rules_host.cu) answers every shapes.md linear at 1-8192 tokens on
+    GPUs of 78, 114 and 132 SMs, and the two agree exactly."""
+    from surogate_hf.kernels import model_shapes as S
+    from surogate_hf.kernels import paths as P
+
+    exe = _build_host(tmp_path_factory, Path(__file__).parent / "host" / "mixed_input_rules_host.cu", "launch rules")
+    cases = [(m, n, k, sms, fmt) for _, _, k, n in S.all_linears() for m in (1, 40, 64, 65, 512, 777, 1024, 2048, 8192)
+             for sms in (78, 114, 132) for fmt in (0, 1, 2)]
+    out = subprocess.run([str(exe)], input="".join(f"{m} {n} {k} {sms} {fmt}\n" for m, n, k, sms, fmt in cases),
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    fmts = ("nvfp4", "mxfp4", "nf4")
+    for (m, n, k, sms, fmt), line in zip(cases, out, strict=False):
+        bm, split, fill, few = line.split()
+        assert (int(bm), int(split)) == P.mixed_input_tiles(m, n, k, sms), (m, n, k, sms)
+        assert float(fill) == P.mixed_input_fill(m, n, k, sms), (m, n, k, sms)
+        assert bool(int(few)) == P.few_token_wgmma(fmts[fmt], m, n, k, (9, 0), True), (m, n, k, fmt)
+    assert len(out) >= len(cases)
+
