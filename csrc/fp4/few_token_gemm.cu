@@ -2,10 +2,16 @@
 // or NF4), M <= 64 (kernels.paths.FEW_TOKEN_MAX_TOKENS), x in bf16. With so few tokens the GEMM is bound
 // by reading the weight, 0.5 byte per element against bf16's 2, so the kernel streams the packed codes once:
 //   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 4 steps ahead, and
-//     decodes them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma B fragments;
+//     decodes them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma operands;
+//   - the weight is the mma's A operand (an m16 tile: 16 weight rows) and x^T its B operand (n8 tiles of 8 tokens),
+//     so y^T is what the mmas sum. A lane's decoded words of rows g and g + 8 are its A fragments as they are, and a
+//     token tile's B fragment is two consecutive words of one 16-byte shared-memory load: no register moves, and
+//     with <= 8 tokens no zero rows are staged or loaded. (Until session 29 x was the A operand in m16 token
+//     tiles: from 9 tokens its fragments were assembled from two loads by register moves, 16% of the instructions
+//     at 16 tokens, and with 1-8 tokens half of every x stage and load was zeros.)
 //   - the reduction order inside an mma is free, so lane q's 32 codes fill its k-slots of 8 consecutive m16n8k16
-//     steps, and x is staged in shared memory (cp.async) in the same permuted order, as ready A fragments; where the
-//     CTA's whole x range fits (the usual case), it is copied once before the loop, which then has no barrier;
+//     steps, and x is staged in shared memory (cp.async, row-major, swizzled) in the same order; where the CTA's
+//     whole x range fits (the usual case), it is copied once before the loop, which then has no barrier;
 //   - the K range is split over up to 8 CTAs of one thread-block cluster (SM90), whose fp32 partials are summed
 //     through distributed shared memory in a fixed order (deterministic, one launch, no workspace).
 // Numerics: each decoded element is the reference's, rounded to bf16 (exact for NVFP4 and MXFP4: e2m1 times a
@@ -33,15 +39,11 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kThreads = 128;  // 4 warps; warp w owns n8 tiles [w * NT, (w + 1) * NT) of the CTA's columns
+constexpr int kThreads = 128;  // 4 warps; warp w owns the 8-row weight groups [w * NT, (w + 1) * NT) of the CTA's rows
 constexpr int kStep = 128;     // K per main-loop step: 4 lanes x 32 codes of each weight row
 constexpr int kMaxSplit = 8;   // the portable cluster size
 constexpr int kMaxDevices = 64;  // the per-device shared-memory opt-in is a bit mask
-// One m16 tile: x row-major from this many tokens on (see ROWS). With 9-16 tokens the fragment order's 4-byte copies,
-// one per row, cost more than the row-major order's register moves: at 16 tokens the Llama-3.1-8B linears gained
-// 0-9% and Qwen3-1.7B's -1-4% (H100, chained graphs); from 2 tokens on, 2-9% was lost at 4-8 tokens.
-constexpr int kRowMajorMinTokens = 9;
-constexpr int kStageTileBytes = 16 * kStep * 2;  // bytes of one m16 tile of an x stage (16 rows x kStep bf16)
+constexpr int kRowBytes = kStep * 2;  // one token's x in a stage (kStep bf16)
 using namespace wdec;
 
 __device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -104,88 +106,37 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-  // 4 bytes global -> shared; valid == false writes zeros
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+// x stages in shared memory row-major, one token's kStep columns (256 bytes) a row, 16-byte chunk ch of row r at
+// slot ch ^ ((ch >> 3) & 1 | (r & 1) << 1). The B fragments of lane (g, q) for the 8 mma steps of a step are columns
+// [32q, 32q + 32) of token g of each n8 token tile: chunks 4q .. 4q + 3, one 16-byte load per tile per two mma steps
+// (the k permutation makes each lane's columns contiguous). The 8 lanes of a quarter-warp (g = 2p, 2p + 1, q = 0..3)
+// then read 8 different bank groups, and 8 consecutive threads copying one row's chunks write 8.
+__device__ __forceinline__ int x_chunk_byte(int row, int ch) {
+  return row * kRowBytes + ((ch ^ (((ch >> 3) & 1) | ((row & 1) << 1))) << 4);
 }
 
-// One m16 tile (1 to kRowMajorMinTokens - 1 tokens): x stages in shared memory in mma A-fragment order: 16 bytes per
-// (m16 tile mt, row g, lane group q, mma step j) = x[g][c], x[g + 8][c], x[g][c + 2], x[g + 8][c + 2] (pairs of bf16)
-// with c = 32q + 4j, so that one 16-byte load is the four A registers of an mma (as a row-major tile they took two
-// loads and ~7 register moves per mma). The 16-byte slot of step j is j ^ q ^ 4 (g & 1): the 8 lanes of a
-// quarter-warp (g = 2p, 2p + 1; q = 0..3) read 8 different bank groups.
-__device__ __forceinline__ int x_frag_byte(int g, int q, int j) { return ((g * 4 + q) * 8 + (j ^ q ^ ((g & 1) << 2))) * 16; }
-
-// A thread's x copies of one step: bf16 pair t % 64 (columns 2 (t % 64), + 1) of rows 2k + t / 64 (k = 0..7) of each
-// m16 tile, rows < M only; rows >= M stay zero (the stages are zeroed once). Consecutive threads copy consecutive
-// pairs of a row, so each copy instruction reads 128 contiguous bytes per warp (a thread-per-row-segment order read 32
-// bytes apart and cost 8x the sectors). Offsets fixed across steps.
-template <int MT>
-struct XFragmentCopies {
-  int smem;  // byte offset in a stage of row t / 64 (k = 0), tile 0; row 2k adds frag_rows(k)
-  int gmem;  // elements into x of that row's pair, step 0
-  int col;   // the pair's first column at step 0
-  int row0;  // t / 64
-
-  __device__ __forceinline__ XFragmentCopies(int K) {
-    const int t = threadIdx.x, pair = t & 63;
-    row0 = t >> 6;
-    col = 2 * pair;
-    const int q = pair >> 4, j = (pair >> 1) & 7, p = pair & 1;
-    smem = x_frag_byte(row0, q, j) + 8 * p;  // the swizzle depends on the row's parity, = row0 for every k
-    gmem = row0 * K + col;
-  }
-
-  // bytes from row row0 to row 2k + row0 of a tile in the fragment layout: rows g -> g + 2k (k < 4) or, past 8,
-  // the g + 8 half (4 bytes further) of row g + 2k - 8
-  static __device__ __forceinline__ int frag_rows(int k) { return k < 4 ? 2 * k * 512 : (2 * k - 8) * 512 + 4; }
-
-  __device__ __forceinline__ void issue(unsigned char* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
-                                        int step) const {
-    const bool col_ok = col + step * kStep < K;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int row = mt * 16 + 2 * k + row0;
-        if (row >= M) break;
-        cp_async4(stage + mt * kStageTileBytes + smem + frag_rows(k),
-                  col_ok ? x + gmem + (int64_t)(mt * 16 + 2 * k) * K + step * kStep : x, col_ok);
-      }
-    }
-  }
+// A stage of T8 n8 token tiles: 8 rows with one tile, else 16 per pair of tiles (the copies below go by 16 rows)
+template <int T8>
+struct XStage {
+  static constexpr int kRows = T8 == 1 ? 8 : 16 * ((T8 + 1) / 2);
+  static constexpr int kBytes = kRows * kRowBytes;
+  static constexpr int kCopies = T8 == 1 ? 1 : 2;  // 16-byte chunks per thread and 16 rows (8 rows: 128 chunks)
 };
 
-// Two to four m16 tiles (17-64 tokens), and one from kRowMajorMinTokens on: x stages in shared memory, each m16 tile
-// of a step row-major, 16 rows x 128
-// columns (256 bytes a row), 16-byte chunk ch of row r at slot ch ^ ((ch >> 3) & 1 | (r & 1) << 1). The A fragments
-// of lane (g, q) for the 8 mma steps of a step are columns [32q, 32q + 32) of rows g and g + 8: chunks 4q .. 4q + 3,
-// one 16-byte load per row per two mma steps (the k permutation makes each lane's columns contiguous). The 8 lanes of
-// a quarter-warp (g = 2p, 2p + 1, q = 0..3) then read 8 different bank groups, and 8 consecutive threads copying one
-// row's chunks write 8. Storing ready A fragments (XFragmentCopies) takes 4-byte copies, 8 per thread and m16 tile
-// per step against 2 here, but a fragment is then one load, where here it is assembled from two (register moves: the
-// mma wants its A registers consecutive). Measured on the H200 (4096 x 4096 nvfp4, kernel time): with 1 token the
-// fragment order is 5% faster (9.6 vs 10.1 us), with 48 / 64 tokens this order (18.4 / 22.2 us against 21.0 / 26.2
-// us).
-__device__ __forceinline__ int x_chunk_byte(int row, int ch) {
-  return row * 256 + ((ch ^ (((ch >> 3) & 1) | ((row & 1) << 1))) << 4);
-}
-constexpr int kCopiesPerTile = 16 * kStep * 2 / 16 / kThreads;  // 16-byte chunks per thread and m16 tile (2)
-
-// A thread's x copies of one step: chunks t and t + 128 of each m16 tile (row = chunk / 16, 8 columns each), rows < M
+// A thread's x copies of one step: chunks t (and t + 128) of each 16 rows (row = chunk / 16, 8 columns each), rows < M
 // only; rows >= M stay zero (the stages are zeroed once), columns past K are written as zeros. Offsets fixed across
 // steps.
-template <int MT>
+template <int T8>
 struct XRowCopies {
-  int smem[kCopiesPerTile];  // byte offset in a tile
-  int gmem[kCopiesPerTile];  // elements into x, step 0, tile 0
-  int col[kCopiesPerTile];   // first column at step 0
-  int row[kCopiesPerTile];   // row in the tile
+  static constexpr int kCopies = XStage<T8>::kCopies, kGroups = XStage<T8>::kRows / 16 > 0 ? XStage<T8>::kRows / 16 : 1;
+  int smem[kCopies];  // byte offset in a stage, rows 0-15
+  int gmem[kCopies];  // elements into x, step 0, rows 0-15
+  int col[kCopies];   // first column at step 0
+  int row[kCopies];   // row among rows 0-15
 
   __device__ __forceinline__ XRowCopies(int K) {
 #pragma unroll
-    for (int i = 0; i < kCopiesPerTile; ++i) {
+    for (int i = 0; i < kCopies; ++i) {
       const int c = threadIdx.x + i * kThreads, r = c >> 4, ch = c & 15;
       smem[i] = x_chunk_byte(r, ch);
       row[i] = r;
@@ -197,13 +148,13 @@ struct XRowCopies {
   __device__ __forceinline__ void issue(unsigned char* stage, const __nv_bfloat16* __restrict__ x, int M, int K,
                                         int step) const {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int grp = 0; grp < kGroups; ++grp) {
 #pragma unroll
-      for (int i = 0; i < kCopiesPerTile; ++i) {
-        if (mt * 16 + row[i] >= M) continue;
+      for (int i = 0; i < kCopies; ++i) {
+        if (grp * 16 + row[i] >= M) continue;
         const bool col_ok = col[i] + step * kStep < K;
-        cp_async16(stage + mt * kStageTileBytes + smem[i],
-                   col_ok ? x + gmem[i] + (int64_t)(mt * 16) * K + step * kStep : x, col_ok);
+        cp_async16(stage + grp * 16 * kRowBytes + smem[i],
+                   col_ok ? x + gmem[i] + (int64_t)(grp * 16) * K + step * kStep : x, col_ok);
       }
     }
   }
@@ -213,15 +164,19 @@ struct XRowCopies {
 // the loop has no barrier and no copies: each warp streams its weight rows at its own pace. Taken where that fits in
 // the shared memory of the split the staged variant would get (few_token_plan below). Otherwise x rotates through
 // kDepth stages, one barrier per step.
-// ROWS: x row-major in its stages (16-byte copies, fragments assembled from two loads) rather than in A-fragment order
-// (one load per mma, 4-byte copies): always with two to four m16 tiles, and with one from kRowMajorMinTokens tokens on
-template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS>
-__global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm_kernel(
+// T8: n8 token tiles (1-8: up to 8 to 64 tokens). NT: 8-row weight groups per warp, 2 or 4 (one or two m16 weight
+// tiles), or 1 for small weights (an m16 tile whose rows g + 8 are zeros: more CTAs).
+template <int T8, int NT>
+constexpr int few_token_ctas_per_sm() { return (T8 <= 2 && NT <= 2) || (T8 <= 4 && NT == 1) ? 4 : 1; }
+
+template <int FMT, int T8, int NT, bool RESIDENT>
+__global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
     __nv_bfloat16* __restrict__ y, int M, int N, int K, int nf4_shift, int steps_per_split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int BN = 4 * NT * 8;  // output columns per CTA
+  constexpr int BN = 4 * NT * 8;  // weight rows (output columns) per CTA
+  constexpr int WT = NT == 4 ? 2 : 1;  // m16 weight tiles per warp
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int split = gridDim.y, s = blockIdx.y;
   const int64_t n_cta = (int64_t)blockIdx.x * BN;
@@ -232,11 +187,10 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
   // step loop kDepth times); staged, the x tiles of the next kDepth - 1 steps too (cp.async): with one step ahead, or
   // x read from L2 at its use, the kernel waited a memory latency per step
   constexpr int kDepth = NT == 4 ? 2 : 4;
-  constexpr int kStage = MT * 16 * kStep;  // bf16 elements of one x stage
+  constexpr int kStageBytes = XStage<T8>::kBytes;
   const int stages = RESIDENT ? step_hi - step_lo : kDepth;
   __shared__ float levels[16];
   extern __shared__ __align__(16) unsigned char smem[];  // x stages, then (after the loop) the fp32 partial tile
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
 
   // the weight stream starts first: its loads fly while x is staged
   const CtaWeights<FMT> wts(w, scales, absmax, n_cta, K, nf4_shift);
@@ -256,41 +210,45 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
   }
   // every stage zeroed once (rows >= M stay zero), before any copy lands in them
-  if (M < MT * 16)
-    for (int c = threadIdx.x; c < stages * kStage / 8; c += kThreads) reinterpret_cast<uint4*>(xs)[c] = make_uint4(0, 0, 0, 0);
+  if (M < XStage<T8>::kRows)
+    for (int c = threadIdx.x; c < stages * kStageBytes / 16; c += kThreads)
+      reinterpret_cast<uint4*>(smem)[c] = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  const std::conditional_t<!ROWS, XFragmentCopies<MT>, XRowCopies<MT>> xcopy(K);
-  unsigned char* xbytes = reinterpret_cast<unsigned char*>(xs);
+  const XRowCopies<T8> xcopy(K);
   if constexpr (RESIDENT) {
-    for (int step = step_lo; step < step_hi; ++step) xcopy.issue(xbytes + (step - step_lo) * kStage * 2, x, M, K, step);
+    for (int step = step_lo; step < step_hi; ++step) xcopy.issue(smem + (step - step_lo) * kStageBytes, x, M, K, step);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
   } else {
 #pragma unroll
     for (int i = 0; i < kDepth - 1; ++i) {
-      if (step_lo + i < step_hi) xcopy.issue(xbytes + i * kStage * 2, x, M, K, step_lo + i);
+      if (step_lo + i < step_hi) xcopy.issue(smem + i * kStageBytes, x, M, K, step_lo + i);
       cp_async_commit();
     }
   }
 
-  // one m16 tile: the even and odd mma steps of each n8 tile accumulate apart (two dependency chains per tile where
-  // one serialized every mma of a step on the one before), summed at the end
-  constexpr int kChains = MT == 1 ? 2 : 1;
-  float acc[MT][NT][kChains][4];
+  // A one-group weight tile (NT 1) would leave half of each mma's rows empty, which doubles the mmas from two token
+  // tiles on: there x stays the A operand (m16 token tiles, each fragment assembled from the loads of tokens g and
+  // g + 8 by register moves) and the decoded words are B fragments, as before session 29 (new orientation at 16-32
+  // tokens with NT 1: Llama-3.1-8B k/v and Qwen3-1.7B q / down 3-8% slower, H200)
+  constexpr bool kXAsA = NT == 1 && T8 >= 2;
+  // one token tile (with x as A: one m16 one): the even and odd mma steps of each tile accumulate apart (two
+  // dependency chains where one serialized every mma of a step on the one before), summed at the end
+  constexpr int kChains = T8 == 1 || (kXAsA && T8 == 2) ? 2 : 1;
+  float acc[WT][T8][kChains][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int wt = 0; wt < WT; ++wt)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int tt = 0; tt < T8; ++tt)
 #pragma unroll
       for (int c = 0; c < kChains; ++c)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][nt][c][i] = 0.f;
+        for (int i = 0; i < 4; ++i) acc[wt][tt][c][i] = 0.f;
 
-  // XFragmentCopies: x_frag_byte(g, q, j) = xfrag + (j ^ xfswz) * 16. XRowCopies: this lane's A chunk c of rows g and
-  // g + 8 at x_chunk_byte(g, 4q + c) = xrow + ((4q + c) ^ xswz) * 16 and 8 rows (2048 bytes) further
-  const int xfrag = (g * 4 + q) * 128, xfswz = q ^ ((g & 1) << 2);
-  const int xrow = g * 256, xswz = ((q >> 1) & 1) | ((g & 1) << 1);
+  // this lane's B chunk c of token g of tile tt at xrow + tt * 8 rows + ((4q + c) ^ xswz) * 16 (x_chunk_byte: token
+  // g + 8 tt has g's parity, so the same slot)
+  const int xrow = g * kRowBytes, xswz = ((q >> 1) & 1) | ((g & 1) << 1);
 
   for (int base = step_lo; base < step_hi; base += kDepth) {
 #pragma unroll
@@ -301,44 +259,53 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
         cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
         __syncthreads();              // ... and everyone's; the stage read last step is free again
         if (step + kDepth - 1 < step_hi)
-          xcopy.issue(xbytes + ((i + kDepth - 1) % kDepth) * kStage * 2, x, M, K, step + kDepth - 1);
+          xcopy.issue(smem + ((i + kDepth - 1) % kDepth) * kStageBytes, x, M, K, step + kDepth - 1);
         cp_async_commit();
       }
-      uint32_t b[NT][16];
+      uint32_t d[NT][16];  // the lane's 32 decoded elements of each of its rows, word i = elements 2i, 2i + 1
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        decode_lane<FMT>(ring[i][nt], levels, tables, b[nt]);
+        decode_lane<FMT>(ring[i][nt], levels, tables, d[nt]);
         // (past the split's last step the slot is never decoded again: left as it is, no select, no second copy of
         // the loop body)
         if (step + kDepth < step_hi) ring[i][nt] = wts.load(rows[nt], step + kDepth, q, K, nf4_shift);
       }
-      const unsigned char* stage = xbytes + (RESIDENT ? (step - step_lo) : i) * kStage * 2;
-      if constexpr (!ROWS) {
+      const unsigned char* stage = smem + (RESIDENT ? (step - step_lo) : i) * kStageBytes;
+      if constexpr (kXAsA) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          // A fragment of mma step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
-          // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment
-          const uint4 a = *reinterpret_cast<const uint4*>(stage + xfrag + ((j ^ xfswz) << 4));
-          const uint32_t frag[4] = {a.x, a.y, a.z, a.w};
+        for (int mt = 0; mt < T8 / 2; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt][j & 1], frag, b[nt][2 * j], b[nt][2 * j + 1]);
-        }
+          for (int c = 0; c < 4; ++c) {
+            // A fragments of mma steps 2c, 2c + 1: tokens (g, g + 8) of m16 tile mt, chunk c of the lane's columns
+            const unsigned char* tile = stage + mt * 16 * kRowBytes + xrow + (((4 * q + c) ^ xswz) << 4);
+            const uint4 lo = *reinterpret_cast<const uint4*>(tile);
+            const uint4 hi = *reinterpret_cast<const uint4*>(tile + 8 * kRowBytes);  // (same parity: same slot)
+            const uint32_t f0[4] = {lo.x, hi.x, lo.y, hi.y}, f1[4] = {lo.z, hi.z, lo.w, hi.w};
+            mma_16816(acc[0][mt][0], f0, d[0][4 * c], d[0][4 * c + 1]);
+            mma_16816(acc[0][mt][kChains - 1], f1, d[0][4 * c + 2], d[0][4 * c + 3]);
+          }
       } else {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+      for (int c = 0; c < 4; ++c) {
+        // chunk c of the lane's columns: mma steps 2c and 2c + 1. Mma step j takes k-slots (2q, 2q + 1) from columns
+        // 4j, 4j + 1 of the lane's range and (2q + 8, 2q + 9) from 4j + 2, 4j + 3, in A (decoded words 2j, 2j + 1
+        // of rows g and g + 8) and B (x words 2j, 2j + 1 of token g) alike
+        uint4 xb[T8];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          // A fragment of mma step j: rows (g, g + 8) x k-slots (2q, 2q + 1) <- columns 4j, 4j + 1 of the lane's range,
-          // k-slots (2q + 8, 2q + 9) <- columns 4j + 2, 4j + 3: the same permutation as the B fragment. Chunk c of a
-          // row holds the lane's columns 8c .. 8c + 7: mma steps 2c and 2c + 1.
-          const unsigned char* tile = stage + mt * kStageTileBytes + xrow + (((4 * q + c) ^ xswz) << 4);
-          const uint4 lo = *reinterpret_cast<const uint4*>(tile);         // row g
-          const uint4 hi = *reinterpret_cast<const uint4*>(tile + 2048);  // row g + 8 (same parity: same slot)
-          const uint32_t f0[4] = {lo.x, hi.x, lo.y, hi.y}, f1[4] = {lo.z, hi.z, lo.w, hi.w};
+        for (int tt = 0; tt < T8; ++tt)
+          xb[tt] = *reinterpret_cast<const uint4*>(stage + xrow + tt * 8 * kRowBytes + (((4 * q + c) ^ xswz) << 4));
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            mma_16816(acc[mt][nt][0], f0, b[nt][4 * c], b[nt][4 * c + 1]);
-            mma_16816(acc[mt][nt][kChains - 1], f1, b[nt][4 * c + 2], b[nt][4 * c + 3]);
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * c + h;
+#pragma unroll
+          for (int wt = 0; wt < WT; ++wt) {
+            // rows g + 8: the warp's next 8-row group (NT 1, one token tile: zeros)
+            const uint32_t* lo = d[2 * wt];
+            const uint32_t* hi = d[NT == 1 ? 0 : 2 * wt + 1];
+            const uint32_t a[4] = {lo[2 * j], NT == 1 ? 0u : hi[2 * j], lo[2 * j + 1], NT == 1 ? 0u : hi[2 * j + 1]};
+#pragma unroll
+            for (int tt = 0; tt < T8; ++tt)
+              mma_16816(acc[wt][tt][kChains == 2 ? (j & 1) : 0], a, h ? xb[tt].z : xb[tt].x, h ? xb[tt].w : xb[tt].y);
           }
         }
       }
@@ -347,24 +314,38 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
   }
   if constexpr (kChains == 2) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int wt = 0; wt < WT; ++wt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[0][nt][0][i] += acc[0][nt][1][i];
+      for (int i = 0; i < 4; ++i) acc[wt][0][0][i] += acc[wt][0][1][i];
   }
   cp_async_wait<0>();
   __syncthreads();  // the x stages become the partial tile
-  float* partial = reinterpret_cast<float*>(smem);  // [MT * 16][BN] fp32: this CTA's share of the sum
+  float* partial = reinterpret_cast<float*>(smem);  // [T8 * 8][BN] fp32: this CTA's share of the sum
 
-  // C fragment: c0, c1 at row g, columns 2q, 2q + 1 of the n8 tile; c2, c3 at row g + 8
+  // C fragment with x as A (y): c0, c1 at token g of m16 tile mt, weight rows 2q, 2q + 1 of the warp's 8; c2, c3 at
+  // token g + 8
+  if constexpr (kXAsA) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < T8 / 2; ++mt) {
+      const int col = warp * 8 + 2 * q, tok = mt * 16 + g;
+      partial[tok * BN + col] = acc[0][mt][0][0];
+      partial[tok * BN + col + 1] = acc[0][mt][0][1];
+      partial[(tok + 8) * BN + col] = acc[0][mt][0][2];
+      partial[(tok + 8) * BN + col + 1] = acc[0][mt][0][3];
+    }
+  }
+  // C fragment (y^T): c0, c1 at weight row g, tokens 2q, 2q + 1 of the n8 tile; c2, c3 at row g + 8
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int col = (warp * NT + nt) * 8 + 2 * q, row = mt * 16 + g;
-      partial[row * BN + col] = acc[mt][nt][0][0];
-      partial[row * BN + col + 1] = acc[mt][nt][0][1];
-      partial[(row + 8) * BN + col] = acc[mt][nt][0][2];
-      partial[(row + 8) * BN + col + 1] = acc[mt][nt][0][3];
+  for (int wt = 0; wt < (kXAsA ? 0 : WT); ++wt)
+#pragma unroll
+    for (int tt = 0; tt < T8; ++tt) {
+      const int col = (warp * NT + 2 * wt) * 8 + g, tok = tt * 8 + 2 * q;
+      partial[tok * BN + col] = acc[wt][tt][0][0];
+      partial[(tok + 1) * BN + col] = acc[wt][tt][0][1];
+      if (NT > 1) {
+        partial[tok * BN + col + 8] = acc[wt][tt][0][2];
+        partial[(tok + 1) * BN + col + 8] = acc[wt][tt][0][3];
+      }
     }
   const float gdec = gscale != nullptr ? *gscale : 1.f;
   const int E = M * BN;  // rows past M are zeros: not summed
@@ -400,12 +381,12 @@ __global__ void __launch_bounds__(kThreads, MT * NT <= 2 ? 4 : 1) few_token_gemm
 }
 
 // One compiled variant: its launch configuration, its shared-memory opt-in and how many of its clusters fit at once.
-template <int FMT, int MT, int NT, bool RESIDENT, bool ROWS>
+template <int FMT, int T8, int NT, bool RESIDENT>
 struct Variant {
   static constexpr int BN = 4 * NT * 8;
   static constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
-  static constexpr size_t kStageBytes = MT * 16 * kStep * 2;
-  static constexpr size_t kPartialBytes = MT * 16 * BN * sizeof(float);
+  static constexpr size_t kStageBytes = XStage<T8>::kBytes;
+  static constexpr size_t kPartialBytes = T8 * 8 * BN * sizeof(float);
   // staged: kDepth stages; resident: one per step of the split, up to what one SM holds (the planner also keeps the
   // split the staged variant would get, so residency never costs occupancy there)
   static constexpr size_t kMaxSmem = RESIDENT ? 200 * 1024 : std::max<size_t>(kDepth * kStageBytes, kPartialBytes);
@@ -425,7 +406,7 @@ struct Variant {
       static std::atomic<unsigned long long> configured{0};
       const unsigned long long bit = 1ull << (dev % kMaxDevices);
       if (!(configured.load() & bit)) {
-        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>,
+        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, T8, NT, RESIDENT>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem);
         if (err != cudaSuccess) return err;
         configured.fetch_or(bit);
@@ -467,7 +448,7 @@ struct Variant {
     cudaLaunchConfig_t cfg = config(BN, split, smem_bytes, attr, nullptr);
     cfg.numAttrs = 1;  // the occupancy query wants the cluster shape even for split 1
     if (prepare(dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>, &cfg) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, T8, NT, RESIDENT>, &cfg) != cudaSuccess ||
         n < 1) {
       (void)cudaGetLastError();
       n = 1;
@@ -484,7 +465,7 @@ struct Variant {
     if (err != cudaSuccess) return err;
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = config(N, split, smem(steps_per_split), attr, stream);
-    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, MT, NT, RESIDENT, ROWS>, (const __nv_bfloat16*)x, w, scales,
+    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, T8, NT, RESIDENT>, (const __nv_bfloat16*)x, w, scales,
                               absmax, levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
   }
 };
@@ -492,12 +473,12 @@ struct Variant {
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
 // variant all fit at once; 1 (no cluster, any number of waves) where even 2 do not. Then the resident variant where
 // its shared memory keeps that split's clusters all resident too (with no cluster: no more memory than staged's).
-template <int FMT, int MT, int NT, bool ROWS>
+template <int FMT, int T8, int NT>
 cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                             const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
                             int dev, cudaStream_t stream) {
-  using Staged = Variant<FMT, MT, NT, false, ROWS>;
-  using Resident = Variant<FMT, MT, NT, true, ROWS>;
+  using Staged = Variant<FMT, T8, NT, false>;
+  using Resident = Variant<FMT, T8, NT, true>;
   const int steps = (K + kStep - 1) / kStep, nb = (N + Staged::BN - 1) / Staged::BN;
   int split = 1;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
@@ -516,38 +497,35 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
   return Staged::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
 }
 
-// Tile width: NT = 2 n8 tiles per warp (4 with 17-32 tokens, where x is re-read per tile; 3-4 m16 tiles with 4
-// would spill registers); 1 where the wider tile leaves fewer CTAs than SMs even split 8 ways (small weights).
-template <int FMT, int MT, bool ROWS = (MT > 1)>
-cudaError_t launch_mt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
-                      const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
-                      cudaStream_t stream) {
+// Tile width: NT = 2 8-row groups per warp (one m16 weight tile; 4 with 17-32 tokens, where x is re-read per tile;
+// 5-8 token tiles with 4 would spill registers); 1 where the wider tile leaves fewer CTAs than SMs even split 8 ways
+// (small weights).
+template <int FMT, int T8>
+cudaError_t launch_tokens(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                          const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                          int sms, int dev, cudaStream_t stream) {
   const int steps = (K + kStep - 1) / kStep;
-  constexpr int kWide = MT == 2 ? 4 : 2;
+  constexpr int kWide = T8 == 4 ? 4 : 2;
   if ((int64_t)((N + 32 * kWide - 1) / (32 * kWide)) * std::min(kMaxSplit, steps) >= sms)
-    return plan_and_launch<FMT, MT, kWide, ROWS>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev,
-                                                 stream);
-  return plan_and_launch<FMT, MT, 1, ROWS>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
+    return plan_and_launch<FMT, T8, kWide>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
+  return plan_and_launch<FMT, T8, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
 }
 
-// 1-16 tokens take one m16 tile (MT 1; x row-major from kRowMajorMinTokens), 17-64 two to four, all routed here
+// 1-8 tokens take one n8 token tile, 9-16 two, 17-64 four to eight (in steps of two), all routed here
 // (kernels.paths.FEW_TOKEN_MAX_TOKENS). Against
 // bf16 cuBLAS on Llama-3.1-8B's linears (eight layers back to back in a CUDA graph, H100, benchmarks/results/
-// shapes_chain8_s20.md): nvfp4 1.50-1.87x at 1 token, 1.38-1.61x at 16, 0.65-0.96x at 64. An earlier probe reported
-// the 17-64-token tiles 12-14x slower: it had called the op before the extension was loaded, and timed the op's
-// reference path.
+// shapes_chain8_s20.md, with x as the mma A operand): nvfp4 1.50-1.87x at 1 token, 1.38-1.61x at 16, 0.65-0.96x at
+// 64.
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
                        const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
                        cudaStream_t stream) {
+  if (M <= 8) return launch_tokens<FMT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
   switch ((M + 15) / 16) {
-    case 1:
-      if (M >= kRowMajorMinTokens)
-        return launch_mt<FMT, 1, true>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-      return launch_mt<FMT, 1, false>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-    case 2: return launch_mt<FMT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-    case 3: return launch_mt<FMT, 3>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-    default: return launch_mt<FMT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    case 1: return launch_tokens<FMT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    case 2: return launch_tokens<FMT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    case 3: return launch_tokens<FMT, 6>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+    default: return launch_tokens<FMT, 8>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
   }
 }
 
