@@ -512,10 +512,9 @@ cudaError_t launch_tokens(const void* x, const uint8_t* w, const uint8_t* scales
 }
 
 // 1-8 tokens take one n8 token tile, 9-16 two, 17-64 four to eight (in steps of two), all routed here
-// (kernels.paths.FEW_TOKEN_MAX_TOKENS). Against
-// bf16 cuBLAS on Llama-3.1-8B's linears (eight layers back to back in a CUDA graph, H100, benchmarks/results/
-// shapes_chain8_s20.md, with x as the mma A operand): nvfp4 1.50-1.87x at 1 token, 1.38-1.61x at 16, 0.65-0.96x at
-// 64.
+// (kernels.paths.FEW_TOKEN_MAX_TOKENS). Against bf16 cuBLAS on Llama-3.1-8B's linears (eight layers back to back in
+// a CUDA graph, H200, benchmarks/results/decode/few_tokens_weight_as_a_h200.md): nvfp4 1.37-1.64x at 1 token,
+// 1.38-1.60x at 8, 1.18-1.47x at 16, 0.85-1.28x at 32 (64: the WGMMA kernel on the 8B's large weights).
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
                        const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,

@@ -59,20 +59,21 @@ inline double mixed_input_fill(long long m, long long n, long long k, int sms) {
 }
 
 // The few-token op's (ext_few_token_gemm) choice of kernel: from kFewTokenWgmmaMinTokens to 64 tokens a weight of at
-// least kFewTokenWgmmaMinElements (NF4: also at least kFewTokenWgmmaNf4MinRows rows) takes the register-operand WGMMA
-// kernel (64-token tiles, K split over a cluster), where each weight fragment is decoded once for all the tokens;
-// elsewhere the few-token mma kernel, whose m16 token tiles each repeat their loads and mmas. Measured on the H200
-// at 32-64 tokens (docs/kernels.md): from 40 tokens the WGMMA kernel took 0.53-0.98x the time on Llama-3.1-8B's q /
-// gate_up / down and Qwen3-1.7B's MLP projections (NF4: 0.62-0.94x, but 1.03-1.07x on the 1.7B down projection's
-// 2048 rows); 1.02-1.43x on the smaller weights (Qwen3-1.7B q and k/v, SmolLM2-135M's; the 8B k/v 0.86-1.04x) and,
-// but for the 8B MLP, at 32 tokens.
+// least kFewTokenWgmmaMinElements elements and kFewTokenWgmmaMinRows rows takes the register-operand WGMMA kernel
+// (64-token tiles, K split over a cluster), where each weight fragment is decoded once for all the tokens; elsewhere
+// the few-token mma kernel, whose n8 token tiles each repeat their mmas. Measured on the H200 at 32-64 tokens
+// (docs/kernels.md): from 40 tokens the WGMMA kernel took 0.53-0.98x the time on Llama-3.1-8B's q / gate_up / down
+// and Qwen3-1.7B's MLP projections (NF4: 0.62-0.94x); 1.02-1.43x on the smaller weights (Qwen3-1.7B q and k/v,
+// SmolLM2-135M's; the 8B k/v 0.86-1.04x) and, but for the 8B MLP, at 32 tokens. The row bound: on Qwen3-1.7B's down
+// projection (2048 rows: 16 tiles, whose K split leaves about one CTA per SM) the mma kernel took 0.81-0.85x the
+// WGMMA kernel's time at 40-48 tokens in NVFP4 (1.01x at 64; session 29, its weight-as-A form) and 0.94-0.97x in NF4.
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
 constexpr int kFewTokenWgmmaMinTokens = 40;
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;
-constexpr long long kFewTokenWgmmaNf4MinRows = 4096;
+constexpr long long kFewTokenWgmmaMinRows = 4096;
 inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long k) {
-  return (fmt == 0 || fmt == 1 || (fmt == 2 && n >= kFewTokenWgmmaNf4MinRows)) && m >= kFewTokenWgmmaMinTokens &&
-         m <= 64 && n * k >= kFewTokenWgmmaMinElements;
+  return fmt >= 0 && fmt <= 2 && n >= kFewTokenWgmmaMinRows && m >= kFewTokenWgmmaMinTokens && m <= 64 &&
+         n * k >= kFewTokenWgmmaMinElements;
 }
 
 // y [M, N] bf16 = x [M, K] bf16 @ deq(W)^T for 1 <= M <= 64 by the register-operand kernel's K-split variant: fmt 0

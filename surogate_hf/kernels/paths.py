@@ -99,24 +99,25 @@ def few_token_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: t
 
 
 # Within the few-token op (surogate::ext_few_token_gemm), from this many tokens a weight of at least
-# FEW_TOKEN_WGMMA_MIN_ELEMENTS (NF4: and of at least FEW_TOKEN_WGMMA_NF4_MIN_ROWS rows) runs the register-operand WGMMA
-# kernel's K-split variant (csrc/weight_only/mixed_input_gemm.h: kFewTokenWgmmaMinTokens, kFewTokenWgmmaMinElements,
-# kFewTokenWgmmaNf4MinRows, the same rule).
+# FEW_TOKEN_WGMMA_MIN_ELEMENTS elements and FEW_TOKEN_WGMMA_MIN_ROWS rows runs the register-operand WGMMA kernel's
+# K-split variant (csrc/weight_only/mixed_input_gemm.h: kFewTokenWgmmaMinTokens, kFewTokenWgmmaMinElements,
+# kFewTokenWgmmaMinRows, the same rule).
 FEW_TOKEN_WGMMA_MIN_TOKENS = 40
 FEW_TOKEN_WGMMA_MIN_ELEMENTS = 8 << 20
-FEW_TOKEN_WGMMA_NF4_MIN_ROWS = 4096
+FEW_TOKEN_WGMMA_MIN_ROWS = 4096
 
 
 def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int] | None, sm90a_built: bool) -> bool:
     """Whether a few-token forward (few_token_kernel holds) of an [n, k] weight runs, inside ext_few_token_gemm, the
     register-operand WGMMA kernel (64-token tiles, K split over a thread-block cluster, each weight fragment decoded
-    once for all the tokens) rather than the mma kernel (m16 token tiles, each repeating their loads and mmas).
+    once for all the tokens) rather than the mma kernel (n8 token tiles, each repeating its mmas).
     Measured on the H200 (docs/kernels.md), from 40 tokens: 0.53-0.98x the mma kernel's time on Llama-3.1-8B's q /
     gate_up / down and Qwen3-1.7B's MLP projections; slower on smaller weights and, but for the 8B MLP, at 32
-    tokens; for NF4 (its table decode costs more instructions per code) also 1.03-1.07x on Qwen3-1.7B's down
-    projection (2048 rows), hence its row bound."""
-    rows_ok = fmt in ("nvfp4", "mxfp4") or (fmt == "nf4" and n >= FEW_TOKEN_WGMMA_NF4_MIN_ROWS)
-    return (rows_ok and FEW_TOKEN_WGMMA_MIN_TOKENS <= m <= FEW_TOKEN_MAX_TOKENS
+    tokens; and on weights of fewer than 4096 rows, whose K split leaves about one CTA per SM (Qwen3-1.7B's down
+    projection, 2048 rows: 1.18-1.24x the mma kernel's time at 40-48 tokens in NVFP4, 1.03-1.07x in NF4), hence
+    the row bound."""
+    return (fmt in ("nvfp4", "mxfp4", "nf4") and n >= FEW_TOKEN_WGMMA_MIN_ROWS
+            and FEW_TOKEN_WGMMA_MIN_TOKENS <= m <= FEW_TOKEN_MAX_TOKENS
             and n * k >= FEW_TOKEN_WGMMA_MIN_ELEMENTS and capability is not None and tuple(capability) == (9, 0)
             and sm90a_built)
 
