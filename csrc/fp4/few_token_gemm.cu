@@ -164,8 +164,9 @@ struct XRowCopies {
 // the loop has no barrier and no copies: each warp streams its weight rows at its own pace. Taken where that fits in
 // the shared memory of the split the staged variant would get (few_token_plan below). Otherwise x rotates through
 // kDepth stages, one barrier per step.
-// T8: n8 token tiles (1-8: up to 8 to 64 tokens). NT: 8-row weight groups per warp, 2 or 4 (one or two m16 weight
-// tiles), or 1 for small weights (an m16 tile whose rows g + 8 are zeros: more CTAs).
+// T8: n8 token tiles of 8 tokens (1, 2, 4, 6 or 8: launch_fmt). NT: 8-row weight groups per warp, 2 or 4 (one or two
+// m16 weight tiles), or 1 for small weights (more CTAs; with one token tile an m16 weight tile whose rows g + 8 are
+// zeros, from two on x as the A operand: kXAsA below).
 template <int T8, int NT>
 constexpr int few_token_ctas_per_sm() { return (T8 <= 2 && NT <= 2) || (T8 <= 4 && NT == 1) ? 4 : 1; }
 
@@ -322,9 +323,9 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
   __syncthreads();  // the x stages become the partial tile
   float* partial = reinterpret_cast<float*>(smem);  // [T8 * 8][BN] fp32: this CTA's share of the sum
 
-  // C fragment with x as A (y): c0, c1 at token g of m16 tile mt, weight rows 2q, 2q + 1 of the warp's 8; c2, c3 at
-  // token g + 8
   if constexpr (kXAsA) {
+    // C fragment with x as A (y): c0, c1 at token g of m16 tile mt, weight rows 2q, 2q + 1 of the warp's 8; c2, c3 at
+    // token g + 8
 #pragma unroll
     for (int mt = 0; mt < T8 / 2; ++mt) {
       const int col = warp * 8 + 2 * q, tok = mt * 16 + g;
@@ -333,20 +334,21 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
       partial[(tok + 8) * BN + col] = acc[0][mt][0][2];
       partial[(tok + 8) * BN + col + 1] = acc[0][mt][0][3];
     }
-  }
-  // C fragment (y^T): c0, c1 at weight row g, tokens 2q, 2q + 1 of the n8 tile; c2, c3 at row g + 8
+  } else {
+    // C fragment (y^T): c0, c1 at weight row g, tokens 2q, 2q + 1 of the n8 tile; c2, c3 at row g + 8
 #pragma unroll
-  for (int wt = 0; wt < (kXAsA ? 0 : WT); ++wt)
+    for (int wt = 0; wt < WT; ++wt)
 #pragma unroll
-    for (int tt = 0; tt < T8; ++tt) {
-      const int col = (warp * NT + 2 * wt) * 8 + g, tok = tt * 8 + 2 * q;
-      partial[tok * BN + col] = acc[wt][tt][0][0];
-      partial[(tok + 1) * BN + col] = acc[wt][tt][0][1];
-      if (NT > 1) {
-        partial[tok * BN + col + 8] = acc[wt][tt][0][2];
-        partial[(tok + 1) * BN + col + 8] = acc[wt][tt][0][3];
+      for (int tt = 0; tt < T8; ++tt) {
+        const int col = (warp * NT + 2 * wt) * 8 + g, tok = tt * 8 + 2 * q;
+        partial[tok * BN + col] = acc[wt][tt][0][0];
+        partial[(tok + 1) * BN + col] = acc[wt][tt][0][1];
+        if (NT > 1) {
+          partial[tok * BN + col + 8] = acc[wt][tt][0][2];
+          partial[(tok + 1) * BN + col + 8] = acc[wt][tt][0][3];
+        }
       }
-    }
+  }
   const float gdec = gscale != nullptr ? *gscale : 1.f;
   const int E = M * BN;  // rows past M are zeros: not summed
   if (split == 1) {
