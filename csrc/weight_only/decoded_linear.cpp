@@ -302,7 +302,12 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 //   whole waves) x (1 + kRouteDecodeTokens / rows) >= 1. Measured there: 0.97-1.35x decode + cuBLAS's speed
 //   (Llama-3.1-8B q / o / gate / up / down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200;
 //   benchmarks/results/decode/large_m_default_s28_h200.md, large_m_rs_split_first_form_h200.md). The fill leaves out
-//   the one loss among those rows, the 1.7B gate / up at 1024 tokens (0.93x: 192 CTAs, a fill of 0.73);
+//   the one loss among those rows, the 1.7B gate / up at 1024 tokens (0.93x: 192 CTAs, a fill of 0.73). It also
+//   runs where each CTA has at least kMixedInputLongSteps stages and the fill is at least kMixedInputLongFill: long
+//   runs amortize a tile's pipeline fill and epilogue, and the fill model undersold them. Qwen2.5-7B q / down at
+//   1024-2048 tokens (a fill of 0.85, 56 / 296 stages) measured 1.01-1.15x decode + cuBLAS's speed where the model
+//   said 0.91-1.0; every measured row of shorter runs at such fills (Qwen2.5-1.5B and Gemma-2-2B gate / up at 2048
+//   tokens: 24 / 36 stages) was 0.89-0.97x (H200, large_m_default_rule_models_h200.md);
 // - off elsewhere, where it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), unless
 //   SUROGATE_HF_MIXED_INPUT=1 opts every call that can run it in; SUROGATE_HF_MIXED_INPUT=0 turns it off everywhere.
 // surogate_hf.kernels.paths.mixed_input_kernel states the same rule. (The variable is read per call, as the Python
@@ -312,6 +317,8 @@ constexpr int64_t kMixedInputDefaultMaxTokens = 2048;
 constexpr int64_t kMixedInputDefaultMinElements = 12 << 20;
 constexpr double kMixedInputSpeed = 0.97;
 constexpr double kRouteDecodeTokens = 220;
+constexpr double kMixedInputLongFill = 0.8;
+constexpr int64_t kMixedInputLongSteps = 48;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
@@ -325,8 +332,13 @@ bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
               "default rule, surogate_hf.kernels.paths.mixed_input_kernel)");
   const auto fills = [&] {  // 256-token tiles (the 128-token ones decode twice per product: slower, where measured)
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    return surogate::mixed_input_tiles(m, op.n, op.k, sms, [](int, long long) { return true; }).bm == 256 &&
-           kMixedInputSpeed * surogate::mixed_input_fill(m, op.n, op.k, sms) * (1.0 + kRouteDecodeTokens / m) >= 1.0;
+    const surogate::MixedInputTiles tiles =
+        surogate::mixed_input_tiles(m, op.n, op.k, sms, [](int, long long) { return true; });
+    if (tiles.bm != 256) return false;
+    const double fill = surogate::mixed_input_fill(m, op.n, op.k, sms);
+    const int64_t run = ((op.k + 63) / 64 + tiles.split - 1) / tiles.split;  // stages per CTA
+    return kMixedInputSpeed * fill * (1.0 + kRouteDecodeTokens / m) >= 1.0 ||
+           (fill >= kMixedInputLongFill && run >= kMixedInputLongSteps);
   };
   const bool by_default = op.fmt <= 1 && m >= kMixedInputMinTokens && m <= kMixedInputDefaultMaxTokens &&
                           op.n * op.k >= kMixedInputDefaultMinElements && fills();

@@ -127,6 +127,7 @@ MIXED_INPUT_DEFAULT_MAX_TOKENS = 2048  # kMixedInputDefaultMaxTokens
 MIXED_INPUT_DEFAULT_MIN_ELEMENTS = 12 << 20  # kMixedInputDefaultMinElements
 MIXED_INPUT_SPEED = 0.97  # kMixedInputSpeed
 ROUTE_DECODE_TOKENS = 220  # kRouteDecodeTokens
+MIXED_INPUT_LONG_FILL, MIXED_INPUT_LONG_STEPS = 0.8, 48  # kMixedInputLongFill, kMixedInputLongSteps
 # csrc/weight_only/mixed_input_gemm.h: kMixedInputRows, kMixedInputMaxSplit, kMixedInputMinSplitSteps,
 # kMixedInputMinPairSteps
 MIXED_INPUT_ROWS, MIXED_INPUT_MAX_SPLIT, MIXED_INPUT_MIN_SPLIT_STEPS, MIXED_INPUT_MIN_PAIR_STEPS = 128, 8, 8, 32
@@ -155,6 +156,19 @@ def mixed_input_fill(m: int, n: int, k: int, sms: int) -> float:
     return ctas / (-(-ctas // sms) * sms)
 
 
+def _mixed_input_fast_enough(m: int, n: int, k: int, sms: int) -> bool:
+    """The default rule's speed test (mixed_input_kernel's docstring): 256-token tiles, and MIXED_INPUT_SPEED x fill
+    x (1 + ROUTE_DECODE_TOKENS / m) >= 1, or a fill of >= MIXED_INPUT_LONG_FILL where each CTA runs
+    >= MIXED_INPUT_LONG_STEPS stages."""
+    bm, split = mixed_input_tiles(m, n, k, sms)
+    if bm != 256:
+        return False
+    fill = mixed_input_fill(m, n, k, sms)
+    run = (-(-k // 64) + split - 1) // split  # stages per CTA
+    return (MIXED_INPUT_SPEED * fill * (1 + ROUTE_DECODE_TOKENS / m) >= 1
+            or (fill >= MIXED_INPUT_LONG_FILL and run >= MIXED_INPUT_LONG_STEPS))
+
+
 def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
                        sm90a_built: bool, nf4_block: int = 64, sms: int = 132) -> bool:
     """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) for an [n, k]
@@ -170,7 +184,11 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
     Qwen3-1.7B large weights the kernel ran at 0.97x bf16 cuBLAS's speed at full waves, and decode + cuBLAS took
     bf16's time x (1 + 220 / m)). Measured there: 0.97-1.35x decode + cuBLAS's speed (Llama-3.1-8B q / o / gate / up /
     down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200; benchmarks/results/decode/large_m_default_s28_h200.md,
-    docs/kernels.md); the fill leaves out the one loss among them (the 1.7B gate / up at 1024 tokens, 0.93x).
+    docs/kernels.md); the fill leaves out the one loss among them (the 1.7B gate / up at 1024 tokens, 0.93x). Where
+    each CTA runs >= MIXED_INPUT_LONG_STEPS stages a fill of >= MIXED_INPUT_LONG_FILL is enough: Qwen2.5-7B q / down
+    at 1024-2048 tokens (a fill of 0.85, 56 / 296 stages) measured 1.01-1.15x, while shorter runs at such fills
+    (Qwen2.5-1.5B and Gemma-2-2B gate / up at 2048 tokens, 24 / 36 stages) measured 0.89-0.97x
+    (benchmarks/results/decode/large_m_default_rule_models_h200.md).
     Elsewhere it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), so decode + cuBLAS stays there
     unless SUROGATE_HF_MIXED_INPUT=1 opts every call that can run the kernel in; SUROGATE_HF_MIXED_INPUT=0 turns it
     off. The C++ (mixed_input_applies in csrc/weight_only/decoded_linear.cpp) decides by the same rule, plus 16-byte
@@ -184,8 +202,7 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
         raise ValueError(f"SUROGATE_HF_MIXED_INPUT={choice!r}: expected 1 (the mixed-input kernel wherever it can "
                          "run), 0 (never: decode + cuBLAS) or unset (the default rule)")
     by_default = (fmt in ("nvfp4", "mxfp4") and MIXED_INPUT_MIN_TOKENS <= m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
-                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS and mixed_input_tiles(m, n, k, sms)[0] == 256
-                  and MIXED_INPUT_SPEED * mixed_input_fill(m, n, k, sms) * (1 + ROUTE_DECODE_TOKENS / m) >= 1)
+                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS and _mixed_input_fast_enough(m, n, k, sms))
     return can_run and (choice == "1" or (choice != "0" and by_default))
 
 

@@ -234,6 +234,8 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
     assert f"kMixedInputDefaultMinElements = {P.MIXED_INPUT_DEFAULT_MIN_ELEMENTS >> 20} << 20;" in source
     assert f"kMixedInputSpeed = {P.MIXED_INPUT_SPEED};" in source
     assert f"kRouteDecodeTokens = {P.ROUTE_DECODE_TOKENS};" in source
+    assert f"kMixedInputLongFill = {P.MIXED_INPUT_LONG_FILL};" in source
+    assert f"kMixedInputLongSteps = {P.MIXED_INPUT_LONG_STEPS};" in source
     monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
     fp4 = fmt != "nf4"
 
@@ -248,6 +250,11 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
             assert default(model, proj, m) == fp4, f"{model} {proj} M={m}"
         assert not default(model, proj, 2049) and not default(model, proj, 511), f"{model} {proj}"
     assert not default("Qwen3-1.7B", "gate_up", 1024)  # 192 CTAs on 132 SMs
+    # a fill of 0.85 with long runs (56 / 296 stages a CTA) measured faster; with short ones (24 stages) slower
+    for proj in ("q", "down"):
+        for m in (1024, 2048):
+            assert default("Qwen2.5-7B", proj, m) == fp4, f"Qwen2.5-7B {proj} M={m}"
+    assert not default("Qwen2.5-1.5B", "gate_up", 2048)
     for model, proj in (("Llama-3.1-8B", "kv"), ("Qwen3-1.7B", "q"), ("SmolLM2-135M", "gate_up"), ("Qwen3-0.6B", "down")):
         assert not default(model, proj, 2048), f"{model} {proj}"
     k, n = S.linears("Llama-3.1-8B")["q"]
