@@ -310,15 +310,12 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 //   tokens: 24 / 36 stages) was 0.89-0.97x (H200, large_m_default_rule_models_h200.md);
 // - off elsewhere, where it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), unless
 //   SUROGATE_HF_MIXED_INPUT=1 opts every call that can run it in; SUROGATE_HF_MIXED_INPUT=0 turns it off everywhere.
+// The speed test and its constants are mixed_input_fast_enough in mixed_input_gemm.h.
 // surogate_hf.kernels.paths.mixed_input_kernel states the same rule. (The variable is read per call, as the Python
 // rule reads it.)
 constexpr int64_t kMixedInputMinTokens = 512;
 constexpr int64_t kMixedInputDefaultMaxTokens = 2048;
 constexpr int64_t kMixedInputDefaultMinElements = 12 << 20;
-constexpr double kMixedInputSpeed = 0.97;
-constexpr double kRouteDecodeTokens = 220;
-constexpr double kMixedInputLongFill = 0.8;
-constexpr int64_t kMixedInputLongSteps = 48;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
@@ -330,18 +327,11 @@ bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
   TORCH_CHECK(choice.empty() || choice == "0" || choice == "1", "SUROGATE_HF_MIXED_INPUT=", choice,
               ": expected 1 (the mixed-input kernel wherever it can run), 0 (never: decode + cuBLAS) or unset (the "
               "default rule, surogate_hf.kernels.paths.mixed_input_kernel)");
-  const auto fills = [&] {  // 256-token tiles (the 128-token ones decode twice per product: slower, where measured)
-    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const surogate::MixedInputTiles tiles =
-        surogate::mixed_input_tiles(m, op.n, op.k, sms, [](int, long long) { return true; });
-    if (tiles.bm != 256) return false;
-    const double fill = surogate::mixed_input_fill(m, op.n, op.k, sms);
-    const int64_t run = ((op.k + 63) / 64 + tiles.split - 1) / tiles.split;  // stages per CTA
-    return kMixedInputSpeed * fill * (1.0 + kRouteDecodeTokens / m) >= 1.0 ||
-           (fill >= kMixedInputLongFill && run >= kMixedInputLongSteps);
-  };
-  const bool by_default = op.fmt <= 1 && m >= kMixedInputMinTokens && m <= kMixedInputDefaultMaxTokens &&
-                          op.n * op.k >= kMixedInputDefaultMinElements && fills();
+  // (the speed test last: it reads the cached device properties)
+  const bool by_default =
+      op.fmt <= 1 && m >= kMixedInputMinTokens && m <= kMixedInputDefaultMaxTokens &&
+      op.n * op.k >= kMixedInputDefaultMinElements &&
+      surogate::mixed_input_fast_enough(m, op.n, op.k, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const bool enabled = choice == "1" || (choice != "0" && by_default);
   const bool nf4_blocks_ok = op.block >= 32 && (op.block & (op.block - 1)) == 0 && op.k % op.block == 0;
   return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x.scalar_type() == at::kBFloat16 &&

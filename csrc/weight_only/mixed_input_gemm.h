@@ -58,6 +58,26 @@ inline double mixed_input_fill(long long m, long long n, long long k, int sms) {
   return (double)ctas / (double)(waves * sms);
 }
 
+// The many-token default's speed test (decoded_linear.cpp's mixed_input_applies adds the format, size and token
+// bounds; its comment has the measurements): 256-token tiles (the 128-token ones decode twice per product), and
+// kMixedInputSpeed x fill x (1 + kRouteDecodeTokens / m) >= 1, i.e. the kernel at kMixedInputSpeed x bf16 cuBLAS's
+// speed per full wave against decode + cuBLAS at bf16's time x (1 + kRouteDecodeTokens / m); or, where each CTA runs
+// at least kMixedInputLongSteps stages, a fill of at least kMixedInputLongFill (long runs amortize a tile's pipeline
+// fill and epilogue, which the fill model undersold).
+// surogate_hf.kernels.paths.mixed_input_fast_enough states the same test.
+constexpr double kMixedInputSpeed = 0.97;
+constexpr double kRouteDecodeTokens = 220;
+constexpr double kMixedInputLongFill = 0.8;
+constexpr long long kMixedInputLongSteps = 48;
+inline bool mixed_input_fast_enough(long long m, long long n, long long k, int sms) {
+  const MixedInputTiles tiles = mixed_input_tiles(m, n, k, sms, [](int, long long) { return true; });
+  if (tiles.bm != 256) return false;
+  const double fill = mixed_input_fill(m, n, k, sms);
+  const long long run = ((k + 63) / 64 + tiles.split - 1) / tiles.split;  // stages per CTA
+  return kMixedInputSpeed * fill * (1.0 + kRouteDecodeTokens / m) >= 1.0 ||
+         (fill >= kMixedInputLongFill && run >= kMixedInputLongSteps);
+}
+
 // The few-token op's (ext_few_token_gemm) choice of kernel: from kFewTokenWgmmaMinTokens to 64 tokens a weight of at
 // least kFewTokenWgmmaMinElements elements and kFewTokenWgmmaMinRows rows takes the register-operand WGMMA kernel
 // (64-token tiles, K split over a cluster), where each weight fragment is decoded once for all the tokens; elsewhere

@@ -125,11 +125,9 @@ def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int
 MIXED_INPUT_MIN_TOKENS = 512  # csrc/weight_only/decoded_linear.cpp: kMixedInputMinTokens
 MIXED_INPUT_DEFAULT_MAX_TOKENS = 2048  # kMixedInputDefaultMaxTokens
 MIXED_INPUT_DEFAULT_MIN_ELEMENTS = 12 << 20  # kMixedInputDefaultMinElements
-MIXED_INPUT_SPEED = 0.97  # kMixedInputSpeed
-ROUTE_DECODE_TOKENS = 220  # kRouteDecodeTokens
-MIXED_INPUT_LONG_FILL, MIXED_INPUT_LONG_STEPS = 0.8, 48  # kMixedInputLongFill, kMixedInputLongSteps
-# csrc/weight_only/mixed_input_gemm.h: kMixedInputRows, kMixedInputMaxSplit, kMixedInputMinSplitSteps,
-# kMixedInputMinPairSteps
+# csrc/weight_only/mixed_input_gemm.h: kMixedInputSpeed, kRouteDecodeTokens, kMixedInputLongFill,
+# kMixedInputLongSteps; kMixedInputRows, kMixedInputMaxSplit, kMixedInputMinSplitSteps, kMixedInputMinPairSteps
+MIXED_INPUT_SPEED, ROUTE_DECODE_TOKENS, MIXED_INPUT_LONG_FILL, MIXED_INPUT_LONG_STEPS = 0.97, 220, 0.8, 48
 MIXED_INPUT_ROWS, MIXED_INPUT_MAX_SPLIT, MIXED_INPUT_MIN_SPLIT_STEPS, MIXED_INPUT_MIN_PAIR_STEPS = 128, 8, 8, 32
 
 
@@ -156,10 +154,10 @@ def mixed_input_fill(m: int, n: int, k: int, sms: int) -> float:
     return ctas / (-(-ctas // sms) * sms)
 
 
-def _mixed_input_fast_enough(m: int, n: int, k: int, sms: int) -> bool:
-    """The default rule's speed test (mixed_input_kernel's docstring): 256-token tiles, and MIXED_INPUT_SPEED x fill
-    x (1 + ROUTE_DECODE_TOKENS / m) >= 1, or a fill of >= MIXED_INPUT_LONG_FILL where each CTA runs
-    >= MIXED_INPUT_LONG_STEPS stages."""
+def mixed_input_fast_enough(m: int, n: int, k: int, sms: int) -> bool:
+    """The default rule's speed test (mixed_input_fast_enough in csrc/weight_only/mixed_input_gemm.h; the measurements
+    are in mixed_input_kernel's docstring): 256-token tiles, and MIXED_INPUT_SPEED x fill x (1 + ROUTE_DECODE_TOKENS /
+    m) >= 1, or a fill of >= MIXED_INPUT_LONG_FILL where each CTA runs >= MIXED_INPUT_LONG_STEPS stages."""
     bm, split = mixed_input_tiles(m, n, k, sms)
     if bm != 256:
         return False
@@ -202,7 +200,7 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
         raise ValueError(f"SUROGATE_HF_MIXED_INPUT={choice!r}: expected 1 (the mixed-input kernel wherever it can "
                          "run), 0 (never: decode + cuBLAS) or unset (the default rule)")
     by_default = (fmt in ("nvfp4", "mxfp4") and MIXED_INPUT_MIN_TOKENS <= m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
-                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS and _mixed_input_fast_enough(m, n, k, sms))
+                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS and mixed_input_fast_enough(m, n, k, sms))
     return can_run and (choice == "1" or (choice != "0" and by_default))
 
 

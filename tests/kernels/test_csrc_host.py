@@ -205,8 +205,9 @@ def test_decode_element_math_de_nests_the_nf4_absmax(decode_harness, n, k):
 
 
 def test_the_python_mirror_of_the_mixed_input_rules_matches_the_header(tmp_path_factory):
-    """kernels.paths.mixed_input_tiles / mixed_input_fill / few_token_wgmma state the rules of
-    csrc/weight_only/mixed_input_gemm.h (the launch's tiles, its fill, the few-token op's kernel); the header built
+    """kernels.paths.mixed_input_tiles / mixed_input_fill / mixed_input_fast_enough / few_token_wgmma state the rules
+    of csrc/weight_only/mixed_input_gemm.h (the launch's tiles, its fill, the default's speed test, the few-token op's
+    kernel); the header built
     for the host (tests/kernels/host/mixed_input_rules_host.cu) answers every shapes.md linear at 1-8192 tokens on
     GPUs of 78, 114 and 132 SMs, and the two agree exactly."""
     from surogate_hf.kernels import model_shapes as S
@@ -219,9 +220,10 @@ def test_the_python_mirror_of_the_mixed_input_rules_matches_the_header(tmp_path_
                          capture_output=True, text=True, check=True).stdout.split("\n")
     fmts = ("nvfp4", "mxfp4", "nf4")
     for (m, n, k, sms, fmt), line in zip(cases, out, strict=False):
-        bm, split, fill, few = line.split()
+        bm, split, fill, fast, few = line.split()
         assert (int(bm), int(split)) == P.mixed_input_tiles(m, n, k, sms), (m, n, k, sms)
         assert float(fill) == P.mixed_input_fill(m, n, k, sms), (m, n, k, sms)
+        assert bool(int(fast)) == P.mixed_input_fast_enough(m, n, k, sms), (m, n, k, sms)
         assert bool(int(few)) == P.few_token_wgmma(fmts[fmt], m, n, k, (9, 0), True), (m, n, k, fmt)
     assert len(out) >= len(cases)
 

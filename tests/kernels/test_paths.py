@@ -229,15 +229,16 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
     fill of >= 0.8 where each CTA runs >= 48 stages (Qwen2.5-7B q / down at 1024-2048 tokens, measured faster; not
     the 24-stage runs of Qwen2.5-1.5B's gate_up, measured slower); the k/v projections, smaller models, more tokens
     and NF4 keep decode + cuBLAS. The C++ states the same constants (csrc/weight_only/decoded_linear.cpp:
-    mixed_input_applies)."""
+    mixed_input_applies; mixed_input_gemm.h: mixed_input_fast_enough)."""
     source = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "decoded_linear.cpp").read_text()
     assert f"kMixedInputMinTokens = {P.MIXED_INPUT_MIN_TOKENS};" in source
     assert f"kMixedInputDefaultMaxTokens = {P.MIXED_INPUT_DEFAULT_MAX_TOKENS};" in source
     assert f"kMixedInputDefaultMinElements = {P.MIXED_INPUT_DEFAULT_MIN_ELEMENTS >> 20} << 20;" in source
-    assert f"kMixedInputSpeed = {P.MIXED_INPUT_SPEED};" in source
-    assert f"kRouteDecodeTokens = {P.ROUTE_DECODE_TOKENS};" in source
-    assert f"kMixedInputLongFill = {P.MIXED_INPUT_LONG_FILL};" in source
-    assert f"kMixedInputLongSteps = {P.MIXED_INPUT_LONG_STEPS};" in source
+    header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
+    assert f"kMixedInputSpeed = {P.MIXED_INPUT_SPEED};" in header
+    assert f"kRouteDecodeTokens = {P.ROUTE_DECODE_TOKENS};" in header
+    assert f"kMixedInputLongFill = {P.MIXED_INPUT_LONG_FILL};" in header
+    assert f"kMixedInputLongSteps = {P.MIXED_INPUT_LONG_STEPS};" in header
     monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
     fp4 = fmt != "nf4"
 
