@@ -1,9 +1,11 @@
 // E2M1 / NF4 codes -> bf16 tensor-core operands, shared by the weight-only GEMM kernels (few_token_gemm.cu: straight
-// into mma B fragments; weight_only/mixed_input_gemm.cu: into WGMMA's shared-memory tiles; weight_only/decode.cu's
-// unit kernel takes e2m1x8_to_bf16 per 32-bit word of codes for the dense decode). A lane's unit is 32 codes
-// of one weight row (16 bytes) and their scale(s); the decoded words are the elements in order, word i = elements
-// (2i, 2i + 1). Exact: e2m1 times a block scale has at most 5 significant bits, so the bf16 product equals the reference's
-// fp32 product; NVFP4's decode global is left to the caller (it multiplies the fp32 sum once).
+// into mma fragments, at 1-8 tokens on large weights in the split order of e2m1x8_to_bf16_split;
+// weight_only/mixed_input_gemm.cu: into WGMMA register operands; weight_only/decode.cu's unit kernel takes
+// e2m1x8_to_bf16 per 32-bit word of codes for the dense decode). A lane's unit is 32 codes of one weight row (16
+// bytes) and their scale(s); the decoded words are the elements in order, word i = elements (2i, 2i + 1) (the split
+// order pairs (j, j + 4) of each 8). Exact: e2m1 times a block scale has at most 5 significant bits, so the bf16
+// product equals the reference's fp32 product; NVFP4's decode global is left to the caller (it multiplies the fp32
+// sum once).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -51,6 +53,32 @@ __device__ __forceinline__ void e2m1x8_to_bf16(uint32_t w, const E2M1Tables& t, 
   out[1] = prmt(lo_a, hi_a, 0x7362u);
   out[2] = prmt(lo_b, hi_b, 0x5140u);
   out[3] = prmt(lo_b, hi_b, 0x7362u);
+}
+
+// 8 E2M1 codes (code i in bits 4i..4i+3) -> 4 bf16x2 words in split order, word j = elements (j, j + 4), each the
+// element's value times 2^-126: the code's magnitude bits (e1 e0 m) go to bits 8..6 of its half (the two low
+// exponent bits and the top mantissa bit, so e1 e0 = 0 is a bf16 subnormal: code 1, 0.5, is 2^-127) and its sign to
+// bit 15. Codes j and j + 4 lie 16 bits apart, as a word's two halves do, so each word is two shifts of w and two
+// masks: 9 ALU-pipe instructions per 8 codes (the left shifts go to IMAD.SHL) against e2m1x8_to_bf16's 15, whose byte
+// permutes made the few-token kernel's loop ALU-bound. The caller's scale multiply removes the 2^-126 (the
+// multiplier carries 2^126, or part of it, the rest going to the fp32 sum), and x is staged in the same split order.
+__device__ __forceinline__ void e2m1x8_to_bf16_split(uint32_t w, uint32_t* out) {
+  // codes (j, j + 4) magnitudes at bits 6..8, 22..24; the right shifts as high multiplies, off the ALU pipe (as
+  // shifts ptxas made them SHF, an ALU instruction each)
+  uint32_t w_2, w_6;
+  asm("mul.hi.u32 %0, %1, 0x40000000;" : "=r"(w_2) : "r"(w));
+  asm("mul.hi.u32 %0, %1, 0x04000000;" : "=r"(w_6) : "r"(w));
+  const uint32_t mag[4] = {w << 6, w << 2, w_2, w_6};
+  const uint32_t sign[4] = {w << 12, w << 8, w << 4, w};      // their signs at bits 15, 31
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = (mag[j] & 0x01C001C0u) | (sign[j] & 0x80008000u);
+}
+
+// x's 16-byte chunk of 8 bf16 elements (words (0, 1), (2, 3), (4, 5), (6, 7)) in the split order of
+// e2m1x8_to_bf16_split: words (0, 4), (1, 5), (2, 6), (3, 7)
+__device__ __forceinline__ uint4 split_order(uint4 v) {
+  return make_uint4(prmt(v.x, v.z, 0x5410u), prmt(v.x, v.z, 0x7632u), prmt(v.y, v.w, 0x5410u),
+                    prmt(v.y, v.w, 0x7632u));
 }
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
@@ -120,6 +148,43 @@ __device__ __forceinline__ void decode_lane(const LaneWeights& lw, const float* 
 #pragma unroll
       for (int j = 0; j < 4; ++j) out[4 * i + j] = bf16x2_mul(out[4 * i + j], s);  // exact: <= 5 significant bits
     }
+  }
+}
+
+// NVFP4's split-order words carry 2^-kNvfp4SplitLog2 (the multiplier, 2^126 times an E4M3 scale of up to 448,
+// would pass bf16's 2^128; 2^118 times it does not), which the fp32 sum gets back by one exact multiply
+constexpr int kNvfp4SplitLog2 = 8;
+constexpr uint32_t kBf16x2Pow118 = 0x7A807A80u;  // 2^(126 - kNvfp4SplitLog2), both halves
+
+// decode_lane in split order (NVFP4, MXFP4): word 4i + j = elements (8i + j, 8i + j + 4) of the lane's 32, NVFP4's
+// times 2^-kNvfp4SplitLog2, MXFP4's as they are. One multiply per word takes e2m1x8_to_bf16_split's 2^-126 off and
+// applies the scale; each product is exact, as in decode_lane (<= 5 significant bits, bf16 normal or subnormal).
+template <int FMT>
+__device__ __forceinline__ void decode_lane_split(const LaneWeights& lw, uint32_t* out) {
+  static_assert(FMT == kNVFP4 || FMT == kMXFP4, "NF4 has no split decode");
+  const uint32_t words[4] = {lw.codes.x, lw.codes.y, lw.codes.z, lw.codes.w};
+  uint32_t s0, s1;
+  if (FMT == kNVFP4) {
+    const uint32_t both = bf16x2_mul(e4m3x2_to_bf16x2(lw.scale), kBf16x2Pow118);  // exact: a power of two
+    s0 = prmt(both, both, 0x1010u);
+    s1 = prmt(both, both, 0x3232u);
+  } else {
+    // 2^(e - 127) x 2^126 = 2^(e - 1): a bf16 exponent field of e + 126, in range up to e = 128 (a scale of 2)
+    s0 = s1 = bf16_pair((min(lw.scale, 128u) + 126u) << 7);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    e2m1x8_to_bf16_split(words[i], out + 4 * i);
+    const uint32_t s = i < 2 ? s0 : s1;  // NVFP4: words 0-1 are block k0/16, words 2-3 the next one
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[4 * i + j] = bf16x2_mul(out[4 * i + j], s);
+  }
+  if (FMT == kMXFP4 && __any_sync(0xFFFFFFFFu, lw.scale > 128u)) {
+    // scales of 4 and up (and 255, NaN): the first multiply took 2^127, the rest, 2^(e - 128), is a second one
+    // (exact: v x 2 times a power of two); rare in real weights, so a branch the whole warp skips otherwise
+    const uint32_t rest = bf16_pair(lw.scale <= 128u ? 0x3F80u : lw.scale == 255u ? 0x7FC0u : (lw.scale - 1u) << 7);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = bf16x2_mul(out[i], rest);
   }
 }
 

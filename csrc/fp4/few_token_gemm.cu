@@ -2,7 +2,8 @@
 // or NF4), M <= 64 (kernels.paths.FEW_TOKEN_MAX_TOKENS), x in bf16. With so few tokens the GEMM is bound
 // by reading the weight, 0.5 byte per element against bf16's 2, so the kernel streams the packed codes once:
 //   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 4 steps ahead, and
-//     decodes them in registers (E2M1 by byte permutes, NF4 by a 16-level table) straight into bf16 mma operands;
+//     decodes them in registers (E2M1 by byte permutes, or at 1-8 tokens on large weights by shifts and masks into
+//     the bf16 exponent field, few_token_split_decode; NF4 by a 16-level table) straight into bf16 mma operands;
 //   - the weight is the mma's A operand (an m16 tile: 16 weight rows) and x^T its B operand (n8 tiles of 8 tokens),
 //     so y^T is what the mmas sum. A lane's decoded words of rows g and g + 8 are its A fragments as they are, and a
 //     token tile's B fragment is two consecutive words of one 16-byte shared-memory load: no register moves, and
@@ -158,6 +159,20 @@ struct XRowCopies {
       }
     }
   }
+
+  // the split decode's order (e2m1_decode.cuh: split_order) for this thread's chunks of a stage, once its copies
+  // have landed
+  __device__ __forceinline__ void reorder(unsigned char* stage, int M) const {
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp) {
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        if (grp * 16 + row[i] >= M) continue;
+        uint4* chunk = reinterpret_cast<uint4*>(stage + grp * 16 * kRowBytes + smem[i]);
+        *chunk = split_order(*chunk);
+      }
+    }
+  }
 };
 
 // RESIDENT: x for the CTA's whole K range is copied into shared memory once, before the loop (one stage per step), so
@@ -170,7 +185,24 @@ struct XRowCopies {
 template <int T8, int NT>
 constexpr int few_token_ctas_per_sm() { return (T8 <= 2 && NT <= 2) || (T8 <= 4 && NT == 1) ? 4 : 1; }
 
-template <int FMT, int T8, int NT, bool RESIDENT>
+// Steps of weight codes in flight per lane (the register ring below): 2 with two m16 tiles a warp, else 4 ...
+template <int NT>
+__host__ __device__ constexpr int few_token_depth() { return NT == 4 ? 2 : 4; }
+// ... and the split-order E2M1 decode (e2m1_decode.cuh: decode_lane_split) with 1-8 tokens on weights of one m16
+// tile a warp, where it also takes a ring of 2 when a CTA runs at most kShortRunSteps steps. Measured against the
+// byte-permute decode (H200, session 30, benchmarks/results/decode/few_tokens_split_decode_h200.md): it cut the ALU
+// pipe's share from 46% to 34% at one token on Llama-3.1-8B's gate/up (the instruction count unchanged; the kernel
+// is latency-bound, 20% of the warp slots occupied) and took 4-5% off the 8B's gate/up and down at 1-8 tokens; the
+// ring of 2 took 6-11% more off where CTAs run <= 4 steps (8B q, Qwen3-1.7B gate/up) but cost 4-13% on the 8B's
+// 14-16-step runs. Elsewhere the split decode lost (a first form took it everywhere): 5-10% on one-group weights
+// (SmolLM2-135M, the 8B and 1.7B k/v; the x reordering before the loop, a larger share of their short runs, the likely
+// cause) and 1-5% from 9 tokens, where x's loads and the mmas outweigh the decode. The speedups are small because the
+// decode was never the only bound: Nsight Compute at one token put 41% of the issue slots busy either way.
+template <int FMT, int T8, int NT>
+__host__ __device__ constexpr bool few_token_split_decode() { return FMT != kNF4 && T8 == 1 && NT == 2; }
+constexpr int kShortRunSteps = 8;
+
+template <int FMT, int T8, int NT, bool RESIDENT, int DEPTH>
 __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few_token_gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
     const float* __restrict__ absmax, const float* __restrict__ nf4_levels, const float* __restrict__ gscale,
@@ -187,7 +219,8 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
   // the codes of the next kDepth steps stay in flight per lane (a register ring, indexed statically by unrolling the
   // step loop kDepth times); staged, the x tiles of the next kDepth - 1 steps too (cp.async): with one step ahead, or
   // x read from L2 at its use, the kernel waited a memory latency per step
-  constexpr int kDepth = NT == 4 ? 2 : 4;
+  constexpr int kDepth = DEPTH;
+  constexpr bool kSplit = few_token_split_decode<FMT, T8, NT>();  // (x staged in the same split order)
   constexpr int kStageBytes = XStage<T8>::kBytes;
   const int stages = RESIDENT ? step_hi - step_lo : kDepth;
   __shared__ float levels[16];
@@ -220,6 +253,8 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
     for (int step = step_lo; step < step_hi; ++step) xcopy.issue(smem + (step - step_lo) * kStageBytes, x, M, K, step);
     cp_async_commit();
     cp_async_wait<0>();
+    if constexpr (kSplit)
+      for (int step = step_lo; step < step_hi; ++step) xcopy.reorder(smem + (step - step_lo) * kStageBytes, M);
     __syncthreads();
   } else {
 #pragma unroll
@@ -258,15 +293,21 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
       if (step >= step_hi) break;
       if constexpr (!RESIDENT) {
         cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
+        if constexpr (kSplit) xcopy.reorder(smem + i * kStageBytes, M);
         __syncthreads();              // ... and everyone's; the stage read last step is free again
         if (step + kDepth - 1 < step_hi)
           xcopy.issue(smem + ((i + kDepth - 1) % kDepth) * kStageBytes, x, M, K, step + kDepth - 1);
         cp_async_commit();
       }
-      uint32_t d[NT][16];  // the lane's 32 decoded elements of each of its rows, word i = elements 2i, 2i + 1
+      // the lane's 32 decoded elements of each of its rows: word i = elements 2i, 2i + 1 (split decode: word 4c + j =
+      // elements 8c + j, 8c + j + 4, and x's words the same)
+      uint32_t d[NT][16];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        decode_lane<FMT>(ring[i][nt], levels, tables, d[nt]);
+        if constexpr (kSplit)
+          decode_lane_split<FMT>(ring[i][nt], d[nt]);
+        else
+          decode_lane<FMT>(ring[i][nt], levels, tables, d[nt]);
         // (past the split's last step the slot is never decoded again: left as it is, no select, no second copy of
         // the loop body)
         if (step + kDepth < step_hi) ring[i][nt] = wts.load(rows[nt], step + kDepth, q, K, nf4_shift);
@@ -349,7 +390,9 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
         }
       }
   }
-  const float gdec = gscale != nullptr ? *gscale : 1.f;
+  // (NVFP4's split-order words carry 2^-8: exact to take back here, the sums being those of 2^-8 times the products)
+  const float gdec =
+      (gscale != nullptr ? *gscale : 1.f) * (kSplit && FMT == kNVFP4 ? float(1 << kNvfp4SplitLog2) : 1.f);
   const int E = M * BN;  // rows past M are zeros: not summed
   if (split == 1) {
     __syncthreads();
@@ -383,10 +426,10 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
 }
 
 // One compiled variant: its launch configuration, its shared-memory opt-in and how many of its clusters fit at once.
-template <int FMT, int T8, int NT, bool RESIDENT>
+template <int FMT, int T8, int NT, bool RESIDENT, int DEPTH>
 struct Variant {
   static constexpr int BN = 4 * NT * 8;
-  static constexpr int kDepth = NT == 4 ? 2 : 4;  // as in the kernel
+  static constexpr int kDepth = DEPTH;
   static constexpr size_t kStageBytes = XStage<T8>::kBytes;
   static constexpr size_t kPartialBytes = T8 * 8 * BN * sizeof(float);
   // staged: kDepth stages; resident: one per step of the split, up to what one SM holds (the planner also keeps the
@@ -408,7 +451,7 @@ struct Variant {
       static std::atomic<unsigned long long> configured{0};
       const unsigned long long bit = 1ull << (dev % kMaxDevices);
       if (!(configured.load() & bit)) {
-        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, T8, NT, RESIDENT>,
+        const cudaError_t err = cudaFuncSetAttribute(few_token_gemm_kernel<FMT, T8, NT, RESIDENT, DEPTH>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem);
         if (err != cudaSuccess) return err;
         configured.fetch_or(bit);
@@ -450,7 +493,8 @@ struct Variant {
     cudaLaunchConfig_t cfg = config(BN, split, smem_bytes, attr, nullptr);
     cfg.numAttrs = 1;  // the occupancy query wants the cluster shape even for split 1
     if (prepare(dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, T8, NT, RESIDENT>, &cfg) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, few_token_gemm_kernel<FMT, T8, NT, RESIDENT, DEPTH>, &cfg) !=
+            cudaSuccess ||
         n < 1) {
       (void)cudaGetLastError();
       n = 1;
@@ -467,20 +511,37 @@ struct Variant {
     if (err != cudaSuccess) return err;
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = config(N, split, smem(steps_per_split), attr, stream);
-    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, T8, NT, RESIDENT>, (const __nv_bfloat16*)x, w, scales,
-                              absmax, levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
+    return cudaLaunchKernelEx(&cfg, few_token_gemm_kernel<FMT, T8, NT, RESIDENT, DEPTH>, (const __nv_bfloat16*)x, w,
+                              scales, absmax, levels, gscale, (__nv_bfloat16*)y, M, N, K, nf4_block, steps_per_split);
   }
 };
 
+// The resident variant where its shared memory keeps the split's clusters all resident too (with no cluster: no more
+// memory than the staged variant's), else the staged one
+template <int FMT, int T8, int NT, int DEPTH>
+cudaError_t launch_split(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                         const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                         int split, int per, int nb, int dev, cudaStream_t stream) {
+  using Staged = Variant<FMT, T8, NT, false, DEPTH>;
+  using Resident = Variant<FMT, T8, NT, true, DEPTH>;
+  const size_t resident_smem = Resident::smem(per);
+  const bool resident = resident_smem <= Resident::kMaxSmem &&
+                        (split == 1 ? resident_smem <= Staged::kMaxSmem
+                                    : nb <= Resident::capacity(dev, split, resident_smem));
+  if (resident)
+    return Resident::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
+  return Staged::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
+}
+
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
-// variant all fit at once; 1 (no cluster, any number of waves) where even 2 do not. Then the resident variant where
-// its shared memory keeps that split's clusters all resident too (with no cluster: no more memory than staged's).
+// variant all fit at once; 1 (no cluster, any number of waves) where even 2 do not. Then the ring of 2 for the split
+// decode's short runs (few_token_split_decode).
 template <int FMT, int T8, int NT>
 cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                             const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
                             int dev, cudaStream_t stream) {
-  using Staged = Variant<FMT, T8, NT, false>;
-  using Resident = Variant<FMT, T8, NT, true>;
+  constexpr int kDepth = few_token_depth<NT>();
+  using Staged = Variant<FMT, T8, NT, false, kDepth>;
   const int steps = (K + kStep - 1) / kStep, nb = (N + Staged::BN - 1) / Staged::BN;
   int split = 1;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
@@ -490,13 +551,13 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
     }
   const int per = (steps + split - 1) / split;
   split = (steps + per - 1) / per;  // no empty CTA
-  const size_t resident_smem = Resident::smem(per);
-  const bool resident = resident_smem <= Resident::kMaxSmem &&
-                        (split == 1 ? resident_smem <= Staged::kMaxSmem
-                                    : nb <= Resident::capacity(dev, split, resident_smem));
-  if (resident)
-    return Resident::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
-  return Staged::launch(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, dev, stream);
+  if constexpr (few_token_split_decode<FMT, T8, NT>()) {
+    if (per <= kShortRunSteps)
+      return launch_split<FMT, T8, NT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, nb,
+                                          dev, stream);
+  }
+  return launch_split<FMT, T8, NT, kDepth>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, nb,
+                                           dev, stream);
 }
 
 // Tile width: NT = 2 8-row groups per warp (one m16 weight tile; 4 with 17-32 tokens, where x is re-read per tile;

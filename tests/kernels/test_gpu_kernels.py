@@ -503,6 +503,43 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
             assert torch.equal(y, wgmma), f"{fmt} [{n}, {k}] M={m}: not the WGMMA kernel's result"
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_few_token_kernel_over_every_block_scale(fmt):
+    """The few-token kernel's split decode (e2m1_decode.cuh: decode_lane_split) puts one multiply on each pair of
+    codes that takes the scale and the decode's 2^-126 together; its range ends are where it could go wrong: every
+    finite E4M3 scale (subnormals, 448, negatives) and E8M0 exponents from 0 (2^-127, products that are bf16
+    subnormals) past 128 (the second multiply) to 255 (NaN), each within one bf16 rounding of the reference decode."""
+    _built_extension()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
+    n, k = 256, 1024
+    _, _, args, _ = _quantized(fmt, _weight(n, k))
+    g = torch.Generator().manual_seed(5)
+    blocks = k // (16 if fmt == "nvfp4" else 32)
+    if fmt == "nvfp4":
+        finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+        raw = finite[torch.randint(0, finite.numel(), (n, blocks), generator=g)]
+    else:  # one exponent range a row (rows' sums stay finite), 0 .. 200 with block jitter, and a NaN block
+        base = torch.tensor([0, 3, 60, 120, 126, 127, 128, 129, 131, 160, 200])[torch.arange(n) % 11]
+        raw = (base[:, None] + torch.randint(-3, 4, (n, blocks), generator=g)).clamp(0, 254).to(torch.uint8)
+        raw[n - 1, 5] = 255
+    scales = args[1].clone()
+    scales.view(torch.uint8).copy_(raw.to(DEV))
+    if fmt == "nvfp4":
+        op_args, wk = (args[0], scales, args[2], None, 0), F.dequantize_nvfp4(args[0], scales, args[2], torch.float32)
+    else:
+        op_args, wk = (args[0], scales, None, None, 1), F.dequantize_mxfp4(args[0], scales, torch.float32)
+    for m in (1, 12, 33):
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+        if fmt == "mxfp4":  # the NaN scale's row is NaN, every other finite
+            assert y[:, n - 1].isnan().all() and not y[:, : n - 1].isnan().any()
+            y, wk_ = y[:, : n - 1], wk[: n - 1]
+        else:
+            wk_ = wk
+        _assert_within_one_rounding(y, x, wk_, f"{fmt} every scale M={m}")
+
+
 MANY_TOKENS = (512, 777, 2048)
 
 
