@@ -2,8 +2,9 @@
 // or NF4), M <= 64 (kernels.paths.FEW_TOKEN_MAX_TOKENS), x in bf16. With so few tokens the GEMM is bound
 // by reading the weight, 0.5 byte per element against bf16's 2, so the kernel streams the packed codes once:
 //   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 4 steps ahead, and
-//     decodes them in registers (E2M1 by byte permutes, or at 1-8 tokens on large weights by shifts and masks into
-//     the bf16 exponent field, few_token_split_decode; NF4 by a 16-level table) straight into bf16 mma operands;
+//     decodes them in registers (E2M1 by byte permutes, or on large weights at 1-8 tokens, and 17-32 for MXFP4, by
+//     shifts and masks into the bf16 exponent field, few_token_split_decode; NF4 by a 16-level table) straight into
+//     bf16 mma operands;
 //   - the weight is the mma's A operand (an m16 tile: 16 weight rows) and x^T its B operand (n8 tiles of 8 tokens),
 //     so y^T is what the mmas sum. A lane's decoded words of rows g and g + 8 are its A fragments as they are, and a
 //     token tile's B fragment is two consecutive words of one 16-byte shared-memory load: no register moves, and
@@ -189,17 +190,23 @@ constexpr int few_token_ctas_per_sm() { return (T8 <= 2 && NT <= 2) || (T8 <= 4 
 template <int NT>
 __host__ __device__ constexpr int few_token_depth() { return NT == 4 ? 2 : 4; }
 // ... and the split-order E2M1 decode (e2m1_decode.cuh: decode_lane_split) with 1-8 tokens on weights of one m16
-// tile a warp, where it also takes a ring of 2 when a CTA runs at most kShortRunSteps steps. Measured against the
-// byte-permute decode (H200, session 30, benchmarks/results/decode/few_tokens_split_decode_h200.md): it cut the ALU
+// tile a warp, where it also takes a ring of 2 when a CTA runs at most kShortRunSteps steps, and for MXFP4 with 17-32
+// tokens on weights of two m16 tiles a warp. Measured against the byte-permute decode (H200, session 30,
+// benchmarks/results/decode/few_tokens_split_decode_h200.md, few_tokens_mxfp4_32_split_h200.md): it cut the ALU
 // pipe's share from 46% to 34% at one token on Llama-3.1-8B's gate/up (the instruction count unchanged; the kernel
 // is latency-bound, 20% of the warp slots occupied) and took 4-5% off the 8B's gate/up and down at 1-8 tokens; the
 // ring of 2 took 6-11% more off where CTAs run <= 4 steps (8B q, Qwen3-1.7B gate/up) but cost 4-13% on the 8B's
-// 14-16-step runs. Elsewhere the split decode lost (a first form took it everywhere): 5-10% on one-group weights
-// (SmolLM2-135M, the 8B and 1.7B k/v; the x reordering before the loop, a larger share of their short runs, the likely
-// cause) and 1-5% from 9 tokens, where x's loads and the mmas outweigh the decode. The speedups are small because the
-// decode was never the only bound: Nsight Compute at one token put 41% of the issue slots busy either way.
+// 14-16-step runs. MXFP4 at 17-32 tokens gained 10-18% (8B, Qwen2.5-7B and Qwen3-1.7B q / gate_up / down), which
+// put it 4-14% ahead of NVFP4 there, where it had been 1-8% behind; NVFP4 in that variant lost 6-13% (its scale
+// conversion is longer; 227 registers against 203). Elsewhere the split decode lost (a first form took it
+// everywhere): 5-10% on one-group weights (SmolLM2-135M, the 8B and 1.7B k/v; the x reordering before the loop, a
+// larger share of their short runs, the likely cause) and 1-5% at 9-16 tokens, where x's loads and the mmas outweigh
+// the decode. The gains are small because the decode was never the only bound: Nsight Compute at one token put 41%
+// of the issue slots busy either way.
 template <int FMT, int T8, int NT>
-__host__ __device__ constexpr bool few_token_split_decode() { return FMT != kNF4 && T8 == 1 && NT == 2; }
+__host__ __device__ constexpr bool few_token_split_decode() {
+  return (FMT != kNF4 && T8 == 1 && NT == 2) || (FMT == kMXFP4 && T8 == 4 && NT == 4);
+}
 constexpr int kShortRunSteps = 8;
 
 template <int FMT, int T8, int NT, bool RESIDENT, int DEPTH>
@@ -551,7 +558,7 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
     }
   const int per = (steps + split - 1) / split;
   split = (steps + per - 1) / per;  // no empty CTA
-  if constexpr (few_token_split_decode<FMT, T8, NT>()) {
+  if constexpr (few_token_split_decode<FMT, T8, NT>() && kDepth > 2) {
     if (per <= kShortRunSteps)
       return launch_split<FMT, T8, NT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, nb,
                                           dev, stream);

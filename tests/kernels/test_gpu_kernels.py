@@ -503,16 +503,19 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
             assert torch.equal(y, wgmma), f"{fmt} [{n}, {k}] M={m}: not the WGMMA kernel's result"
 
 
+@pytest.mark.parametrize("nk", [(2304, 1024), (2304, 10240)], ids=lambda nk: f"{nk[1]}to{nk[0]}")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_few_token_kernel_over_every_block_scale(fmt):
+def test_few_token_kernel_over_every_block_scale(fmt, nk):
     """The few-token kernel's split decode (e2m1_decode.cuh: decode_lane_split) puts one multiply on each pair of
     codes that takes the scale and the decode's 2^-126 together; its range ends are where it could go wrong: every
     finite E4M3 scale (subnormals, 448, negatives) and E8M0 exponents from 0 (2^-127, products that are bf16
-    subnormals) past 128 (the second multiply) to 255 (NaN), each within one bf16 rounding of the reference decode."""
+    subnormals) past 128 (the second multiply) to 255 (NaN), each within one bf16 rounding of the reference decode.
+    2304 rows: two-group warps at 1-8 tokens (the split decode, K 1024 with its ring of 2, 10240 with 4) and four-group
+    ones at 17-32 (MXFP4's split decode); the byte-permute decode elsewhere."""
     _built_extension()
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
-    n, k = 256, 1024
+    n, k = nk
     _, _, args, _ = _quantized(fmt, _weight(n, k))
     g = torch.Generator().manual_seed(5)
     blocks = k // (16 if fmt == "nvfp4" else 32)
@@ -529,7 +532,7 @@ def test_few_token_kernel_over_every_block_scale(fmt):
         op_args, wk = (args[0], scales, args[2], None, 0), F.dequantize_nvfp4(args[0], scales, args[2], torch.float32)
     else:
         op_args, wk = (args[0], scales, None, None, 1), F.dequantize_mxfp4(args[0], scales, torch.float32)
-    for m in (1, 12, 33):
+    for m in (1, 5, 20, 32):
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
         if fmt == "mxfp4":  # the NaN scale's row is NaN, every other finite
@@ -537,7 +540,7 @@ def test_few_token_kernel_over_every_block_scale(fmt):
             y, wk_ = y[:, : n - 1], wk[: n - 1]
         else:
             wk_ = wk
-        _assert_within_one_rounding(y, x, wk_, f"{fmt} every scale M={m}")
+        _assert_within_one_rounding(y, x, wk_, f"{fmt} [{n}, {k}] every scale M={m}")
 
 
 MANY_TOKENS = (512, 777, 2048)
