@@ -59,9 +59,10 @@ __device__ __forceinline__ void e2m1x8_to_bf16(uint32_t w, const E2M1Tables& t, 
 // element's value times 2^-126: the code's magnitude bits (e1 e0 m) go to bits 8..6 of its half (the two low
 // exponent bits and the top mantissa bit, so e1 e0 = 0 is a bf16 subnormal: code 1, 0.5, is 2^-127) and its sign to
 // bit 15. Codes j and j + 4 lie 16 bits apart, as a word's two halves do, so each word is two shifts of w and two
-// masks: 9 ALU-pipe instructions per 8 codes (the left shifts go to IMAD.SHL) against e2m1x8_to_bf16's 15, whose byte
-// permutes made the few-token kernel's loop ALU-bound. The caller's scale multiply removes the 2^-126 (the
-// multiplier carries 2^126, or part of it, the rest going to the fp32 sum), and x is staged in the same split order.
+// masks: 8 ALU-pipe instructions per 8 codes (the shifts go to IMAD.SHL / IMAD.HI, on the FMA pipe) against
+// e2m1x8_to_bf16's 15 byte permutes and masks, as many instructions in all. The caller's scale multiply removes the
+// 2^-126 (the multiplier carries 2^126, or part of it, the rest going to the fp32 sum), and x is staged in the same
+// split order.
 __device__ __forceinline__ void e2m1x8_to_bf16_split(uint32_t w, uint32_t* out) {
   // codes (j, j + 4) magnitudes at bits 6..8, 22..24; the right shifts as high multiplies, off the ALU pipe (as
   // shifts ptxas made them SHF, an ALU instruction each)
@@ -69,7 +70,7 @@ __device__ __forceinline__ void e2m1x8_to_bf16_split(uint32_t w, uint32_t* out) 
   asm("mul.hi.u32 %0, %1, 0x40000000;" : "=r"(w_2) : "r"(w));
   asm("mul.hi.u32 %0, %1, 0x04000000;" : "=r"(w_6) : "r"(w));
   const uint32_t mag[4] = {w << 6, w << 2, w_2, w_6};
-  const uint32_t sign[4] = {w << 12, w << 8, w << 4, w};      // their signs at bits 15, 31
+  const uint32_t sign[4] = {w << 12, w << 8, w << 4, w};  // their signs at bits 15, 31
 #pragma unroll
   for (int j = 0; j < 4; ++j) out[j] = (mag[j] & 0x01C001C0u) | (sign[j] & 0x80008000u);
 }

@@ -195,8 +195,8 @@ __host__ __device__ constexpr int few_token_depth() { return NT == 4 ? 2 : 4; }
 // benchmarks/results/decode/few_tokens_split_decode_h200.md, few_tokens_mxfp4_32_split_h200.md): it cut the ALU
 // pipe's share from 46% to 34% at one token on Llama-3.1-8B's gate/up (the instruction count unchanged; the kernel
 // is latency-bound, 20% of the warp slots occupied) and took 4-5% off the 8B's gate/up and down at 1-8 tokens; the
-// ring of 2 took 6-11% more off where CTAs run <= 4 steps (8B q, Qwen3-1.7B gate/up) but cost 4-13% on the 8B's
-// 14-16-step runs. MXFP4 at 17-32 tokens gained 10-18% (8B, Qwen2.5-7B and Qwen3-1.7B q / gate_up / down), which
+// ring of 2 took 6-11% more off on short runs (4-5 steps a CTA: 8B q, Qwen3-1.7B gate/up) but cost 4-13% on the
+// 8B's 14-16-step runs. MXFP4 at 17-32 tokens gained 10-18% (8B, Qwen2.5-7B and Qwen3-1.7B q / gate_up / down), which
 // put it 4-14% ahead of NVFP4 there, where it had been 1-8% behind; NVFP4 in that variant lost 6-13% (its scale
 // conversion is longer; 227 registers against 203). Elsewhere the split decode lost (a first form took it
 // everywhere): 5-10% on one-group weights (SmolLM2-135M, the 8B and 1.7B k/v; the x reordering before the loop, a
@@ -526,9 +526,9 @@ struct Variant {
 // The resident variant where its shared memory keeps the split's clusters all resident too (with no cluster: no more
 // memory than the staged variant's), else the staged one
 template <int FMT, int T8, int NT, int DEPTH>
-cudaError_t launch_split(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
-                         const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
-                         int split, int per, int nb, int dev, cudaStream_t stream) {
+cudaError_t launch_planned(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
+                           const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
+                           int split, int per, int nb, int dev, cudaStream_t stream) {
   using Staged = Variant<FMT, T8, NT, false, DEPTH>;
   using Resident = Variant<FMT, T8, NT, true, DEPTH>;
   const size_t resident_smem = Resident::smem(per);
@@ -542,7 +542,8 @@ cudaError_t launch_split(const void* x, const uint8_t* w, const uint8_t* scales,
 
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
 // variant all fit at once; 1 (no cluster, any number of waves) where even 2 do not. Then the ring of 2 for the split
-// decode's short runs (few_token_split_decode).
+// decode's short runs (few_token_split_decode; its staged variant holds fewer registers and stages than the ring of
+// 4's, whose clusters the split was planned on).
 template <int FMT, int T8, int NT>
 cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                             const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
@@ -560,11 +561,11 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
   split = (steps + per - 1) / per;  // no empty CTA
   if constexpr (few_token_split_decode<FMT, T8, NT>() && kDepth > 2) {
     if (per <= kShortRunSteps)
-      return launch_split<FMT, T8, NT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, nb,
-                                          dev, stream);
+      return launch_planned<FMT, T8, NT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per,
+                                            nb, dev, stream);
   }
-  return launch_split<FMT, T8, NT, kDepth>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per, nb,
-                                           dev, stream);
+  return launch_planned<FMT, T8, NT, kDepth>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, split, per,
+                                             nb, dev, stream);
 }
 
 // Tile width: NT = 2 8-row groups per warp (one m16 weight tile; 4 with 17-32 tokens, where x is re-read per tile;
