@@ -178,9 +178,8 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
     (kernels.ext.sm90a_built). Where it can, it is the default for NVFP4 / MXFP4 weights of at least
     MIXED_INPUT_DEFAULT_MIN_ELEMENTS elements at up to MIXED_INPUT_DEFAULT_MAX_TOKENS rows whose 256-token tiles fill
     the GPU well enough: MIXED_INPUT_SPEED x mixed_input_fill x (1 + ROUTE_DECODE_TOKENS / m) >= 1 (on the
-    Llama-3.1-8B and
-    Qwen3-1.7B large weights the kernel ran at 0.97x bf16 cuBLAS's speed at full waves, and decode + cuBLAS took
-    bf16's time x (1 + 220 / m)). Measured there: 0.97-1.35x decode + cuBLAS's speed (Llama-3.1-8B q / o / gate / up /
+    Llama-3.1-8B and Qwen3-1.7B large weights the kernel ran at 0.97x bf16 cuBLAS's speed at full waves, and decode +
+    cuBLAS took bf16's time x (1 + 220 / m)). Measured there: 0.97-1.35x decode + cuBLAS's speed (Llama-3.1-8B q / o / gate / up /
     down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200; benchmarks/results/decode/large_m_default_s28_h200.md,
     docs/kernels.md); the fill leaves out the one loss among them (the 1.7B gate / up at 1024 tokens, 0.93x). Where
     each CTA runs >= MIXED_INPUT_LONG_STEPS stages a fill of >= MIXED_INPUT_LONG_FILL is enough: Qwen2.5-7B q / down
