@@ -1,10 +1,11 @@
 // Few-token weight-only GEMM: y [M, N] = x [M, K] @ deq(W)^T for a frozen 4-bit weight W [N, K] (NVFP4, MXFP4
 // or NF4), M <= 64 (kernels.paths.FEW_TOKEN_MAX_TOKENS), x in bf16. With so few tokens the GEMM is bound
 // by reading the weight, 0.5 byte per element against bf16's 2, so the kernel streams the packed codes once:
-//   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 4 steps ahead, and
-//     decodes them in registers (E2M1 by byte permutes, or on large weights at 1-8 tokens, and 17-32 for MXFP4, by
-//     shifts and masks into the bf16 exponent field, few_token_split_decode; NF4 by a 16-level table) straight into
-//     bf16 mma operands;
+//   - each lane loads 16 bytes (32 codes) of one weight row per 128-column step, 4 lanes per row, 2-4 steps ahead
+//     (into registers, or at 17-32 tokens on large weights into its own shared-memory slots, few_token_smem_ring),
+//     and decodes them in registers (E2M1 by byte permutes, or on large weights at 1-8 tokens by shifts and masks
+//     into the bf16 exponent field, few_token_split_decode; NF4 by a 16-level table) straight into bf16 mma
+//     operands;
 //   - the weight is the mma's A operand (an m16 tile: 16 weight rows) and x^T its B operand (n8 tiles of 8 tokens),
 //     so y^T is what the mmas sum. A lane's decoded words of rows g and g + 8 are its A fragments as they are, and a
 //     token tile's B fragment is two consecutive words of one 16-byte shared-memory load: no register moves, and
@@ -84,15 +85,20 @@ struct CtaWeights {
     if (step * kStep + q * 32 < K) {
       const int o = offset + step * (kStep / 2);
       lw.codes = ld_stream(codes + o);
-      if (FMT == kNVFP4) {
-        lw.scale = *reinterpret_cast<const unsigned short*>(scale + (o >> 3));
-      } else if (FMT == kMXFP4) {
-        lw.scale = scale[o >> 4];
-      } else {
-        lw.scale = __float_as_uint(absmax[(2 * o) >> nf4_shift]);
-      }
+      lw.scale = load_scale(o, nf4_shift);
     }
     return lw;
+  }
+
+  // load's codes into this lane's 16-byte slot of a shared-memory ring instead (cp.async, zeros past K); returns
+  // the scale (0 past K)
+  __device__ __forceinline__ uint32_t copy(unsigned char* slot, int offset, int step, int q, int K,
+                                           int nf4_shift) const;
+
+  __device__ __forceinline__ uint32_t load_scale(int o, int nf4_shift) const {
+    if (FMT == kNVFP4) return *reinterpret_cast<const unsigned short*>(scale + (o >> 3));
+    if (FMT == kMXFP4) return scale[o >> 4];
+    return __float_as_uint(absmax[(2 * o) >> nf4_shift]);
   }
 };
 
@@ -106,6 +112,21 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   // 16 bytes global -> shared; valid == false writes zeros
   const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem, bool valid) {
+  // 16 bytes global -> shared through L2 only (the weight is read once per call); valid == false writes zeros
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+
+template <int FMT>
+__device__ __forceinline__ uint32_t CtaWeights<FMT>::copy(unsigned char* slot, int offset, int step, int q, int K,
+                                                          int nf4_shift) const {
+  const bool in_k = step * kStep + q * 32 < K;
+  const int o = offset + step * (kStep / 2);
+  cp_async16_stream(slot, in_k ? codes + o : codes, in_k);
+  return in_k ? load_scale(o, nf4_shift) : 0u;
 }
 
 // x stages in shared memory row-major, one token's kStep columns (256 bytes) a row, 16-byte chunk ch of row r at
@@ -186,12 +207,13 @@ struct XRowCopies {
 template <int T8, int NT>
 constexpr int few_token_ctas_per_sm() { return (T8 <= 2 && NT <= 2) || (T8 <= 4 && NT == 1) ? 4 : 1; }
 
-// Steps of weight codes in flight per lane (the register ring below): 2 with two m16 tiles a warp, else 4 ...
+// Steps of weight codes in flight per lane (the ring below): 2 with two m16 tiles a warp, else 4 ...
 template <int NT>
 __host__ __device__ constexpr int few_token_depth() { return NT == 4 ? 2 : 4; }
 // ... and the split-order E2M1 decode (e2m1_decode.cuh: decode_lane_split) with 1-8 tokens on weights of one m16
-// tile a warp, where it also takes a ring of 2 when a CTA runs at most kShortRunSteps steps, and for MXFP4 with 17-32
-// tokens on weights of two m16 tiles a warp. Measured against the byte-permute decode (H200, session 30,
+// tile a warp, where it also takes a ring of 2 when a CTA runs at most kShortRunSteps steps (session 30 also gave it
+// to MXFP4 with 17-32 tokens on weights of two m16 tiles a warp, for its registers, until the shared-memory ring
+// below made the byte permutes faster there). Measured against the byte-permute decode (H200, session 30,
 // benchmarks/results/decode/few_tokens_split_decode_h200.md, few_tokens_mxfp4_32_split_h200.md): it cut the ALU
 // pipe's share from 46% to 34% at one token on Llama-3.1-8B's gate/up (the instruction count unchanged; the kernel
 // is latency-bound, 20% of the warp slots occupied) and took 4-5% off the 8B's gate/up and down at 1-8 tokens; the
@@ -205,7 +227,25 @@ __host__ __device__ constexpr int few_token_depth() { return NT == 4 ? 2 : 4; }
 // of the issue slots busy either way.
 template <int FMT, int T8, int NT>
 __host__ __device__ constexpr bool few_token_split_decode() {
-  return (FMT != kNF4 && T8 == 1 && NT == 2) || (FMT == kMXFP4 && T8 == 4 && NT == 4);
+  return FMT != kNF4 && T8 == 1 && NT == 2;
+}
+
+// NVFP4 / MXFP4 with two m16 weight tiles a warp (17-32 tokens on large weights) keep the weight ring's codes in
+// shared memory (cp.async into one 16-byte slot per thread, 8-row group and step; the scales stay in registers), not
+// in registers: that took the kernels from 193-203 registers (2 CTAs an SM) to 126-142 (3). Measured against the
+// register ring (H200, session 31, benchmarks/results/decode/few_tokens_17_32_smem_ring_h200.md): NVFP4 +1-55% on the
+// large weights of Llama-3.1-8B, Qwen2.5-7B and Qwen3-1.7B at 17-32 tokens (8B gate/up 0.85-0.89x -> 1.03-1.09x bf16,
+// Qwen2.5-7B gate/up 0.68-0.70x -> 1.01-1.08x); MXFP4 with the byte-permute decode there (the split decode, which
+// session 30 gave it for its registers, lost 5-18% more with the ring in shared memory) -7% to +45%, 0.999-1.03x
+// NVFP4 on every row. The same ring for every variant was measured too and lost up to 15% where the register ring
+// already let 4 CTAs onto an SM (Llama-3.1-8B down at 1-8 tokens; not profiled), and padding shared memory to spread
+// CTAs evenly made that worse (few_tokens_smem_ring_variants_h200.md). NF4 (255 registers either way) is not measured
+// with it and keeps the register ring.
+template <int FMT, int NT>
+__host__ __device__ constexpr bool few_token_smem_ring() { return FMT != kNF4 && NT == 4; }
+template <int FMT, int NT, int DEPTH>
+__host__ __device__ constexpr int few_token_wring_bytes() {
+  return few_token_smem_ring<FMT, NT>() ? DEPTH * NT * kThreads * 16 : 0;
 }
 constexpr int kShortRunSteps = 8;
 
@@ -224,14 +264,20 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
   const int step_lo = s * steps_per_split, step_hi = min(step_lo + steps_per_split, steps);
 
   // the codes of the next kDepth steps stay in flight per lane (a register ring, indexed statically by unrolling the
-  // step loop kDepth times); staged, the x tiles of the next kDepth - 1 steps too (cp.async): with one step ahead, or
+  // step loop kDepth times, or few_token_smem_ring's slots in shared memory); staged, the x tiles of the next kDepth - 1 steps too (cp.async): with one step ahead, or
   // x read from L2 at its use, the kernel waited a memory latency per step
   constexpr int kDepth = DEPTH;
   constexpr bool kSplit = few_token_split_decode<FMT, T8, NT>();  // (x staged in the same split order)
   constexpr int kStageBytes = XStage<T8>::kBytes;
   const int stages = RESIDENT ? step_hi - step_lo : kDepth;
   __shared__ float levels[16];
-  extern __shared__ __align__(16) unsigned char smem[];  // x stages, then (after the loop) the fp32 partial tile
+  // the weight ring (kSmemRing), then the x stages; after the loop the fp32 partial tile from the start
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr bool kSmemRing = few_token_smem_ring<FMT, NT>();
+  unsigned char* const xsm = smem + few_token_wring_bytes<FMT, NT, DEPTH>();
+  // this thread's slot of ring entry (i, nt): a warp's reads are 512 contiguous bytes, and only this thread writes
+  // the slot (its cp.async.wait_group suffices: no barrier)
+  auto wring_slot = [&](int i, int nt) { return smem + ((i * NT + nt) * kThreads + threadIdx.x) * 16; };
 
   // the weight stream starts first: its loads fly while x is staged
   const CtaWeights<FMT> wts(w, scales, absmax, n_cta, K, nf4_shift);
@@ -239,13 +285,21 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
   int rows[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) rows[nt] = CtaWeights<FMT>::lane_offset((warp * NT + nt) * 8 + g, n_cta, N, K, q);
+  // (kSmemRing: only the scales in registers, the codes in shared memory, one cp.async group per step)
   LaneWeights ring[kDepth][NT];
 #pragma unroll
-  for (int i = 0; i < kDepth; ++i)
+  for (int i = 0; i < kDepth; ++i) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      ring[i][nt] = step_lo + i < step_hi ? wts.load(rows[nt], step_lo + i, q, K, nf4_shift)
-                                          : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+    for (int nt = 0; nt < NT; ++nt) {
+      if constexpr (kSmemRing)
+        ring[i][nt].scale =
+            step_lo + i < step_hi ? wts.copy(wring_slot(i, nt), rows[nt], step_lo + i, q, K, nf4_shift) : 0u;
+      else
+        ring[i][nt] = step_lo + i < step_hi ? wts.load(rows[nt], step_lo + i, q, K, nf4_shift)
+                                            : LaneWeights{make_uint4(0, 0, 0, 0), 0u};
+    }
+    if constexpr (kSmemRing) cp_async_commit();
+  }
 
   if (FMT == kNF4) {
     if (threadIdx.x < 16) levels[threadIdx.x] = nf4_levels[threadIdx.x];
@@ -253,20 +307,20 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
   // every stage zeroed once (rows >= M stay zero), before any copy lands in them
   if (M < XStage<T8>::kRows)
     for (int c = threadIdx.x; c < stages * kStageBytes / 16; c += kThreads)
-      reinterpret_cast<uint4*>(smem)[c] = make_uint4(0, 0, 0, 0);
+      reinterpret_cast<uint4*>(xsm)[c] = make_uint4(0, 0, 0, 0);
   __syncthreads();
   const XRowCopies<T8> xcopy(K);
   if constexpr (RESIDENT) {
-    for (int step = step_lo; step < step_hi; ++step) xcopy.issue(smem + (step - step_lo) * kStageBytes, x, M, K, step);
+    for (int step = step_lo; step < step_hi; ++step) xcopy.issue(xsm + (step - step_lo) * kStageBytes, x, M, K, step);
     cp_async_commit();
     cp_async_wait<0>();
     if constexpr (kSplit)
-      for (int step = step_lo; step < step_hi; ++step) xcopy.reorder(smem + (step - step_lo) * kStageBytes, M);
+      for (int step = step_lo; step < step_hi; ++step) xcopy.reorder(xsm + (step - step_lo) * kStageBytes, M);
     __syncthreads();
   } else {
 #pragma unroll
     for (int i = 0; i < kDepth - 1; ++i) {
-      if (step_lo + i < step_hi) xcopy.issue(smem + i * kStageBytes, x, M, K, step_lo + i);
+      if (step_lo + i < step_hi) xcopy.issue(xsm + i * kStageBytes, x, M, K, step_lo + i);
       cp_async_commit();
     }
   }
@@ -298,17 +352,27 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
     for (int i = 0; i < kDepth; ++i) {
       const int step = base + i;
       if (step >= step_hi) break;
+      // cp.async groups with kSmemRing: the prologue commits one per step of weights (kDepth), then (staged) one
+      // per x stage (kDepth - 1) or (resident) one for all of x, waited for there; each step then commits one with
+      // the weights kDepth steps ahead and (staged) x kDepth - 1 steps ahead. So this step's weights and x are
+      // complete once at most kDepth - 2 (staged) / kDepth - 1 (resident) newer groups are pending.
       if constexpr (!RESIDENT) {
-        cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
-        if constexpr (kSplit) xcopy.reorder(smem + i * kStageBytes, M);
-        __syncthreads();              // ... and everyone's; the stage read last step is free again
+        cp_async_wait<kDepth - 2>();  // this step's x stage (and kSmemRing weights; this thread's copies) ...
+        if constexpr (kSplit) xcopy.reorder(xsm + i * kStageBytes, M);
+        __syncthreads();              // ... and everyone's x; the x stage read last step is free again
         if (step + kDepth - 1 < step_hi)
-          xcopy.issue(smem + ((i + kDepth - 1) % kDepth) * kStageBytes, x, M, K, step + kDepth - 1);
-        cp_async_commit();
+          xcopy.issue(xsm + ((i + kDepth - 1) % kDepth) * kStageBytes, x, M, K, step + kDepth - 1);
+        if constexpr (!kSmemRing) cp_async_commit();
+      } else if constexpr (kSmemRing) {
+        cp_async_wait<kDepth - 1>();  // this step's weights (this thread's own copies)
       }
       // the lane's 32 decoded elements of each of its rows: word i = elements 2i, 2i + 1 (split decode: word 4c + j =
       // elements 8c + j, 8c + j + 4, and x's words the same)
       uint32_t d[NT][16];
+      if constexpr (kSmemRing) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) ring[i][nt].codes = *reinterpret_cast<const uint4*>(wring_slot(i, nt));
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if constexpr (kSplit)
@@ -316,10 +380,16 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
         else
           decode_lane<FMT>(ring[i][nt], levels, tables, d[nt]);
         // (past the split's last step the slot is never decoded again: left as it is, no select, no second copy of
-        // the loop body)
-        if (step + kDepth < step_hi) ring[i][nt] = wts.load(rows[nt], step + kDepth, q, K, nf4_shift);
+        // the loop body; kSmemRing: this thread refills the slot after its own read of it, which the decode consumed)
+        if (step + kDepth < step_hi) {
+          if constexpr (kSmemRing)
+            ring[i][nt].scale = wts.copy(wring_slot(i, nt), rows[nt], step + kDepth, q, K, nf4_shift);
+          else
+            ring[i][nt] = wts.load(rows[nt], step + kDepth, q, K, nf4_shift);
+        }
       }
-      const unsigned char* stage = smem + (RESIDENT ? (step - step_lo) : i) * kStageBytes;
+      if constexpr (kSmemRing) cp_async_commit();
+      const unsigned char* stage = xsm + (RESIDENT ? (step - step_lo) : i) * kStageBytes;
       if constexpr (kXAsA) {
 #pragma unroll
         for (int mt = 0; mt < T8 / 2; ++mt)
@@ -441,13 +511,15 @@ struct Variant {
   static constexpr size_t kPartialBytes = T8 * 8 * BN * sizeof(float);
   // staged: kDepth stages; resident: one per step of the split, up to what one SM holds (the planner also keeps the
   // split the staged variant would get, so residency never costs occupancy there)
-  static constexpr size_t kMaxSmem = RESIDENT ? 200 * 1024 : std::max<size_t>(kDepth * kStageBytes, kPartialBytes);
+  static constexpr size_t kWRingBytes = few_token_wring_bytes<FMT, NT, DEPTH>();
+  static constexpr size_t kMaxSmem =
+      RESIDENT ? 200 * 1024 : std::max<size_t>(kWRingBytes + kDepth * kStageBytes, kPartialBytes);
 
   // dynamic shared memory of a launch whose CTAs run steps_per_split steps (rounded up to 4 KiB: fewer occupancy
   // queries)
   static size_t smem(int steps_per_split) {
     if (!RESIDENT) return kMaxSmem;
-    const size_t bytes = std::max<size_t>((size_t)steps_per_split * kStageBytes, kPartialBytes);
+    const size_t bytes = std::max<size_t>(kWRingBytes + (size_t)steps_per_split * kStageBytes, kPartialBytes);
     return (bytes + 4095) / 4096 * 4096;
   }
 

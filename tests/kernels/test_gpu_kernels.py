@@ -511,7 +511,8 @@ def test_few_token_kernel_over_every_block_scale(fmt, nk):
     finite E4M3 scale (subnormals, 448, negatives) and E8M0 exponents from 0 (2^-127, products that are bf16
     subnormals) past 128 (the second multiply) to 255 (NaN), each within one bf16 rounding of the reference decode.
     2304 rows: two-group warps at 1-8 tokens (the split decode, K 1024 with its ring of 2, 10240 with 4) and four-group
-    ones at 17-32 (MXFP4's split decode); the byte-permute decode elsewhere."""
+    ones at 17-32 (the byte-permute decode, codes through the shared-memory ring, few_token_smem_ring); the
+    byte-permute decode elsewhere."""
     _built_extension()
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
