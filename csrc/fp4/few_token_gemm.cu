@@ -230,22 +230,24 @@ __host__ __device__ constexpr bool few_token_split_decode() {
   return FMT != kNF4 && T8 == 1 && NT == 2;
 }
 
-// NVFP4 / MXFP4 with two m16 weight tiles a warp (17-32 tokens on large weights) keep the weight ring's codes in
-// shared memory (cp.async into one 16-byte slot per thread, 8-row group and step; the scales stay in registers), not
-// in registers: that took the kernels from 193-203 registers (2 CTAs an SM) to 126-142 (3). Measured against the
-// register ring (H200, session 31, benchmarks/results/decode/few_tokens_17_32_smem_ring_h200.md): NVFP4 +1-55% on the
-// large weights of Llama-3.1-8B, Qwen2.5-7B and Qwen3-1.7B at 17-32 tokens (8B gate/up 0.85-0.89x -> 1.03-1.09x bf16,
-// Qwen2.5-7B gate/up 0.68-0.70x -> 1.01-1.08x); MXFP4 with the byte-permute decode there (the split decode, which
-// session 30 gave it for its registers, lost 5-18% more with the ring in shared memory) -7% to +45%, 0.999-1.03x
-// NVFP4 on every row. The same ring for every variant was measured too and lost up to 15% where the register ring
-// already let 4 CTAs onto an SM (Llama-3.1-8B down at 1-8 tokens; not profiled), and padding shared memory to spread
-// CTAs evenly made that worse (few_tokens_smem_ring_variants_h200.md). NF4 (255 registers either way) is not measured
-// with it and keeps the register ring.
-template <int FMT, int NT>
-__host__ __device__ constexpr bool few_token_smem_ring() { return FMT != kNF4 && NT == 4; }
-template <int FMT, int NT, int DEPTH>
+// NVFP4 / MXFP4 with two m16 weight tiles a warp (17-32 tokens on large weights) and x resident keep the weight
+// ring's codes in shared memory (cp.async into one 16-byte slot per thread, 8-row group and step; the scales stay in
+// registers), not in registers: that took the kernels from 193-203 registers (2 CTAs an SM) to 126-134 (3-4).
+// Measured against the register ring (H200, session 31, results/decode/few_tokens_17_32_smem_ring_h200.md): NVFP4
+// +1-55% on the large weights of Llama-3.1-8B, Qwen2.5-7B and Qwen3-1.7B at 17-32 tokens (8B gate/up 0.85-0.89x ->
+// 1.03-1.09x bf16, Qwen2.5-7B gate/up 0.68-0.70x -> 1.01-1.08x); MXFP4 with the byte-permute decode there (the split
+// decode, which session 30 gave it for its registers, lost 5-18% more with the ring in shared memory) -7% to +45%,
+// 0.999-1.03x NVFP4 on every row. The same ring for every variant was measured too and lost up to 15% where the
+// register ring already let 4 CTAs onto an SM (Llama-3.1-8B down at 1-8 tokens; not profiled), and padding shared
+// memory to spread CTAs evenly made that worse (few_tokens_smem_ring_variants_h200.md). NF4 (255 registers either
+// way) is not measured with it and keeps the register ring, as do the staged variants (x rotating through stages:
+// at 17-32 tokens only weights of many rows and a long K take them, none of the shapes table's, so they were neither
+// measured nor tested with it).
+template <int FMT, int NT, bool RESIDENT>
+__host__ __device__ constexpr bool few_token_smem_ring() { return FMT != kNF4 && NT == 4 && RESIDENT; }
+template <int FMT, int NT, bool RESIDENT, int DEPTH>
 __host__ __device__ constexpr int few_token_wring_bytes() {
-  return few_token_smem_ring<FMT, NT>() ? DEPTH * NT * kThreads * 16 : 0;
+  return few_token_smem_ring<FMT, NT, RESIDENT>() ? DEPTH * NT * kThreads * 16 : 0;
 }
 constexpr int kShortRunSteps = 8;
 
@@ -264,8 +266,9 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
   const int step_lo = s * steps_per_split, step_hi = min(step_lo + steps_per_split, steps);
 
   // the codes of the next kDepth steps stay in flight per lane (a register ring, indexed statically by unrolling the
-  // step loop kDepth times, or few_token_smem_ring's slots in shared memory); staged, the x tiles of the next kDepth - 1 steps too (cp.async): with one step ahead, or
-  // x read from L2 at its use, the kernel waited a memory latency per step
+  // step loop kDepth times, or few_token_smem_ring's slots in shared memory); staged, the x tiles of the next
+  // kDepth - 1 steps too (cp.async): with one step ahead, or x read from L2 at its use, the kernel waited a memory
+  // latency per step
   constexpr int kDepth = DEPTH;
   constexpr bool kSplit = few_token_split_decode<FMT, T8, NT>();  // (x staged in the same split order)
   constexpr int kStageBytes = XStage<T8>::kBytes;
@@ -273,8 +276,8 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
   __shared__ float levels[16];
   // the weight ring (kSmemRing), then the x stages; after the loop the fp32 partial tile from the start
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr bool kSmemRing = few_token_smem_ring<FMT, NT>();
-  unsigned char* const xsm = smem + few_token_wring_bytes<FMT, NT, DEPTH>();
+  constexpr bool kSmemRing = few_token_smem_ring<FMT, NT, RESIDENT>();
+  unsigned char* const xsm = smem + few_token_wring_bytes<FMT, NT, RESIDENT, DEPTH>();
   // this thread's slot of ring entry (i, nt): a warp's reads are 512 contiguous bytes, and only this thread writes
   // the slot (its cp.async.wait_group suffices: no barrier)
   auto wring_slot = [&](int i, int nt) { return smem + ((i * NT + nt) * kThreads + threadIdx.x) * 16; };
@@ -352,19 +355,18 @@ __global__ void __launch_bounds__(kThreads, few_token_ctas_per_sm<T8, NT>()) few
     for (int i = 0; i < kDepth; ++i) {
       const int step = base + i;
       if (step >= step_hi) break;
-      // cp.async groups with kSmemRing: the prologue commits one per step of weights (kDepth), then (staged) one
-      // per x stage (kDepth - 1) or (resident) one for all of x, waited for there; each step then commits one with
-      // the weights kDepth steps ahead and (staged) x kDepth - 1 steps ahead. So this step's weights and x are
-      // complete once at most kDepth - 2 (staged) / kDepth - 1 (resident) newer groups are pending.
       if constexpr (!RESIDENT) {
-        cp_async_wait<kDepth - 2>();  // this step's x stage (and kSmemRing weights; this thread's copies) ...
+        cp_async_wait<kDepth - 2>();  // this step's x stage (this thread's copies) ...
         if constexpr (kSplit) xcopy.reorder(xsm + i * kStageBytes, M);
-        __syncthreads();              // ... and everyone's x; the x stage read last step is free again
+        __syncthreads();              // ... and everyone's; the stage read last step is free again
         if (step + kDepth - 1 < step_hi)
           xcopy.issue(xsm + ((i + kDepth - 1) % kDepth) * kStageBytes, x, M, K, step + kDepth - 1);
-        if constexpr (!kSmemRing) cp_async_commit();
+        cp_async_commit();
       } else if constexpr (kSmemRing) {
-        cp_async_wait<kDepth - 1>();  // this step's weights (this thread's own copies)
+        // cp.async groups: the prologue commits one per step of weights (kDepth), then one for all of x, waited for
+        // there; each step commits one with the weights kDepth steps ahead. So this step's are complete once at most
+        // kDepth - 1 newer groups are pending (this thread's own copies: no barrier)
+        cp_async_wait<kDepth - 1>();
       }
       // the lane's 32 decoded elements of each of its rows: word i = elements 2i, 2i + 1 (split decode: word 4c + j =
       // elements 8c + j, 8c + j + 4, and x's words the same)
@@ -511,7 +513,7 @@ struct Variant {
   static constexpr size_t kPartialBytes = T8 * 8 * BN * sizeof(float);
   // staged: kDepth stages; resident: one per step of the split, up to what one SM holds (the planner also keeps the
   // split the staged variant would get, so residency never costs occupancy there)
-  static constexpr size_t kWRingBytes = few_token_wring_bytes<FMT, NT, DEPTH>();
+  static constexpr size_t kWRingBytes = few_token_wring_bytes<FMT, NT, RESIDENT, DEPTH>();
   static constexpr size_t kMaxSmem =
       RESIDENT ? 200 * 1024 : std::max<size_t>(kWRingBytes + kDepth * kStageBytes, kPartialBytes);
 

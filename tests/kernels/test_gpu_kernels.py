@@ -544,6 +544,26 @@ def test_few_token_kernel_over_every_block_scale(fmt, nk):
         _assert_within_one_rounding(y, x, wk_, f"{fmt} [{n}, {k}] every scale M={m}")
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_few_token_kernel_on_a_wide_long_weight(fmt):
+    """A weight of many rows and a long K (Llama-3.1-70B's gate/up, [28672, 8192]): no K split lets every cluster be
+    resident and the CTA's whole x range does not fit its shared memory, so from 17 tokens the few-token kernel runs
+    its staged variants (x rotating through stages, the weight ring in registers), which no shapes-table linear
+    reaches there. Within one bf16 rounding of the reference, and deterministic."""
+    _built_extension()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
+    n, k = 28672, 8192
+    _, _, args, wk = _quantized(fmt, _weight(n, k))
+    op_args = (args[0], args[1], args[2], None, 0) if fmt == "nvfp4" else (args[0], args[1], None, None, 1)
+    for m in (1, 12, 17, 24, 32):
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+        _assert_within_one_rounding(y, x, wk, f"{fmt} [{n}, {k}] M={m}")
+        again = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+        assert torch.equal(y, again), f"{fmt} [{n}, {k}] M={m}: not deterministic; " + _where_wrong(y != again)
+
+
 MANY_TOKENS = (512, 777, 2048)
 
 
