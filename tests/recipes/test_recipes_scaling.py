@@ -3,6 +3,7 @@ per optimizer step, weight caches that follow every optimizer (fused ones too), 
 
 import os
 import socket
+import sys
 import warnings
 
 import pytest
@@ -185,8 +186,20 @@ def _run_on_two_gloo_ranks(worker) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.get_context("spawn").Manager().dict()
-    mp.spawn(worker, args=(2, port, out), nprocs=2, join=True)
+    mp.spawn(_run_then_exit, args=(worker, 2, port, out), nprocs=2, join=True)
     return dict(out)
+
+
+def _run_then_exit(rank, worker, world, port, out):
+    """Runs a worker, then ends its process without tearing the gloo process group down. Destroying
+    ProcessGroupGloo joins gloo's run-loop thread while the caller holds the GIL, and that thread may be waiting for
+    the GIL to release a tensor: a CPU CI rehearsal hung there for good (torch 2.13; ~ProcessGroupGloo under a DDP
+    Reducer's destructor, one rank joining the run loop, the run loop in take_gil). The workers write their results
+    to `out` (a Manager dict: each write waits for the manager's reply) before returning."""
+    worker(rank, world, port, out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _count_reduces_worker(rank, world, port, out):
@@ -212,8 +225,7 @@ def _count_reduces_worker(rank, world, port, out):
             opt.zero_grad()
         out[rank] = (calls, m.surogate_fp8_state.amax_history[:, :2].tolist())
     finally:
-        dist.all_reduce = real
-        dist.destroy_process_group()
+        dist.all_reduce = real  # (the process group stays: _run_then_exit)
 
 
 def test_one_all_reduce_per_step_and_ranks_agree():
@@ -298,20 +310,17 @@ def _ddp_worker(rank, world, port, out):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        m = R.apply_recipe(tiny_mlp(layers=2), "fp8-hybrid", amax_history_len=4)
-        ddp = DDP(m, broadcast_buffers=True)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        # micro-batch 0: rank 1 sees 8x larger activations; micro-batch 1: rank 1's are tiny
-        for micro, s in enumerate((8.0 if rank else 1.0, 1e-3 if rank else 1.0)):
-            with ddp.no_sync() if micro == 0 else __import__("contextlib").nullcontext():
-                ddp(batch(0) * s).square().mean().backward()
-        opt.step()
-        broadcast = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
-        out[rank] = (m.surogate_fp8_state.amax_history[0, 0].item(), broadcast)  # x of the first linear
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # (it stays: _run_then_exit)
+    m = R.apply_recipe(tiny_mlp(layers=2), "fp8-hybrid", amax_history_len=4)
+    ddp = DDP(m, broadcast_buffers=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    # micro-batch 0: rank 1 sees 8x larger activations; micro-batch 1: rank 1's are tiny
+    for micro, s in enumerate((8.0 if rank else 1.0, 1e-3 if rank else 1.0)):
+        with ddp.no_sync() if micro == 0 else __import__("contextlib").nullcontext():
+            ddp(batch(0) * s).square().mean().backward()
+    opt.step()
+    broadcast = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+    out[rank] = (m.surogate_fp8_state.amax_history[0, 0].item(), broadcast)  # x of the first linear
 
 
 def test_ddp_broadcasts_no_recipe_state_and_steps_see_every_rank():
