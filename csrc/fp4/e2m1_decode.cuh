@@ -1,5 +1,5 @@
 // E2M1 / NF4 codes -> bf16 tensor-core operands, shared by the weight-only GEMM kernels (few_token_gemm.cu: straight
-// into mma fragments, on large weights at 1-8 tokens (MXFP4 also 17-32) in the split order of e2m1x8_to_bf16_split;
+// into mma fragments, on large weights at 1-8 tokens in the split order of e2m1x8_to_bf16_split;
 // weight_only/mixed_input_gemm.cu: into WGMMA register operands; weight_only/decode.cu's unit kernel takes
 // e2m1x8_to_bf16 per 32-bit word of codes for the dense decode). A lane's unit is 32 codes of one weight row (16
 // bytes) and their scale(s); the decoded words are the elements in order, word i = elements (2i, 2i + 1) (the split

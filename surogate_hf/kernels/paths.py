@@ -179,9 +179,10 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
     MIXED_INPUT_DEFAULT_MIN_ELEMENTS elements at up to MIXED_INPUT_DEFAULT_MAX_TOKENS rows whose 256-token tiles fill
     the GPU well enough: MIXED_INPUT_SPEED x mixed_input_fill x (1 + ROUTE_DECODE_TOKENS / m) >= 1 (on the
     Llama-3.1-8B and Qwen3-1.7B large weights the kernel ran at 0.97x bf16 cuBLAS's speed at full waves, and decode +
-    cuBLAS took bf16's time x (1 + 220 / m)). Measured there: 0.97-1.35x decode + cuBLAS's speed (Llama-3.1-8B q / o / gate / up /
-    down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200; benchmarks/results/decode/large_m_default_s28_h200.md,
-    docs/kernels.md); the fill leaves out the one loss among them (the 1.7B gate / up at 1024 tokens, 0.93x). Where
+    cuBLAS took bf16's time x (1 + 220 / m)). Measured there: 0.97-1.35x decode + cuBLAS's speed (Llama-3.1-8B q / o /
+    gate / up / down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200;
+    benchmarks/results/decode/large_m_default_s28_h200.md, docs/kernels.md); the fill leaves out the one loss among
+    them (the 1.7B gate / up at 1024 tokens, 0.93x). Where
     each CTA runs >= MIXED_INPUT_LONG_STEPS stages a fill of >= MIXED_INPUT_LONG_FILL is enough: Qwen2.5-7B q / down
     at 1024-2048 tokens (a fill of 0.85, 56 / 296 stages) measured 1.01-1.15x, while shorter runs at such fills
     (Qwen2.5-1.5B and Gemma-2-2B gate / up at 2048 tokens, 24 / 36 stages) measured 0.89-0.97x
