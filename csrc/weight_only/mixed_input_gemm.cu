@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "../fp4/e2m1_decode.cuh"
@@ -309,32 +310,69 @@ __device__ __forceinline__ void reduce_split_tile(float* out, const float* __res
   // registers away (setmaxnreg.dec): only the consumers' 256 threads add there.
   constexpr int kAdders = BM > 64 ? kThreads - 128 : kThreads;
   const int adder = (int)threadIdx.x - (kThreads - kAdders);
-  for (int q = rank * kAdders + adder; adder >= 0 && q < BM * kBN / 4; q += split * kAdders) {
-    const int tok = q / (kBN / 4), col = 4 * (q % (kBN / 4));
-    const int row = m0 + tok;
-    const int64_t n = n0 + col;
-    if (row >= M || n >= N) continue;
-    float4 v[kMaxSplit];
+  // four columns stored as one 8-byte word where they are whole and 8-byte aligned (N % 4 == 0)
+  const bool vec = (N & 3) == 0;
+  // The loop over ranks is unrolled for the cluster's actual size (a branch per size: before, every quad loaded and
+  // added all kMaxSplit ranks, zeros past the cluster, and stored its four columns one by one).
+  auto reduce = [&](auto split_constant) {
+    constexpr int kSplit = decltype(split_constant)::value;
+    // each rank's tile, mapped once where registers allow (64-token tiles; the wider ones' consumers hold the
+    // pointers at the cost of spills, so they map per quad)
+    const float* tiles[BM == 64 ? kSplit : 1];
+    if constexpr (BM == 64) {
 #pragma unroll
-    for (int r = 0; r < kMaxSplit; ++r)
-      v[r] = r < split ? *reinterpret_cast<const float4*>(cluster.map_shared_rank(out, r) + tok * kOutLd + col)
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
-    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int r = 0; r < kSplit; ++r) tiles[r] = cluster.map_shared_rank(out, r);
+    }
+    for (int q = rank * kAdders + adder; adder >= 0 && q < BM * kBN / 4; q += kSplit * kAdders) {
+      const int tok = q / (kBN / 4), col = 4 * (q % (kBN / 4));
+      const int row = m0 + tok;
+      const int64_t n = n0 + col;
+      if (row >= M || n >= N) continue;
+      float4 v[kSplit];
 #pragma unroll
-    for (int r = 0; r < kMaxSplit; ++r)
-      if (r < split) {
+      for (int r = 0; r < kSplit; ++r) {
+        const float* tile = BM == 64 ? tiles[BM == 64 ? r : 0] : cluster.map_shared_rank(out, r);
+        v[r] = *reinterpret_cast<const float4*>(tile + tok * kOutLd + col);
+      }
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < kSplit; ++r) {
         sum[0] += v[r].x;
         sum[1] += v[r].y;
         sum[2] += v[r].z;
         sum[3] += v[r].w;
       }
-    __nv_bfloat16* dst = y + (int64_t)row * N + n;
+      __nv_bfloat16* dst = y + (int64_t)row * N + n;
+      if (vec && n + 4 <= N) {
+        uint2 old = make_uint2(0u, 0u);
+        if (accumulate) old = *reinterpret_cast<const uint2*>(dst);
+        const __nv_bfloat16* o = reinterpret_cast<const __nv_bfloat16*>(&old);
+        __align__(8) __nv_bfloat16 packed[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (n + i < N) {
-        const float scaled = __fmul_rn(sum[i], g);  // (as store_tile: no fused multiply-add with y)
-        dst[i] = __float2bfloat16_rn(accumulate ? __fadd_rn(scaled, __bfloat162float(dst[i])) : scaled);
+        for (int i = 0; i < 4; ++i) {
+          const float scaled = __fmul_rn(sum[i], g);  // (as store_tile: no fused multiply-add with y)
+          packed[i] = __float2bfloat16_rn(accumulate ? __fadd_rn(scaled, __bfloat162float(o[i])) : scaled);
+        }
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(packed);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (n + i < N) {
+            const float scaled = __fmul_rn(sum[i], g);
+            dst[i] = __float2bfloat16_rn(accumulate ? __fadd_rn(scaled, __bfloat162float(dst[i])) : scaled);
+          }
       }
+    }
+  };
+  static_assert(kMaxSplit == 8, "one case per cluster size below");
+  switch (split) {
+    case 2: reduce(std::integral_constant<int, 2>{}); break;
+    case 3: reduce(std::integral_constant<int, 3>{}); break;
+    case 4: reduce(std::integral_constant<int, 4>{}); break;
+    case 5: reduce(std::integral_constant<int, 5>{}); break;
+    case 6: reduce(std::integral_constant<int, 6>{}); break;
+    case 7: reduce(std::integral_constant<int, 7>{}); break;
+    default: reduce(std::integral_constant<int, 8>{}); break;
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
