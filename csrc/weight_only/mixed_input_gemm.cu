@@ -11,7 +11,9 @@
 //     multiply of e2m1_decode.cuh, exact in bf16; NF4 by a 16-word level table in shared memory) and issues
 //     register-operand WGMMAs (m64nBMk16) against the x tile: 8 warps share the decode, one warpgroup decoding while
 //     the other's WGMMAs run (each waits for its own stage's WGMMAs before decoding the next: they read the fragment
-//     registers asynchronously); setmaxnreg gives the consumers the registers for a stage's four fragments;
+//     registers asynchronously; NVFP4 / MXFP4 64-token tiles wait per half-stage instead, so that a stage's decode
+//     overlaps the previous stage's last two WGMMAs); setmaxnreg gives the consumers the registers for a stage's four
+//     fragments;
 //   - a ring of mbarriers: full (the producer's 128 threads after their stores, plus the TMA's bytes) and empty (the
 //     consumers' 256 threads, once the WGMMAs that read the stage completed);
 //   - at <= 64 tokens, 64-token tiles with K split over a thread-block cluster whose partial sums meet through
@@ -565,54 +567,79 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
 
-    // The A fragments of stage j's four k16 steps, frag[step][0..3] (rows r0, r0 + 8, r0, r0 + 8 of the m64k16
-    // fragment), decoded from its codes and scales once the stage is full
-    auto decode_stage = [&](int j, uint32_t (&frag)[kBK / 16][4]) {
+    // Stage j's codes and scales for this thread's rows r0 and r0 + 8, read from shared memory once it is full:
+    // c0 / c1 byte q of words 0-3 (.x: k16 steps 0, 1) and of words 4-7 (.y: steps 2, 3) of the two rows;
+    // NVFP4 / MXFP4 the bf16 scale pairs of steps 0-3 (sp0, sp1), NF4 the fp32 absmax bits of halves 0, 1 (am0, am1)
+    struct StageCodes {
+      uint2 c0, c1;
+      uint4 sp0, sp1;
+      uint2 am0, am1;
+    };
+    auto load_stage = [&](int j) {
       const int s = j % kRing;
       mbar_wait(smem_addr(&full[s]), (j / kRing) & 1);
       const uint32_t ct = code_tiles + s * kCodeTile, st = scale_tiles + s * kScaleTile + scale_off;
-      // rows r0, r0 + 8: byte q of words 0-3 (k16 steps 0, 1) and of words 4-7 (steps 2, 3)
-      const uint2 c0 = make_uint2(gather_byte(ld_shared16(ct + code_lo), byte_sel),
-                                  gather_byte(ld_shared16(ct + code_hi), byte_sel));
-      const uint2 c1 = make_uint2(gather_byte(ld_shared16(ct + code_lo + 256), byte_sel),
-                                  gather_byte(ld_shared16(ct + code_hi + 256), byte_sel));
-      uint4 sp0, sp1;  // NVFP4 / MXFP4: rows r0, r0 + 8: the bf16 scale pairs of steps 0-3
-      uint2 am0, am1;  // NF4: the rows' fp32 absmax bits of halves 0 and 1
+      StageCodes c;
+      c.c0 = make_uint2(gather_byte(ld_shared16(ct + code_lo), byte_sel),
+                        gather_byte(ld_shared16(ct + code_hi), byte_sel));
+      c.c1 = make_uint2(gather_byte(ld_shared16(ct + code_lo + 256), byte_sel),
+                        gather_byte(ld_shared16(ct + code_hi + 256), byte_sel));
       if (FMT == kNF4) {
-        am0 = ld_shared8(st);
-        am1 = ld_shared8(st + 8 * kScaleRow);
+        c.am0 = ld_shared8(st);
+        c.am1 = ld_shared8(st + 8 * kScaleRow);
       } else {
-        sp0 = ld_shared16(st);
-        sp1 = ld_shared16(st + 8 * kScaleRow);
+        c.sp0 = ld_shared16(st);
+        c.sp1 = ld_shared16(st + 8 * kScaleRow);
+      }
+      return c;
+    };
+    // The A fragments of k16 steps 2 half and 2 half + 1, frag[step][0..3] (rows r0, r0 + 8, r0, r0 + 8 of the
+    // m64k16 fragment)
+    auto decode_half = [&](const StageCodes& c, int half, uint32_t (&frag)[kBK / 16][4]) {
+      // bytes 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); bytes 2, 3: step 2 half + 1
+      const uint32_t w0 = half ? c.c0.y : c.c0.x, w1 = half ? c.c1.y : c.c1.x;
+      uint32_t d0[4], d1[4];
+      if (FMT != kNF4) {
+        e2m1x8_to_bf16(w0, tables, d0);
+        e2m1x8_to_bf16(w1, tables, d1);
       }
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // bytes 0, 1: step 2 half (columns 2q, 2q + 1 and 2q + 8, 2q + 9); bytes 2, 3: step 2 half + 1
-        const uint32_t w0 = half ? c0.y : c0.x, w1 = half ? c1.y : c1.x;
-        uint32_t d0[4], d1[4];
-        if (FMT != kNF4) {
-          e2m1x8_to_bf16(w0, tables, d0);
-          e2m1x8_to_bf16(w1, tables, d1);
+      for (int e = 0; e < 2; ++e) {
+        const int step = 2 * half + e;
+        uint32_t* a = frag[step];
+        if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
+          const float m0f = __uint_as_float(half ? c.am0.y : c.am0.x), m1f = __uint_as_float(half ? c.am1.y : c.am1.x);
+          a[0] = nf4_pair(w0 >> (16 * e), levels, m0f);
+          a[1] = nf4_pair(w1 >> (16 * e), levels, m1f);
+          a[2] = nf4_pair(w0 >> (16 * e + 8), levels, m0f);
+          a[3] = nf4_pair(w1 >> (16 * e + 8), levels, m1f);
+        } else {  // exact: e2m1 times a block scale has at most 5 significant bits
+          const uint32_t s0 = step == 0 ? c.sp0.x : step == 1 ? c.sp0.y : step == 2 ? c.sp0.z : c.sp0.w;
+          const uint32_t s1 = step == 0 ? c.sp1.x : step == 1 ? c.sp1.y : step == 2 ? c.sp1.z : c.sp1.w;
+          a[0] = bf16x2_mul(d0[2 * e], s0);
+          a[1] = bf16x2_mul(d1[2 * e], s1);
+          a[2] = bf16x2_mul(d0[2 * e + 1], s0);
+          a[3] = bf16x2_mul(d1[2 * e + 1], s1);
         }
+      }
+    };
+    // The A fragments of stage j's four k16 steps, decoded once the stage is full
+    auto decode_stage = [&](int j, uint32_t (&frag)[kBK / 16][4]) {
+      const StageCodes c = load_stage(j);
+      decode_half(c, 0, frag);
+      decode_half(c, 1, frag);
+    };
+    // the WGMMAs of k16 steps 2 half and 2 half + 1 of stage j, each its own commit group
+    auto issue_half = [&](int j, int half, const uint32_t (&frag)[kBK / 16][4]) {
+      const uint64_t stage_desc = x_desc + (uint32_t)((j % kRing) * (kATile >> 4));
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int step = 2 * half + e;
-          uint32_t* a = frag[step];
-          if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
-            const float m0f = __uint_as_float(half ? am0.y : am0.x), m1f = __uint_as_float(half ? am1.y : am1.x);
-            a[0] = nf4_pair(w0 >> (16 * e), levels, m0f);
-            a[1] = nf4_pair(w1 >> (16 * e), levels, m1f);
-            a[2] = nf4_pair(w0 >> (16 * e + 8), levels, m0f);
-            a[3] = nf4_pair(w1 >> (16 * e + 8), levels, m1f);
-          } else {  // exact: e2m1 times a block scale has at most 5 significant bits
-            const uint32_t s0 = step == 0 ? sp0.x : step == 1 ? sp0.y : step == 2 ? sp0.z : sp0.w;
-            const uint32_t s1 = step == 0 ? sp1.x : step == 1 ? sp1.y : step == 2 ? sp1.z : sp1.w;
-            a[0] = bf16x2_mul(d0[2 * e], s0);
-            a[1] = bf16x2_mul(d1[2 * e], s1);
-            a[2] = bf16x2_mul(d0[2 * e + 1], s0);
-            a[3] = bf16x2_mul(d1[2 * e + 1], s1);
-          }
-        }
+      for (int e = 0; e < 2; ++e) {
+        const int step = 2 * half + e;
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+        wgmma_rs_k16<BM>(acc, frag[step], stage_desc + 2 * step);  // (x_tile + 32 step)
+        wgmma_commit();
       }
     };
     auto issue_stage = [&](int j, const uint32_t (&frag)[kBK / 16][4]) {
@@ -631,19 +658,51 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
     // undefined). Until session 27 the loop left the last three WGMMAs in flight and decoded the next stage into the
     // same registers; while the producer made the consumers wait, those WGMMAs had always read them by then. With the
     // codes by TMA the consumers no longer wait, and MXFP4's rows r0 came out wrong, differently from run to run.
-    // So each stage waits for its own WGMMAs before the next decode, and the other consumer warpgroup (at 64 tokens,
-    // the other three) keeps the tensor cores busy meanwhile. (Tried: decoding stage j + 1 into a second set of
+    // So each stage waits for its own WGMMAs before the next decode (NVFP4 / MXFP4 64-token tiles: for the two that
+    // read the half it decodes next, below), and the other consumer warpgroup (at 64 tokens, the other three) keeps
+    // the tensor cores busy meanwhile. (Tried: decoding stage j + 1 into a second set of
     // fragments while stage j's WGMMAs run. Copied into the first set after the wait, the SASS wrote the first set's
     // registers before it and every format broke; with the stages alternating between the two sets, ptxas serialized
     // the WGMMAs, C7513. tests/kernels/test_csrc_ptxas.py checks the SASS for both hazards.)
     uint32_t frag[kBK / 16][4];
-    for (int j = 0; j < nsteps; ++j) {
-      decode_stage(j, frag);
-      issue_stage(j, frag);
+    if constexpr (BM == 64 && FMT != kNF4) {
+      // NVFP4 / MXFP4 64-token tiles (<= 64 tokens, K split over a cluster: few stages a CTA, latency-bound): a
+      // stage's decode overlaps the previous stage's last WGMMAs (H200, session 32: NVFP4 +2-7% at 40-64 tokens; NF4,
+      // whose decode reads its levels from shared memory, lost 1-4% that way and keeps the loop below). Each half of the fragments is written again only once the two
+      // WGMMAs that read it are complete (wait_group 2 leaves the other half's two in flight), so the loop goes round
+      // with two WGMMAs in flight whose registers its head does not write (test_csrc_ptxas.py checks the SASS).
+      if (nsteps > 0) {
+        decode_stage(0, frag);
+        issue_half(0, 0, frag);
+        issue_half(0, 1, frag);
+      }
+      for (int j = 1; j < nsteps; ++j) {
+        const StageCodes c = load_stage(j);  // (read while stage j - 1's WGMMAs run)
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+        wgmma_wait<2>();  // stage j - 1's steps 0, 1: frag[0], frag[1] free
+        decode_half(c, 0, frag);
+        issue_half(j, 0, frag);
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+        wgmma_wait<2>();  // stage j - 1's steps 2, 3: frag[2], frag[3] free, and the stage read
+        mbar_arrive(smem_addr(&empty[(j - 1) % kRing]));
+        decode_half(c, 1, frag);
+        issue_half(j, 1, frag);
+      }
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
       wgmma_wait<0>();
-      mbar_arrive(smem_addr(&empty[j % kRing]));  // its x tile, codes and scales may be refilled
+      if (nsteps > 0) mbar_arrive(smem_addr(&empty[(nsteps - 1) % kRing]));
+    } else {
+      for (int j = 0; j < nsteps; ++j) {
+        decode_stage(j, frag);
+        issue_stage(j, frag);
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
+        wgmma_wait<0>();
+        mbar_arrive(smem_addr(&empty[j % kRing]));  // its x tile, codes and scales may be refilled
+      }
     }
     wgmma_wait<0>();
 #pragma unroll

@@ -83,31 +83,61 @@ def _cuobjdump(nvcc: str) -> str | None:
     return str(cand) if cand.exists() else None
 
 
+def _writes(op: str, args: str) -> int | None:
+    """The register an instruction writes (its first operand), or None for stores, barriers and the like."""
+    d = re.match(r"R(\d+)", args)
+    return int(d.group(1)) if d and not op.startswith(("ST", "RED", "ATOM", "SYNCS", "BAR")) else None
+
+
 def wgmma_register_hazards(sass: str) -> dict[str, list[str]]:
     """{kernel: [what breaks the rule]} over cuobjdump -sass text: an instruction that writes one of the four A
-    registers of an HGMMA not yet covered by a WARPGROUP.DEPBAR (gsb0 <= n keeps the last n in flight), or a backward
-    branch taken with an HGMMA in flight. Read in listing order; the backward-branch rule covers what a loop carries
-    round."""
+    registers of an HGMMA not yet covered by a WARPGROUP.DEPBAR (gsb0 <= n keeps the last n in flight). Read in
+    listing order; where a backward branch goes round with HGMMAs in flight, the loop is read again from the branch's
+    target, with them in flight, until a DEPBAR has covered them all (a write before that is the hazard), and a loop
+    that comes back to its branch with them still in flight breaks the rule too."""
     found = {}
     for body in re.split(r"\n\s*Function : ", sass)[1:]:
         name, problems, in_flight = body.split()[0], [], []
+        code = []
         for line in body.splitlines():
             m = re.search(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([\w.]+)\s*([^;]*);", line)
-            if not m:
-                continue
-            addr, op, args = int(m.group(1), 16), m.group(3), m.group(4)
+            if m:
+                code.append((int(m.group(1), 16), m.group(3), m.group(4)))
+
+        def step(in_flight, addr, op, args):
+            """in_flight after the instruction, and the problems it makes"""
             if op.startswith("HGMMA"):
-                in_flight.append(int(re.findall(r"R(\d+)", args)[1]))
-            elif op.startswith("WARPGROUP.DEPBAR"):
+                return in_flight + [int(re.findall(r"R(\d+)", args)[1])], []
+            if op.startswith("WARPGROUP.DEPBAR"):
                 keep = int(args.split(",")[-1], 16)
-                in_flight = in_flight[len(in_flight) - keep:] if keep else []
-            elif (op.startswith("BRA") and in_flight and (to := re.match(r"0x[0-9a-f]+", args))
-                  and int(to[0], 16) < addr):
-                problems.append(f"{addr:#06x} loops back with {len(in_flight)} WGMMAs in flight")
-            elif (d := re.match(r"R(\d+)", args)) and not op.startswith(("ST", "RED", "ATOM", "SYNCS", "BAR")):
-                r = int(d.group(1))
-                problems += [f"{addr:#06x} {op} writes R{r}, A operand of an HGMMA in flight" for a in in_flight
-                             if a <= r < a + 4]
+                return (in_flight[len(in_flight) - keep:] if keep else []), []
+            r = _writes(op, args)
+            if r is None:
+                return in_flight, []
+            return in_flight, [f"{addr:#06x} {op} writes R{r}, A operand of an HGMMA in flight" for a in in_flight
+                               if a <= r < a + 4]
+
+        for addr, op, args in code:
+            if (op.startswith("BRA") and in_flight and (to := re.match(r"0x[0-9a-f]+", args))
+                    and int(to[0], 16) < addr):
+                # round the loop once more with what is in flight at its branch
+                carried, going = len(in_flight), list(in_flight)
+                for a2, op2, args2 in code:
+                    if a2 < int(to[0], 16):
+                        continue
+                    if a2 >= addr:
+                        problems.append(f"{addr:#06x} loops back with {carried} WGMMAs in flight that no "
+                                        "WARPGROUP.DEPBAR in the loop covers")
+                        break
+                    before = len(going)
+                    going, found_here = step(going, a2, op2, args2)
+                    problems += [p + " (round the loop)" for p in found_here if p]
+                    carried -= max(0, min(carried, before - len(going)) if op2.startswith("WARPGROUP.DEPBAR") else 0)
+                    if carried <= 0:
+                        break
+                continue
+            in_flight, found_here = step(in_flight, addr, op, args)
+            problems += found_here
         if problems:
             found[name] = problems[:5]
     return found
@@ -125,15 +155,24 @@ def test_no_instruction_overwrites_the_a_fragments_of_a_wgmma_in_flight(ptxas_re
 
 def test_the_hazard_check_finds_what_it_looks_for():
     """The check itself, on SASS lines shaped like the kernel's before session 27 (three WGMMAs left in flight round
-    the loop) and like a decode that writes a fragment register in flight."""
+    the loop while its head decoded into their registers), like a decode that writes a fragment register in flight,
+    and like session 32's 64-token loop (WGMMAs in flight round the loop, covered before their registers are written)."""
     head = "\n\tFunction : kernel\n"
     hgmma = "        /*{:04x}*/                   HGMMA.64x256x16.F32.BF16 R24, R{}, gdesc[UR16], R24, gsb0 ;\n"
     depbar = "        /*{:04x}*/                   WARPGROUP.DEPBAR.LE gsb0, 0x{} ;\n"
+    hmul = "        /*{:04x}*/                   HMUL2.BF16_V2 R{}, R7, R8 ;\n"
+    branch = "        /*{:04x}*/               @!P0 BRA 0x{:x} ;\n"
     body = "".join(hgmma.format(0x100 + 16 * i, 152 + 4 * i) for i in range(4))
-    looped = head + body + depbar.format(0x140, 3) + "        /*0150*/               @!P0 BRA 0x90 ;\n"
-    assert "loops back" in wgmma_register_hazards(looped)["kernel"][0]
-    waited = head + body + depbar.format(0x140, 0) + "        /*0150*/               @!P0 BRA 0x90 ;\n"
+    # the loop's head decodes into the registers of WGMMAs still in flight from the last time round
+    looped = head + hmul.format(0xf0, 157) + body + depbar.format(0x140, 3) + branch.format(0x150, 0xf0)
+    assert "round the loop" in wgmma_register_hazards(looped)["kernel"][0]
+    # no DEPBAR in the loop: what goes round in flight is never covered
+    uncovered = head + body + branch.format(0x140, 0x100)
+    assert "loops back" in wgmma_register_hazards(uncovered)["kernel"][0]
+    waited = head + hmul.format(0xf0, 157) + body + depbar.format(0x140, 0) + branch.format(0x150, 0xf0)
     assert wgmma_register_hazards(waited) == {}
-    hmul = "        /*0140*/                   HMUL2.BF16_V2 R157, R7, R158 ;\n"
-    written = head + body + hmul + depbar.format(0x150, 0)
+    # in flight round the loop, covered by a DEPBAR before the head writes their registers
+    covered = head + depbar.format(0xe0, 0) + hmul.format(0xf0, 157) + body + branch.format(0x140, 0xe0)
+    assert wgmma_register_hazards(covered) == {}
+    written = head + body + hmul.format(0x140, 157) + depbar.format(0x150, 0)
     assert "writes R157" in wgmma_register_hazards(written)["kernel"][0]
