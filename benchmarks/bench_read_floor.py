@@ -128,8 +128,8 @@ def main():
         del dense
         torch.cuda.empty_cache()
     body = table(["shape (in->out)", "linear", "M", "format", "4-bit bytes MiB", "bf16 cuBLAS ms",
-                  "bf16 weight read ms", "4-bit read ms", "route ms", "route x bf16", "ceiling x bf16 (bf16 / 4-bit read)",
-                  "route / ceiling", "1.5x reachable"], rows)
+                  "bf16 weight read ms", "4-bit read ms", "route ms", "route x bf16",
+                  "ceiling x bf16 (bf16 / 4-bit read)", "route / ceiling", "1.5x reachable"], rows)
     body += ("\n4-bit read: one kernel that reads the weight's codes and scales and nothing else (no x, no output, no "
              "decode): the least time a weight-only GEMM at these token counts can take. ceiling: bf16 cuBLAS's time "
              "over it, the highest x bf16 any such kernel can reach. bf16 weight read: the same read of the bf16 "

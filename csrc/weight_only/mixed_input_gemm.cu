@@ -660,17 +660,18 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
     // codes by TMA the consumers no longer wait, and MXFP4's rows r0 came out wrong, differently from run to run.
     // So each stage waits for its own WGMMAs before the next decode (NVFP4 / MXFP4 64-token tiles: for the two that
     // read the half it decodes next, below), and the other consumer warpgroup (at 64 tokens, the other three) keeps
-    // the tensor cores busy meanwhile. (Tried: decoding stage j + 1 into a second set of
-    // fragments while stage j's WGMMAs run. Copied into the first set after the wait, the SASS wrote the first set's
-    // registers before it and every format broke; with the stages alternating between the two sets, ptxas serialized
-    // the WGMMAs, C7513. tests/kernels/test_csrc_ptxas.py checks the SASS for both hazards.)
+    // the tensor cores busy meanwhile. (Tried: decoding stage j + 1 into a second set of fragments while stage j's
+    // WGMMAs run. Copied into the first set after the wait, the SASS wrote the first set's registers before it and
+    // every format broke; with the stages alternating between the two sets, ptxas serialized the WGMMAs, C7513.
+    // tests/kernels/test_csrc_ptxas.py checks the SASS for both hazards.)
     uint32_t frag[kBK / 16][4];
     if constexpr (BM == 64 && FMT != kNF4) {
       // NVFP4 / MXFP4 64-token tiles (<= 64 tokens, K split over a cluster: few stages a CTA, latency-bound): a
-      // stage's decode overlaps the previous stage's last WGMMAs (H200, session 32: NVFP4 +2-7% at 40-64 tokens; NF4,
-      // whose decode reads its levels from shared memory, lost 1-4% that way and keeps the loop below). Each half of the fragments is written again only once the two
-      // WGMMAs that read it are complete (wait_group 2 leaves the other half's two in flight), so the loop goes round
-      // with two WGMMAs in flight whose registers its head does not write (test_csrc_ptxas.py checks the SASS).
+      // stage's decode overlaps the previous stage's last WGMMAs (H200, session 32: NVFP4 +0-7%, geomean +5%, at 40-64
+      // tokens; NF4, whose decode reads its levels from shared memory, lost 1-4% that way and keeps the loop below).
+      // Each half of the fragments is written again only once the two WGMMAs that read it are complete (wait_group 2
+      // leaves the other half's two in flight). So the loop goes round with the stage's four WGMMAs in flight, and its
+      // head writes none of their registers before the first wait (test_csrc_ptxas.py follows the SASS round it).
       if (nsteps > 0) {
         decode_stage(0, frag);
         issue_half(0, 0, frag);

@@ -156,7 +156,8 @@ def test_no_instruction_overwrites_the_a_fragments_of_a_wgmma_in_flight(ptxas_re
 def test_the_hazard_check_finds_what_it_looks_for():
     """The check itself, on SASS lines shaped like the kernel's before session 27 (three WGMMAs left in flight round
     the loop while its head decoded into their registers), like a decode that writes a fragment register in flight,
-    and like session 32's 64-token loop (WGMMAs in flight round the loop, covered before their registers are written)."""
+    and like session 32's 64-token loop (WGMMAs in flight round the loop, covered before their registers are
+    written)."""
     head = "\n\tFunction : kernel\n"
     hgmma = "        /*{:04x}*/                   HGMMA.64x256x16.F32.BF16 R24, R{}, gdesc[UR16], R24, gsb0 ;\n"
     depbar = "        /*{:04x}*/                   WARPGROUP.DEPBAR.LE gsb0, 0x{} ;\n"
