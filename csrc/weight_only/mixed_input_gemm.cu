@@ -642,17 +642,6 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
         wgmma_commit();
       }
     };
-    auto issue_stage = [&](int j, const uint32_t (&frag)[kBK / 16][4]) {
-      const uint64_t stage_desc = x_desc + (uint32_t)((j % kRing) * (kATile >> 4));
-#pragma unroll
-      for (int step = 0; step < kBK / 16; ++step) {
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
-        wgmma_fence();
-        wgmma_rs_k16<BM>(acc, frag[step], stage_desc + 2 * step);  // (x_tile + 32 step)
-        wgmma_commit();
-      }
-    };
     // A WGMMA reads its A registers asynchronously, and a loop body's registers are the same ones every time round:
     // a fragment may be written again only once the WGMMAs that read it are complete (PTX: writing it earlier is
     // undefined). Until session 27 the loop left the last three WGMMAs in flight and decoded the next stage into the
@@ -698,7 +687,8 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
     } else {
       for (int j = 0; j < nsteps; ++j) {
         decode_stage(j, frag);
-        issue_stage(j, frag);
+        issue_half(j, 0, frag);
+        issue_half(j, 1, frag);
 #pragma unroll
         for (int i = 0; i < BM / 2; ++i) fence_operand(acc[i]);
         wgmma_wait<0>();
