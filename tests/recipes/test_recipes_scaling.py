@@ -195,11 +195,21 @@ def _run_then_exit(rank, worker, world, port, out):
     ProcessGroupGloo joins gloo's run-loop thread while the caller holds the GIL, and that thread may be waiting for
     the GIL to release a tensor: a CPU CI rehearsal hung there for good (torch 2.13; ~ProcessGroupGloo under a DDP
     Reducer's destructor, one rank joining the run loop, the run loop in take_gil). The workers write their results
-    to `out` (a Manager dict: each write waits for the manager's reply) before returning."""
-    worker(rank, world, port, out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    to `out` (a Manager dict: each write waits for the manager's reply) before returning. A worker that raises ends
+    the same way, with its traceback printed and exit code 1 (which mp.spawn reports), rather than through the
+    teardown that could hang."""
+    code = 0
+    try:
+        worker(rank, world, port, out)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _count_reduces_worker(rank, world, port, out):
