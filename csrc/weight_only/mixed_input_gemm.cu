@@ -11,7 +11,7 @@
 //     multiply of e2m1_decode.cuh, exact in bf16; NF4 by a 16-word level table in shared memory) and issues
 //     register-operand WGMMAs (m64nBMk16) against the x tile: 8 warps share the decode, one warpgroup decoding while
 //     the other's WGMMAs run (each waits for its own stage's WGMMAs before decoding the next: they read the fragment
-//     registers asynchronously; NVFP4 / MXFP4 64-token tiles wait per half-stage instead, so that a stage's decode
+//     registers asynchronously; all but NF4's 64-token tiles wait per half-stage instead, so that a stage's decode
 //     overlaps the previous stage's last two WGMMAs); setmaxnreg gives the consumers the registers for a stage's four
 //     fragments;
 //   - a ring of mbarriers: full (the producer's 128 threads after their stores, plus the TMA's bytes) and empty (the
@@ -19,10 +19,9 @@
 //   - at <= 64 tokens, 64-token tiles with K split over a thread-block cluster whose partial sums meet through
 //     distributed shared memory (two CTAs per SM there, no register trade): the few-token op runs this for large
 //     weights at 40-64 tokens (few_token_wgmma_applies, mixed_input_gemm.h).
-// From 512 tokens it is still level with or below decode + cuBLAS (H200, 2048 tokens: 0.83-0.90x cuBLAS on the 8B /
-// 1.7B linears, 0.90-1.00x the route; their k/v 0.68-0.70x; a grid of 1.94 waves against cuBLAS's persistent one;
-// docs/kernels.md), so the route runs it only when opted in (SUROGATE_HF_MIXED_INPUT=1, decoded_linear.cpp). A first
-// version decoded in the producer warpgroup into a bf16 weight tile in shared memory (one decode warp per scheduler);
+// From 512 tokens the route runs it for the NVFP4 / MXFP4 weights where it measured faster than decode + cuBLAS
+// (mixed_input_applies in decoded_linear.cpp; docs/kernels.md has the figures), and everywhere it can run when opted in
+// (SUROGATE_HF_MIXED_INPUT=1). A first version decoded in the producer warpgroup into a bf16 weight tile in shared memory (one decode warp per scheduler);
 // this kernel was 2-15% faster than it everywhere and equal to it bit for bit, and it was removed (docs/kernels.md
 // keeps its history).
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits; NF4's product rounded
@@ -452,11 +451,18 @@ __device__ __forceinline__ void st_shared8(uint32_t addr, uint32_t lo, uint32_t 
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(lo), "r"(hi) : "memory");
 }
 
-// NF4: the low byte of `byte` (two codes, bitsandbytes-packed: the even column in the high nibble) -> a bf16 pair of
-// levels[code] * absmax, each product in fp32 and rounded once, as the reference decode
-__device__ __forceinline__ uint32_t nf4_pair(uint32_t byte, const float* levels, float absmax) {
-  const __nv_bfloat162 v =
-      __floats2bfloat162_rn(levels[(byte >> 4) & 0xFu] * absmax, levels[byte & 0xFu] * absmax);
+// NF4: a bf16 pair of levels[code] * absmax (each product in fp32 and rounded once, as the reference decode) for the
+// two codes of byte b of a word of codes (bitsandbytes-packed: the even column in the high nibble). hi4 / lo4 hold
+// each byte's high / low nibble times 4, i.e. the byte offsets of their levels in the table: one prmt picks a code's
+// offset (two shifts, two masks a word; before, a shift and a mask a code: NF4's stage loop 211 -> 195 instructions,
+// H200 session 33 +2% geomean at 40-2048 tokens, +5% at 40-64 tokens on the 8B MLP weights).
+__device__ __forceinline__ float nf4_level_at(const float* levels, uint32_t byte_offset) {
+  return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(levels) + byte_offset);
+}
+__device__ __forceinline__ uint32_t nf4_pair(uint32_t hi4, uint32_t lo4, int b, const float* levels, float absmax) {
+  const uint32_t sel = 0x4440u | (uint32_t)b;  // byte b, then zeros
+  const __nv_bfloat162 v = __floats2bfloat162_rn(nf4_level_at(levels, __byte_perm(hi4, 0u, sel)) * absmax,
+                                                 nf4_level_at(levels, __byte_perm(lo4, 0u, sel)) * absmax);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
@@ -603,16 +609,19 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
         e2m1x8_to_bf16(w0, tables, d0);
         e2m1x8_to_bf16(w1, tables, d1);
       }
+      // NF4: each code byte's two nibbles as byte offsets of their levels (4 x the nibble; unused by the others)
+      const uint32_t h0 = (w0 >> 2) & 0x3C3C3C3Cu, l0 = (w0 << 2) & 0x3C3C3C3Cu;
+      const uint32_t h1 = (w1 >> 2) & 0x3C3C3C3Cu, l1 = (w1 << 2) & 0x3C3C3C3Cu;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int step = 2 * half + e;
         uint32_t* a = frag[step];
         if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
           const float m0f = __uint_as_float(half ? c.am0.y : c.am0.x), m1f = __uint_as_float(half ? c.am1.y : c.am1.x);
-          a[0] = nf4_pair(w0 >> (16 * e), levels, m0f);
-          a[1] = nf4_pair(w1 >> (16 * e), levels, m1f);
-          a[2] = nf4_pair(w0 >> (16 * e + 8), levels, m0f);
-          a[3] = nf4_pair(w1 >> (16 * e + 8), levels, m1f);
+          a[0] = nf4_pair(h0, l0, 2 * e, levels, m0f);
+          a[1] = nf4_pair(h1, l1, 2 * e, levels, m1f);
+          a[2] = nf4_pair(h0, l0, 2 * e + 1, levels, m0f);
+          a[3] = nf4_pair(h1, l1, 2 * e + 1, levels, m1f);
         } else {  // exact: e2m1 times a block scale has at most 5 significant bits
           const uint32_t s0 = step == 0 ? c.sp0.x : step == 1 ? c.sp0.y : step == 2 ? c.sp0.z : c.sp0.w;
           const uint32_t s1 = step == 0 ? c.sp1.x : step == 1 ? c.sp1.y : step == 2 ? c.sp1.z : c.sp1.w;
@@ -647,17 +656,19 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
     // undefined). Until session 27 the loop left the last three WGMMAs in flight and decoded the next stage into the
     // same registers; while the producer made the consumers wait, those WGMMAs had always read them by then. With the
     // codes by TMA the consumers no longer wait, and MXFP4's rows r0 came out wrong, differently from run to run.
-    // So each stage waits for its own WGMMAs before the next decode (NVFP4 / MXFP4 64-token tiles: for the two that
-    // read the half it decodes next, below), and the other consumer warpgroup (at 64 tokens, the other three) keeps
+    // So each stage waits for its own WGMMAs before the next decode (but NF4's 64-token tiles: for the two that read
+    // the half it decodes next, below), and the other consumer warpgroup (at 64 tokens, the other three) keeps
     // the tensor cores busy meanwhile. (Tried: decoding stage j + 1 into a second set of fragments while stage j's
     // WGMMAs run. Copied into the first set after the wait, the SASS wrote the first set's registers before it and
     // every format broke; with the stages alternating between the two sets, ptxas serialized the WGMMAs, C7513.
     // tests/kernels/test_csrc_ptxas.py checks the SASS for both hazards.)
     uint32_t frag[kBK / 16][4];
-    if constexpr (BM == 64 && FMT != kNF4) {
-      // NVFP4 / MXFP4 64-token tiles (<= 64 tokens, K split over a cluster: few stages a CTA, latency-bound): a
-      // stage's decode overlaps the previous stage's last WGMMAs (H200, session 32: NVFP4 +0-7%, geomean +5%, at 40-64
-      // tokens; NF4, whose decode reads its levels from shared memory, lost 1-4% that way and keeps the loop below).
+    if constexpr (BM != 64 || FMT != kNF4) {
+      // A stage's decode overlaps the previous stage's last WGMMAs. H200: NVFP4 64-token tiles (<= 64 tokens, K split
+      // over a cluster: few stages a CTA, latency-bound) +0-7%, geomean +5%, at 40-64 tokens (session 32); NVFP4 /
+      // MXFP4 128- and 256-token tiles +0-8%, geomean +4%, at 512-2048 tokens (session 33); NF4's at 512-2048 tokens
+      // even (+-3%). NF4's 64-token tiles, whose decode reads its levels from shared memory, lost 1-4% this way and
+      // keep the loop below.
       // Each half of the fragments is written again only once the two WGMMAs that read it are complete (wait_group 2
       // leaves the other half's two in flight). So the loop goes round with the stage's four WGMMAs in flight, and its
       // head writes none of their registers before the first wait (test_csrc_ptxas.py follows the SASS round it).
