@@ -294,12 +294,13 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 // the GEMM, no dense pass) rather than decode + cuBLAS. Where it can run (NVFP4 / MXFP4 / NF4 with blocks a power of
 // two >= 32 dividing K, bf16 x of at least kMixedInputMinTokens rows (this route's 4-bit calls all have >= 512:
 // kernels.paths.DENSE_MIN_TOKENS), K % 32 == 0, 16-byte aligned operands, an SM90a build on a cc 9.0 GPU), it is
-// - the default for NVFP4 / MXFP4 weights of at least kMixedInputDefaultMinElements at up to
-//   kMixedInputDefaultMaxTokens rows where its 256-token tiles fill the GPU well enough to be the faster. On the
-//   large weights of the Llama-3.1-8B and Qwen3-1.7B shapes it ran at kMixedInputSpeed x bf16 cuBLAS's speed at full
-//   waves, and decode + cuBLAS took bf16's time x (1 + kRouteDecodeTokens / rows) (its decode 0.43x a 512-row GEMM's
-//   time, 0.11x a 2048-row one's); so it is taken where kMixedInputSpeed x its fill (mixed_input_fill: CTAs over
-//   whole waves) x (1 + kRouteDecodeTokens / rows) >= 1. Measured there: 0.97-1.35x decode + cuBLAS's speed
+// - the default for NVFP4 / MXFP4 weights of at least kMixedInputDefaultMinElements (kMixedInputWholeKMinElements
+//   where its tiles split no K) at up to kMixedInputDefaultMaxTokens rows where its 256-token tiles fill the GPU well
+//   enough to be the faster. On the large weights of the Llama-3.1-8B and Qwen3-1.7B shapes it ran at
+//   kMixedInputSpeed x bf16 cuBLAS's speed at full waves, and decode + cuBLAS took bf16's time x (1 +
+//   kRouteDecodeTokens / rows) (its decode 0.43x a 512-row GEMM's time, 0.11x a 2048-row one's); so it is taken
+//   where kMixedInputSpeed x its fill (mixed_input_fill: CTAs over whole waves) x (1 + kRouteDecodeTokens / rows) >=
+//   1. Measured there: 0.97-1.35x decode + cuBLAS's speed
 //   (Llama-3.1-8B q / o / gate / up / down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200;
 //   benchmarks/results/decode/large_m_default_s28_h200.md, large_m_rs_split_first_form_h200.md). The fill leaves out
 //   the one loss among those rows, the 1.7B gate / up at 1024 tokens (0.93x: 192 CTAs, a fill of 0.73). It also
@@ -316,6 +317,9 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 constexpr int64_t kMixedInputMinTokens = 512;
 constexpr int64_t kMixedInputDefaultMaxTokens = 2048;
 constexpr int64_t kMixedInputDefaultMinElements = 12 << 20;
+// Smaller weights whose launch splits no K (session 33: the Qwen3-1.7B q projection at 2048 tokens, 1.06-1.08x decode
+// + cuBLAS's speed; at 512-1024 tokens such weights took K-split or 128-token tiles and lost 0.68-0.93x)
+constexpr int64_t kMixedInputWholeKMinElements = 4 << 20;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
@@ -327,11 +331,15 @@ bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
   TORCH_CHECK(choice.empty() || choice == "0" || choice == "1", "SUROGATE_HF_MIXED_INPUT=", choice,
               ": expected 1 (the mixed-input kernel wherever it can run), 0 (never: decode + cuBLAS) or unset (the "
               "default rule, surogate_hf.kernels.paths.mixed_input_kernel)");
-  // (the speed test last: it reads the cached device properties)
-  const bool by_default =
-      op.fmt <= 1 && m >= kMixedInputMinTokens && m <= kMixedInputDefaultMaxTokens &&
-      op.n * op.k >= kMixedInputDefaultMinElements &&
-      surogate::mixed_input_fast_enough(m, op.n, op.k, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  // (the size and speed tests last: they read the cached device properties)
+  auto sms = [] { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; };
+  auto whole_k = [&] {
+    return surogate::mixed_input_tiles(m, op.n, op.k, sms(), [](int, long long) { return true; }).split == 1;
+  };
+  const bool by_default = op.fmt <= 1 && m >= kMixedInputMinTokens && m <= kMixedInputDefaultMaxTokens &&
+                          (op.n * op.k >= kMixedInputDefaultMinElements ||
+                           (op.n * op.k >= kMixedInputWholeKMinElements && whole_k())) &&
+                          surogate::mixed_input_fast_enough(m, op.n, op.k, sms());
   const bool enabled = choice == "1" || (choice != "0" && by_default);
   const bool nf4_blocks_ok = op.block >= 32 && (op.block & (op.block - 1)) == 0 && op.k % op.block == 0;
   return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x.scalar_type() == at::kBFloat16 &&

@@ -21,9 +21,9 @@
 //     weights at 40-64 tokens (few_token_wgmma_applies, mixed_input_gemm.h).
 // From 512 tokens the route runs it for the NVFP4 / MXFP4 weights where it measured faster than decode + cuBLAS
 // (mixed_input_applies in decoded_linear.cpp; docs/kernels.md has the figures), and everywhere it can run when opted in
-// (SUROGATE_HF_MIXED_INPUT=1). A first version decoded in the producer warpgroup into a bf16 weight tile in shared memory (one decode warp per scheduler);
-// this kernel was 2-15% faster than it everywhere and equal to it bit for bit, and it was removed (docs/kernels.md
-// keeps its history).
+// (SUROGATE_HF_MIXED_INPUT=1). A first version decoded in the producer warpgroup into a bf16 weight tile in shared
+// memory (one decode warp per scheduler); this kernel was 2-15% faster than it everywhere and equal to it bit for bit,
+// and it was removed (docs/kernels.md keeps its history).
 // Numerics: the decoded element is the reference's, exact in bf16 (at most 5 significant bits; NF4's product rounded
 // once); products accumulate in fp32; the NVFP4 decode global multiplies the fp32 sum once, as the few-token kernel
 // does. Only the fp32 summation order differs from x.float() @ deq(W).float().T.

@@ -125,6 +125,7 @@ def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int
 MIXED_INPUT_MIN_TOKENS = 512  # csrc/weight_only/decoded_linear.cpp: kMixedInputMinTokens
 MIXED_INPUT_DEFAULT_MAX_TOKENS = 2048  # kMixedInputDefaultMaxTokens
 MIXED_INPUT_DEFAULT_MIN_ELEMENTS = 12 << 20  # kMixedInputDefaultMinElements
+MIXED_INPUT_WHOLE_K_MIN_ELEMENTS = 4 << 20  # kMixedInputWholeKMinElements: smaller weights whose tiles need no K split
 # csrc/weight_only/mixed_input_gemm.h: kMixedInputSpeed, kRouteDecodeTokens, kMixedInputLongFill,
 # kMixedInputLongSteps; kMixedInputRows, kMixedInputMaxSplit, kMixedInputMinSplitSteps, kMixedInputMinPairSteps
 MIXED_INPUT_SPEED, ROUTE_DECODE_TOKENS, MIXED_INPUT_LONG_FILL, MIXED_INPUT_LONG_STEPS = 0.97, 220, 0.8, 48
@@ -182,11 +183,15 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
     cuBLAS took bf16's time x (1 + 220 / m)). Measured there: 0.97-1.35x decode + cuBLAS's speed (Llama-3.1-8B q / o /
     gate / up / down, Qwen3-1.7B gate / up / down at 512-2048 tokens; H200;
     benchmarks/results/decode/large_m_default_s28_h200.md, docs/kernels.md); the fill leaves out the one loss among
-    them (the 1.7B gate / up at 1024 tokens, 0.93x). Where
-    each CTA runs >= MIXED_INPUT_LONG_STEPS stages a fill of >= MIXED_INPUT_LONG_FILL is enough: Qwen2.5-7B q / down
-    at 1024-2048 tokens (a fill of 0.85, 56 / 296 stages) measured 1.01-1.15x, while shorter runs at such fills
-    (Qwen2.5-1.5B and Gemma-2-2B gate / up at 2048 tokens, 24 / 36 stages) measured 0.89-0.97x
-    (benchmarks/results/decode/large_m_default_rule_models_h200.md).
+    them (the 1.7B gate / up at 1024 tokens, 0.93x). Where each CTA runs >= MIXED_INPUT_LONG_STEPS stages a fill of
+    >= MIXED_INPUT_LONG_FILL is enough: Qwen2.5-7B q / down at 1024-2048 tokens (a fill of 0.85, 56 / 296 stages)
+    measured 1.01-1.15x, while shorter runs at such fills (Qwen2.5-1.5B and Gemma-2-2B gate / up at 2048 tokens, 24 /
+    36 stages) measured 0.89-0.97x (benchmarks/results/decode/large_m_default_rule_models_h200.md). Weights of
+    MIXED_INPUT_WHOLE_K_MIN_ELEMENTS to MIXED_INPUT_DEFAULT_MIN_ELEMENTS pass the same tests where the launch splits
+    no K: every such row measured 1.05-1.20x decode + cuBLAS's speed (session 33, H200: the 2048x2048 q projections
+    and Gemma-2-2B's q at 2048 tokens, GPT-OSS-20B's q at 1024-2048, Gemma-3-1B's gate / up at 512, Qwen2.5-0.5B's at
+    768; benchmarks/results/decode/large_m_whole_k_rule_h200.md), while at 512-1024 tokens, where such weights take
+    K-split or 128-token tiles, they measured 0.68-0.93x.
     Elsewhere it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), so decode + cuBLAS stays there
     unless SUROGATE_HF_MIXED_INPUT=1 opts every call that can run the kernel in; SUROGATE_HF_MIXED_INPUT=0 turns it
     off. The C++ (mixed_input_applies in csrc/weight_only/decoded_linear.cpp) decides by the same rule, plus 16-byte
@@ -199,8 +204,10 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
     if choice not in ("", "0", "1"):
         raise ValueError(f"SUROGATE_HF_MIXED_INPUT={choice!r}: expected 1 (the mixed-input kernel wherever it can "
                          "run), 0 (never: decode + cuBLAS) or unset (the default rule)")
+    large = n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS or (
+        n * k >= MIXED_INPUT_WHOLE_K_MIN_ELEMENTS and mixed_input_tiles(m, n, k, sms)[1] == 1)
     by_default = (fmt in ("nvfp4", "mxfp4") and MIXED_INPUT_MIN_TOKENS <= m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
-                  and n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS and mixed_input_fast_enough(m, n, k, sms))
+                  and large and mixed_input_fast_enough(m, n, k, sms))
     return can_run and (choice == "1" or (choice != "0" and by_default))
 
 

@@ -227,13 +227,17 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
     faster than decode + cuBLAS (Llama-3.1-8B q / o / gate_up / down, Qwen3-1.7B gate_up / down at 512 and 2048
     tokens, the 8B q / down and 1.7B down at 1024), not the 1.7B gate_up at 1024 (0.93x, a fill of 0.73); also at a
     fill of >= 0.8 where each CTA runs >= 48 stages (Qwen2.5-7B q / down at 1024-2048 tokens, measured faster; not
-    the 24-stage runs of Qwen2.5-1.5B's gate_up, measured slower); the k/v projections, smaller models, more tokens
-    and NF4 keep decode + cuBLAS. The C++ states the same constants (csrc/weight_only/decoded_linear.cpp:
+    the 24-stage runs of Qwen2.5-1.5B's gate_up, measured slower); and weights of >= 4 Mi elements whose launch
+    splits no K (session 33, each measured 1.05-1.20x decode + cuBLAS's speed: the 2048x2048 q / o projections of
+    Qwen3-1.7B and Llama-3.2-1B and Gemma-2-2B's q at 2048 tokens, GPT-OSS-20B's q at 1024-2048, Gemma-3-1B's gate /
+    up at 512, Qwen2.5-0.5B's at 768). The k/v projections (their tiles split K), smaller models, more tokens and NF4
+    keep decode + cuBLAS. The C++ states the same constants (csrc/weight_only/decoded_linear.cpp:
     mixed_input_applies; mixed_input_gemm.h: mixed_input_fast_enough)."""
     source = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "decoded_linear.cpp").read_text()
     assert f"kMixedInputMinTokens = {P.MIXED_INPUT_MIN_TOKENS};" in source
     assert f"kMixedInputDefaultMaxTokens = {P.MIXED_INPUT_DEFAULT_MAX_TOKENS};" in source
     assert f"kMixedInputDefaultMinElements = {P.MIXED_INPUT_DEFAULT_MIN_ELEMENTS >> 20} << 20;" in source
+    assert f"kMixedInputWholeKMinElements = {P.MIXED_INPUT_WHOLE_K_MIN_ELEMENTS >> 20} << 20;" in source
     header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
     assert f"kMixedInputSpeed = {P.MIXED_INPUT_SPEED};" in header
     assert f"kRouteDecodeTokens = {P.ROUTE_DECODE_TOKENS};" in header
@@ -258,8 +262,19 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
         for m in (1024, 2048):
             assert default("Qwen2.5-7B", proj, m) == fp4, f"Qwen2.5-7B {proj} M={m}"
     assert not default("Qwen2.5-1.5B", "gate_up", 2048)
-    for model, proj in (("Llama-3.1-8B", "kv"), ("Qwen3-1.7B", "q"), ("SmolLM2-135M", "gate_up"), ("Qwen3-0.6B", "down")):
+    for model, proj in (("Llama-3.1-8B", "kv"), ("Qwen3-1.7B", "kv"), ("SmolLM2-135M", "gate_up"),
+                        ("Qwen3-0.6B", "down")):
         assert not default(model, proj, 2048), f"{model} {proj}"
+    # 4-12 Mi elements where no K is split: measured faster (session 33)
+    for model, proj, m in [("Qwen3-1.7B", "q", 2048), ("Qwen3-1.7B", "o", 2048), ("Llama-3.2-1B", "q", 2048),
+                           ("Gemma-2-2B", "q", 2048), ("GPT-OSS-20B", "q", 1024), ("GPT-OSS-20B", "q", 2048),
+                           ("Gemma-3-1B", "gate_up", 512), ("Qwen2.5-0.5B", "gate_up", 768)]:
+        assert default(model, proj, m) == fp4, f"{model} {proj} M={m}"
+    # the same 4 Mi q projection at fewer tokens, where it measured slower: K split over 4 CTAs at 512 tokens,
+    # 128-token tiles at 1024
+    assert P.mixed_input_tiles(512, 2048, 2048, 132) == (256, 4) and not default("Qwen3-1.7B", "q", 512)
+    assert P.mixed_input_tiles(1024, 2048, 2048, 132) == (128, 1) and not default("Qwen3-1.7B", "q", 1024)
+    assert P.mixed_input_tiles(2048, 1024, 4096, 132)[1] == 2 and not default("Llama-3.1-8B", "kv", 2048)
     k, n = S.linears("Llama-3.1-8B")["q"]
     assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, (10, 0), True)  # WGMMA is SM90a's
 
