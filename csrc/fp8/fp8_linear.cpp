@@ -9,7 +9,7 @@
 // model's widths (SmolLM2-135M profile, benchmarks/results/profile_fp8_eager_smollm2_135m.md), and the HF Trainer's
 // per-step sync exposes that host time. The Python side (RecipeLinear._fp8_forward) takes this op only where it applies
 // (CUDA, training after the first step, FP8 backward, token count and widths multiples of 16)
-// and checks the operands first: a TORCH_CHECK thrown in here ended the process on the H100 machine (docs/kernels.md).
+// and checks the operands first (the checks of the ops it calls raise with their numbers: csrc/common/check.h).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/autograd.h>

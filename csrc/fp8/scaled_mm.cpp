@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include "../common/check.h"
 
 namespace surogate {
 namespace {
@@ -31,7 +32,7 @@ cudaDataType_t lt_type(at::ScalarType t) {
     case at::kBFloat16: return CUDA_R_16BF;
     case at::kHalf: return CUDA_R_16F;
     case at::kFloat: return CUDA_R_32F;
-    default: TORCH_CHECK(false, "ext_fp8_scaled_mm: unsupported dtype ", t);
+    default: EXT_CHECK(false, "ext_fp8_scaled_mm: unsupported dtype ", t);
   }
   return CUDA_R_32F;
 }
@@ -85,16 +86,16 @@ constexpr size_t kMaxPlans = 4096;
 // The Python caller (recipes.fp8_hybrid.scaled_mm) checks all of it first; the checks below only guard misuse.
 at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                          const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum) {
-  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.dim() == 2 && b.dim() == 2 && a.is_contiguous() && b.is_contiguous() &&
-                  a.size(1) == b.size(1) && a.size(1) % 16 == 0 && b.size(0) % 16 == 0,
-              "ext_fp8_scaled_mm: a [M, K] and b [N, K] must be contiguous CUDA tensors with K and N multiples of 16; "
-              "got ", a.sizes(), " and ", b.sizes());
-  TORCH_CHECK(sa.scalar_type() == at::kFloat && sb.scalar_type() == at::kFloat && sa.numel() == 1 && sb.numel() == 1,
-              "ext_fp8_scaled_mm: sa and sb must be one fp32 value each");
+  EXT_CHECK(a.is_cuda() && b.is_cuda() && a.dim() == 2 && b.dim() == 2 && a.is_contiguous() && b.is_contiguous() &&
+                a.size(1) == b.size(1) && a.size(1) % 16 == 0 && b.size(0) % 16 == 0,
+            "ext_fp8_scaled_mm: a [M, K] and b [N, K] must be contiguous CUDA tensors with K and N multiples of 16; "
+            "got ", a.sizes(), " and ", b.sizes());
+  EXT_CHECK(sa.scalar_type() == at::kFloat && sb.scalar_type() == at::kFloat && sa.numel() == 1 && sb.numel() == 1,
+            "ext_fp8_scaled_mm: sa and sb must be one fp32 value each");
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == out_dtype && out_dtype != at::kFloat && bias->numel() == b.size(0) &&
-                            bias->is_contiguous()),
-              "ext_fp8_scaled_mm: bias must be a contiguous [N] tensor of out_dtype (bf16 or fp16)");
+  EXT_CHECK(!has_bias || (bias->scalar_type() == out_dtype && out_dtype != at::kFloat && bias->numel() == b.size(0) &&
+                          bias->is_contiguous()),
+            "ext_fp8_scaled_mm: bias must be a contiguous [N] tensor of out_dtype (bf16 or fp16)");
   const at::cuda::CUDAGuard guard(a.device());
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <array>
+#include "../common/check.h"
 
 namespace surogate {
 void launch_rmsnorm_fwd(const void* x, int x_dtype, const void* w, int w_dtype, void* y, bool y_is_f32, float* rstd,
@@ -48,16 +49,16 @@ int sm_count() {
 }
 
 void check(const at::Tensor& x, const at::Tensor& w, at::ScalarType out) {
-  TORCH_CHECK(x.is_cuda() && w.is_cuda() && x.device() == w.device(),
-              "ext_rmsnorm: x and weight must be CUDA tensors on one device");
+  EXT_CHECK(x.is_cuda() && w.is_cuda() && x.device() == w.device(),
+            "ext_rmsnorm: x and weight must be CUDA tensors on one device");
   const auto xt = x.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "ext_rmsnorm: x must be fp32, bf16 or fp16, got ",
-              xt);
-  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
-              "ext_rmsnorm: weight must be fp32 or bf16, got ", w.scalar_type());
-  TORCH_CHECK(out == xt || out == at::kFloat, "ext_rmsnorm: out_dtype must be x's dtype or fp32, got ", out);
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1), "ext_rmsnorm: weight must be [C] for x [..., C]");
-  TORCH_CHECK(x.size(-1) <= kMaxCols, "ext_rmsnorm: rows longer than ", kMaxCols, " columns are not supported");
+  EXT_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "ext_rmsnorm: x must be fp32, bf16 or fp16, got ",
+            xt);
+  EXT_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
+            "ext_rmsnorm: weight must be fp32 or bf16, got ", w.scalar_type());
+  EXT_CHECK(out == xt || out == at::kFloat, "ext_rmsnorm: out_dtype must be x's dtype or fp32, got ", out);
+  EXT_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1), "ext_rmsnorm: weight must be [C] for x [..., C]");
+  EXT_CHECK(x.size(-1) <= kMaxCols, "ext_rmsnorm: rows longer than ", kMaxCols, " columns are not supported");
 }
 
 // (y [R, C] out, rstd [R] fp32) of a contiguous x2 [R, C]

@@ -30,6 +30,7 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 #include "mixed_input_gemm.h"
+#include "../common/check.h"
 
 namespace surogate {
 void launch_decode_weight(int fmt, const uint8_t* w, const uint8_t* scales_u8, const float* scales_f32,
@@ -48,7 +49,7 @@ int out_dtype_code(at::ScalarType t) {
     case at::kFloat: return 0;
     case at::kBFloat16: return 1;
     case at::kHalf: return 2;
-    default: TORCH_CHECK(false, "ext_dequantize: dtype must be fp32, bf16 or fp16, got ", t);
+    default: EXT_CHECK(false, "ext_dequantize: dtype must be fp32, bf16 or fp16, got ", t);
   }
   return -1;
 }
@@ -66,8 +67,8 @@ const at::Tensor& or_undef(const c10::optional<at::Tensor>& t);
 
 Nested nested_of(const c10::optional<at::Tensor>& absmax, const c10::optional<at::Tensor>& code,
                  const c10::optional<at::Tensor>& offset) {
-  TORCH_CHECK(absmax.has_value() == code.has_value() && code.has_value() == offset.has_value(),
-              "ext_decoded_linear: nested_absmax, nested_code and nested_offset go together");
+  EXT_CHECK(absmax.has_value() == code.has_value() && code.has_value() == offset.has_value(),
+            "ext_decoded_linear: nested_absmax, nested_code and nested_offset go together");
   return {or_undef(absmax), or_undef(code), or_undef(offset)};
 }
 
@@ -76,34 +77,36 @@ Nested nested_of(const c10::optional<at::Tensor>& absmax, const c10::optional<at
 void check_weight_operands(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
                            const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
                            const Nested& nested) {
-  TORCH_CHECK(fmt >= 0 && fmt <= 3, "ext_dequantize: fmt must be 0 (nvfp4), 1 (mxfp4), 2 (nf4) or 3 (fp8)");
-  TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 && w.numel() == (fmt == 3 ? n * k : n * k / 2),
-              "ext_dequantize: w must be contiguous one-byte CUDA data of the weight's size");
+  EXT_CHECK(fmt >= 0 && fmt <= 3, "ext_dequantize: fmt must be 0 (nvfp4), 1 (mxfp4), 2 (nf4) or 3 (fp8)");
+  EXT_CHECK(w.is_cuda() && w.is_contiguous() && w.element_size() == 1 &&
+                w.numel() == (fmt == 3 ? n * k : n * k / 2),
+            "ext_dequantize: w must be contiguous one-byte CUDA data of the weight's size");
   const bool nested_nf4 = nested.defined();
-  TORCH_CHECK(!nested_nf4 || fmt == 2, "ext_dequantize: nested absmax operands are NF4's only");
-  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.element_size() == (fmt >= 2 && !nested_nf4 ? 4 : 1),
-              "ext_dequantize: scales must be contiguous (fp32 for nf4 / fp8, one byte for nvfp4 / mxfp4 and a "
-              "double-quantized nf4 absmax)");
+  EXT_CHECK(!nested_nf4 || fmt == 2, "ext_dequantize: nested absmax operands are NF4's only");
+  EXT_CHECK(scales.is_cuda() && scales.is_contiguous() &&
+                scales.element_size() == (fmt >= 2 && !nested_nf4 ? 4 : 1),
+            "ext_dequantize: scales must be contiguous (fp32 for nf4 / fp8, one byte for nvfp4 / mxfp4 and a "
+            "double-quantized nf4 absmax)");
   // one scale per block, as kernels.registry.decode_operands counts them (a short tensor would be read past its end)
   const int64_t bl = std::max<int64_t>(block, 1);
   const int64_t scale_count =
       fmt == 0 ? n * k / 16 : fmt == 1 ? n * k / 32 : fmt == 2 ? n * k / bl : ((n + bl - 1) / bl) * ((k + bl - 1) / bl);
-  TORCH_CHECK(scales.numel() == scale_count, "ext_dequantize: scales must hold ", scale_count,
-              " values for a [", n, ", ", k, "] weight in this format, got ", scales.numel());
+  EXT_CHECK(scales.numel() == scale_count, "ext_dequantize: scales must hold ", scale_count,
+            " values for a [", n, ", ", k, "] weight in this format, got ", scales.numel());
   // fp32 operands may come as their int32 bytes (a quantized module's slot as stored: surogate_hf/nn/slots.py)
   auto fp32_bytes = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kInt; };
-  TORCH_CHECK(!nested_nf4 || (block >= 1 && nested.absmax.is_cuda() &&
-                              nested.absmax.is_contiguous() && fp32_bytes(nested.absmax) &&
-                              nested.absmax.numel() == (scales.numel() + 255) / 256 && nested.code.is_cuda() &&
-                              nested.code.is_contiguous() && fp32_bytes(nested.code) && nested.code.numel() == 256 &&
-                              nested.offset.is_cuda() && fp32_bytes(nested.offset) && nested.offset.numel() == 1),
-              "ext_dequantize: a double-quantized nf4 absmax needs one code byte per block, the fp32 nested absmax of "
-              "each 256 blocks, the 256 fp32 nested code values and the fp32 offset, on the GPU");
-  TORCH_CHECK(fmt != 0 || (gscale.has_value() && gscale->is_cuda() && fp32_bytes(*gscale) && gscale->numel() == 1),
-              "ext_dequantize: nvfp4 needs its fp32 decode global on the GPU");
-  TORCH_CHECK(fmt != 2 || (levels.has_value() && levels->is_cuda() && levels->is_contiguous() && fp32_bytes(*levels) &&
-                           levels->numel() == 16 && block >= 1),
-              "ext_dequantize: nf4 needs its 16 fp32 levels and a block size");
+  EXT_CHECK(!nested_nf4 || (block >= 1 && nested.absmax.is_cuda() &&
+                            nested.absmax.is_contiguous() && fp32_bytes(nested.absmax) &&
+                            nested.absmax.numel() == (scales.numel() + 255) / 256 && nested.code.is_cuda() &&
+                            nested.code.is_contiguous() && fp32_bytes(nested.code) && nested.code.numel() == 256 &&
+                            nested.offset.is_cuda() && fp32_bytes(nested.offset) && nested.offset.numel() == 1),
+            "ext_dequantize: a double-quantized nf4 absmax needs one code byte per block, the fp32 nested absmax of "
+            "each 256 blocks, the 256 fp32 nested code values and the fp32 offset, on the GPU");
+  EXT_CHECK(fmt != 0 || (gscale.has_value() && gscale->is_cuda() && fp32_bytes(*gscale) && gscale->numel() == 1),
+            "ext_dequantize: nvfp4 needs its fp32 decode global on the GPU");
+  EXT_CHECK(fmt != 2 || (levels.has_value() && levels->is_cuda() && levels->is_contiguous() && fp32_bytes(*levels) &&
+                         levels->numel() == 16 && block >= 1),
+            "ext_dequantize: nf4 needs its 16 fp32 levels and a block size");
 }
 
 at::Tensor dequantize_weight(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
@@ -193,7 +196,7 @@ struct Mat {
 
 // A 2-D tensor as it is
 Mat mat(const at::Tensor& t) {
-  TORCH_CHECK(t.dim() == 2, "ext_decoded_linear: a GEMM operand must be 2-D, got ", t.sizes());
+  EXT_CHECK(t.dim() == 2, "ext_decoded_linear: a GEMM operand must be 2-D, got ", t.sizes());
   return {t, t.size(0), t.size(1), t.stride(0), t.stride(1), false};
 }
 
@@ -249,9 +252,9 @@ struct Blas {
 // layouts, dtypes or settings go through aten (beta 0: out is never read).
 void gemm_into(const at::Tensor& out, const Mat& a, const Mat& b, double alpha, double beta, const Blas& blas) {
   // (aten checks these itself; cuBLAS would read out of bounds)
-  TORCH_CHECK(a.cols() == b.rows() && out.numel() == a.rows() * b.cols(),
-              "ext_decoded_linear: GEMM operands of mismatched shapes [", a.rows(), ", ", a.cols(), "] @ [", b.rows(),
-              ", ", b.cols(), "] -> ", out.sizes(), " (an adapter or input whose width is not the layer's?)");
+  EXT_CHECK(a.cols() == b.rows() && out.numel() == a.rows() * b.cols(),
+            "ext_decoded_linear: GEMM operands of mismatched shapes [", a.rows(), ", ", a.cols(), "] @ [", b.rows(),
+            ", ", b.cols(), "] -> ", out.sizes(), " (an adapter or input whose width is not the layer's?)");
   const int64_t m = b.cols(), n = a.rows(), k = a.cols();  // of the column-major product out^T [N, M]
   const auto dt = out.scalar_type();
   const BlasOperand ab = a.blas(), bb = b.blas();
@@ -328,9 +331,9 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const
 bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
   const char* opt = std::getenv("SUROGATE_HF_MIXED_INPUT");
   const std::string choice = opt != nullptr ? std::string(opt) : std::string();
-  TORCH_CHECK(choice.empty() || choice == "0" || choice == "1", "SUROGATE_HF_MIXED_INPUT=", choice,
-              ": expected 1 (the mixed-input kernel wherever it can run), 0 (never: decode + cuBLAS) or unset (the "
-              "default rule, surogate_hf.kernels.paths.mixed_input_kernel)");
+  EXT_CHECK(choice.empty() || choice == "0" || choice == "1", "SUROGATE_HF_MIXED_INPUT=", choice,
+            ": expected 1 (the mixed-input kernel wherever it can run), 0 (never: decode + cuBLAS) or unset (the "
+            "default rule, surogate_hf.kernels.paths.mixed_input_kernel)");
   // (the size and speed tests last: they read the cached device properties)
   auto sms = [] { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; };
   auto whole_k = [&] {
@@ -351,8 +354,8 @@ bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
 // y (contiguous, [M, n] as rows) (+)= x [M, k] (contiguous, any rank) @ deq(W)^T by the mixed-input kernel
 // (accumulate: one rounding of y + the fp32 sum, as cuBLAS's beta = 1)
 void mixed_input_into(at::Tensor& y, const at::Tensor& x, int64_t m, const Operands& op, bool accumulate) {
-  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.numel() == m * op.n,
-              "ext_decoded_linear: the mixed-input GEMM's output must be a contiguous bf16 [M, n]");
+  EXT_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.numel() == m * op.n,
+            "ext_decoded_linear: the mixed-input GEMM's output must be a contiguous bf16 [M, n]");
   const int dev = x.get_device();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // (fp32 operands may be their int32 bytes: the kernels read the bits)
@@ -365,7 +368,7 @@ void mixed_input_into(at::Tensor& y, const at::Tensor& x, int64_t m, const Opera
       nf4 ? f32(op.nested.code) : nullptr, nf4 ? f32(op.nested.offset) : nullptr, y.mutable_data_ptr(), (int)m,
       (int)op.n, (int)op.k, accumulate, sms, dev, at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) (void)cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "ext_decoded_linear: mixed-input GEMM launch failed: ", cudaGetErrorString(err));
+  EXT_CHECK(err == cudaSuccess, "ext_decoded_linear: mixed-input GEMM launch failed: ", cudaGetErrorString(err));
 }
 
 // y [M, n] for x2 [M, k]; h (the adapter's [M, r] intermediate, needed by the backward) is set when lora_a is defined.
@@ -560,7 +563,7 @@ at::Tensor decoded_linear_autograd(const at::Tensor& x, const c10::optional<at::
                                    const c10::optional<at::Tensor>& nested_absmax,
                                    const c10::optional<at::Tensor>& nested_code,
                                    const c10::optional<at::Tensor>& nested_offset) {
-  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear: lora_a and lora_b go together");
+  EXT_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear: lora_a and lora_b go together");
   return DecodedLinear::apply(x, x_lora, lora_a, lora_b, w, scales, gscale, levels, bias, scaling, fmt, n, k, block,
                               nested_absmax, nested_code, nested_offset);
 }
@@ -595,7 +598,7 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
     const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
     const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
     const c10::optional<at::Tensor>& nested_offset) {
-  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
+  EXT_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
   const at::cuda::CUDAGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
@@ -616,8 +619,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cu
     const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
     const c10::optional<at::Tensor>& nested_offset) {
   const bool lora = lora_a.has_value() && lora_b.has_value();
-  TORCH_CHECK(!lora || (x_lora.has_value() && h.has_value()),
-              "ext_decoded_linear_bwd: an adapter's gradients need its input and h");
+  EXT_CHECK(!lora || (x_lora.has_value() && h.has_value()),
+            "ext_decoded_linear_bwd: an adapter's gradients need its input and h");
   const at::cuda::CUDAGuard guard(dy.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
   const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
@@ -735,8 +738,8 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_autograd(
     const c10::optional<at::Tensor>& lora_b, double scaling, int64_t fmt, int64_t n, int64_t k, int64_t block,
     const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
     const c10::optional<at::Tensor>& nested_offset) {
-  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
-  TORCH_CHECK(!bias.has_value() || !bias->requires_grad(), "ext_decoded_linear_fwd: the bias is frozen");
+  EXT_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
+  EXT_CHECK(!bias.has_value() || !bias->requires_grad(), "ext_decoded_linear_fwd: the bias is frozen");
   auto wants_grad = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); };
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || wants_grad(x_lora) || wants_grad(lora_a) ||
                                        wants_grad(lora_b))) {

@@ -776,6 +776,39 @@ def _built_extension():
     return mod
 
 
+# Argument checks of the extension's ops whose messages carry numbers and shapes (csrc/common/check.h: such a
+# TORCH_CHECK ended the process with a segmentation fault), each with the text its RuntimeError must hold
+_BAD_EXT_CALLS = {
+    "few_token_rows": ("ops.ext_few_token_gemm(torch.zeros(65, 64, device='cuda', dtype=torch.bfloat16), w, s, None, "
+                       "None, 1, 64, 64, 0)", "got [65, 64] for K = 64"),
+    "nvfp4_amax_axis": ("ops.ext_nvfp4_amax(torch.zeros(64, 64, device='cuda', dtype=torch.bfloat16), None, 7)",
+                        "axis must be 0, 1 or 2, got 7"),
+    "dequantize_scales": ("ops.ext_dequantize(w, s[:5], None, None, 1, 64, 64, 32, torch.bfloat16)",
+                          "scales must hold 128 values for a [64, 64] weight in this format, got 5"),
+}
+
+
+def test_a_failed_argument_check_of_the_extension_raises_and_names_the_problem():
+    """Misuse of an extension op raises a RuntimeError that names it, with its numbers: it does not end the process.
+    Run in a subprocess, so that a crash fails this test only."""
+    import subprocess
+    import sys
+
+    _built_extension()
+    lines = ["import torch", "import surogate_hf.kernels", "from surogate_hf.kernels import ext",
+             "assert ext.load(build=False) is not None", "ops = torch.ops.surogate",
+             "w = torch.zeros(64 * 32, dtype=torch.uint8, device='cuda')",
+             "s = torch.zeros(64 * 2, dtype=torch.uint8, device='cuda')"]
+    for name, (call, _) in _BAD_EXT_CALLS.items():
+        lines += ["try:", f"    {call}", f"    print('{name}: no error')", "except RuntimeError as e:",
+                  f"    print('{name}: raised', str(e).splitlines()[0])"]
+    r = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"exit code {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    for name, (_, text) in _BAD_EXT_CALLS.items():
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith(f"{name}:")), "")
+        assert "raised" in line and text in line, (name, line)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 16, 333])
 def test_extension_fp8_tiles_and_transpose_bits(dtype, rows):
