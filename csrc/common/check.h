@@ -3,11 +3,12 @@
 //
 // Why: on the GPU machines (H100 and H200, torch 2.11) a TORCH_CHECK of this extension whose message streamed a number
 // or a shape (c10::str builds those with a std::ostringstream in the caller's library) ended the process with a
-// segmentation fault instead of raising; a message of string literals only, which c10::str passes through as it is,
-// raised a RuntimeError as it should (session 33: few_token_gemm with 65 rows, nvfp4_amax with axis 7, against its fmt
-// check). So every check of csrc/*.cpp formats its message with msg() below (std::to_string and appends), and
-// TORCH_CHECK receives one std::string, which c10::str also passes through. tests/kernels/test_gpu_kernels.py calls
-// such checks in a subprocess and asserts the RuntimeError.
+// segmentation fault instead of raising; a message that is one string literal, which c10::str passes through as it
+// is, raised a RuntimeError as it should (session 33: few_token_gemm with 65 rows and nvfp4_amax with axis 7 crashed,
+// few_token_gemm's fmt check raised). So every check of csrc/*.cpp formats its message with msg() below
+// (std::to_string and appends), and TORCH_CHECK receives one std::string, which c10::str also passes through.
+// tests/kernels/test_gpu_kernels.py calls such checks in a subprocess and asserts the RuntimeError;
+// tests/kernels/test_csrc_checks.py keeps TORCH_CHECK out of csrc.
 #pragma once
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
@@ -49,3 +50,12 @@ std::string msg(const Parts&... parts) {
 
 // (the message is built only when the check fails, as TORCH_CHECK's own)
 #define EXT_CHECK(cond, ...) TORCH_CHECK(cond, ::surogate::msg(__VA_ARGS__))
+
+// TORCH_CUDABLAS_CHECK's message has three strings, which c10::str also joins with a std::ostringstream: the same,
+// through EXT_CHECK (needs ATen/cuda/Exceptions.h for the status name)
+#define EXT_CUBLAS_CHECK(EXPR)                                                                            \
+  do {                                                                                                    \
+    const cublasStatus_t ext_status_ = (EXPR);                                                            \
+    EXT_CHECK(ext_status_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error: ",                                     \
+              at::cuda::blas::_cublasGetErrorEnum(ext_status_), " when calling `" #EXPR "`");            \
+  } while (0)

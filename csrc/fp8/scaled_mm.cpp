@@ -39,18 +39,18 @@ cudaDataType_t lt_type(at::ScalarType t) {
 
 struct MatmulDesc {
   cublasLtMatmulDesc_t d = nullptr;
-  MatmulDesc() { TORCH_CUDABLAS_CHECK(cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F)); }
+  MatmulDesc() { EXT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F)); }
   ~MatmulDesc() { if (d) cublasLtMatmulDescDestroy(d); }
   template <typename T>
   void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
-    TORCH_CUDABLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(T)));
+    EXT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(T)));
   }
 };
 
 struct Layout {
   cublasLtMatrixLayout_t l = nullptr;
   Layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
-    TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
+    EXT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
   }
   ~Layout() { if (l) cublasLtMatrixLayoutDestroy(l); }
 };
@@ -58,8 +58,8 @@ struct Layout {
 struct Preference {
   cublasLtMatmulPreference_t p = nullptr;
   explicit Preference(uint64_t workspace) {
-    TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceCreate(&p));
-    TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+    EXT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p));
+    EXT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
                                                               sizeof(workspace)));
   }
   ~Preference() { if (p) cublasLtMatmulPreferenceDestroy(p); }
@@ -142,9 +142,9 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
     Preference pref(workspace);
     cublasLtMatmulHeuristicResult_t result = {};
     int returned = 0;
-    TORCH_CUDABLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, plan->la->l, plan->lb->l, plan->lc->l,
+    EXT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, plan->la->l, plan->lb->l, plan->lc->l,
                                                         plan->ld->l, pref.p, 1, &result, &returned));
-    if (returned == 0) TORCH_CUDABLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED);
+    if (returned == 0) EXT_CUBLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED);
     plan->algo = result.algo;
     it = plans.emplace(key, std::move(plan)).first;
   } else {
@@ -155,7 +155,7 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   Plan& plan = *it->second;
   const float alpha = 1.0f, beta = 0.0f;
   // C is unused (beta 0) but cuBLASLt wants a pointer that is neither null nor D: aten passes its first operand's
-  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, plan.desc.d, &alpha, b.data_ptr(), plan.la->l, a.data_ptr(), plan.lb->l,
+  EXT_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc.d, &alpha, b.data_ptr(), plan.la->l, a.data_ptr(), plan.lb->l,
                                       &beta, b.data_ptr(), plan.lc->l, out.data_ptr(), plan.ld->l, &plan.algo,
                                       workspace_ptr, workspace, at::cuda::getCurrentCUDAStream()));
   return out;

@@ -273,8 +273,8 @@ void gemm_into(const at::Tensor& out, const Mat& a, const Mat& b, double alpha, 
   if (tb ? k <= 1 : n <= 1) ldb = std::max<int64_t>(tb ? n : k, 1);
   const cudaDataType_t type = dt == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   const float falpha = static_cast<float>(alpha), fbeta = static_cast<float>(beta);
-  TORCH_CUDABLAS_CHECK(cublasSetMathMode(blas.handle, CUBLAS_DEFAULT_MATH));
-  TORCH_CUDABLAS_CHECK(cublasGemmEx(blas.handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+  EXT_CUBLAS_CHECK(cublasSetMathMode(blas.handle, CUBLAS_DEFAULT_MATH));
+  EXT_CUBLAS_CHECK(cublasGemmEx(blas.handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                     (int)m, (int)n, (int)k, &falpha, b.src.const_data_ptr(), type, (int)lda,
                                     a.src.const_data_ptr(), type, (int)ldb, &fbeta, out.mutable_data_ptr(), type,
                                     (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
