@@ -86,11 +86,14 @@ inline bool mixed_input_fast_enough(long long m, long long n, long long k, int s
 // and Qwen3-1.7B's MLP projections (NF4: 0.62-0.94x); 1.02-1.43x on the smaller weights (Qwen3-1.7B q and k/v,
 // SmolLM2-135M's; the 8B k/v 0.86-1.04x) and, but for the 8B MLP, at 32 tokens. The row bound: on Qwen3-1.7B's down
 // projection (2048 rows: 16 tiles, whose K split leaves about one CTA per SM) the mma kernel took 0.81-0.85x the
-// WGMMA kernel's time at 40-48 tokens in NVFP4 (1.01x at 64; session 29, its weight-as-A form) and 0.94-0.97x in NF4.
+// WGMMA kernel's time at 40-48 tokens in NVFP4 (1.01x at 64; session 29, its weight-as-A form) and 0.94-0.97x in NF4
+// (session 33, 72282d6's kernels: 0.84-0.88x at 40-48 tokens, 1.04-1.06x at 64). Qwen2.5-7B's 3584-row q / o and
+// down projections (28 tiles) take it since session 33 (the bound was 4096 rows): there the WGMMA kernel ran at
+// 1.03-1.30x (q) and 1.47-1.78x (down) the mma kernel's speed at 40-64 tokens in NVFP4 / MXFP4, 1.07-1.57x in NF4.
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
 constexpr int kFewTokenWgmmaMinTokens = 40;
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;
-constexpr long long kFewTokenWgmmaMinRows = 4096;
+constexpr long long kFewTokenWgmmaMinRows = 3072;
 inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long k) {
   return fmt >= 0 && fmt <= 2 && n >= kFewTokenWgmmaMinRows && m >= kFewTokenWgmmaMinTokens && m <= 64 &&
          n * k >= kFewTokenWgmmaMinElements;

@@ -280,9 +280,10 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
 
 
 def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
-    """Inside the few-token op, the register-operand WGMMA kernel runs weights of >= 8M elements and >= 4096 rows at
-    40-64 tokens on an sm_90a build (where it was measured faster); the mma kernel everything else. The C++
-    states the same constants (csrc/weight_only/mixed_input_gemm.h)."""
+    """Inside the few-token op, the register-operand WGMMA kernel runs weights of >= 8M elements and >= 3072 rows at
+    40-64 tokens on an sm_90a build (where it was measured faster: Llama-3.1-8B q / gate_up / down, Qwen3-1.7B
+    gate_up, Qwen2.5-7B q / down and its MLP); the mma kernel everything else. The C++ states the same constants
+    (csrc/weight_only/mixed_input_gemm.h)."""
     header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
     assert f"kFewTokenWgmmaMinTokens = {P.FEW_TOKEN_WGMMA_MIN_TOKENS};" in header
     assert f"kFewTokenWgmmaMinElements = {P.FEW_TOKEN_WGMMA_MIN_ELEMENTS >> 20}ll << 20;" in header
@@ -300,10 +301,15 @@ def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, (10, 0), True)  # WGMMA is SM90a's
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, SM90, False)
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, None, True)
-    # every format: weights of >= 4096 rows (on Qwen3-1.7B's 2048-row down projection the mma kernel was faster)
+    # every format: weights of >= 3072 rows (on Qwen3-1.7B's 2048-row down projection the mma kernel was faster at
+    # 40-48 tokens; on Qwen2.5-7B's 3584-row q and down the WGMMA kernel, session 33)
+    for proj in ("q", "o", "gate_up", "down"):
+        assert ("Qwen2.5-7B", proj) in taken
     for fmt in ("nvfp4", "mxfp4", "nf4"):
         assert P.few_token_wgmma(fmt, 40, 4096, 4096, SM90, True)
         assert P.few_token_wgmma(fmt, 64, 6144, 2048, SM90, True)
+        assert P.few_token_wgmma(fmt, 40, 3584, 18944, SM90, True)
+        assert not P.few_token_wgmma(fmt, 40, 3071, 18944, SM90, True)
         assert not P.few_token_wgmma(fmt, 48, 2048, 6144, SM90, True)
         assert not P.few_token_wgmma(fmt, 64, 2048, 6144, SM90, True)
     assert not P.few_token_wgmma("nf4", 39, 4096, 4096, SM90, True)
