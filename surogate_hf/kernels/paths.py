@@ -114,9 +114,10 @@ def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int
     Measured on the H200 (docs/kernels.md), from 40 tokens: 0.53-0.98x the mma kernel's time on Llama-3.1-8B's q /
     gate_up / down and Qwen3-1.7B's MLP projections; slower on smaller weights and, but for the 8B MLP, at 32
     tokens; and on Qwen3-1.7B's down projection (2048 rows, whose K split leaves about one CTA per SM: 1.18-1.24x the
-    mma kernel's time at 40-48 tokens in NVFP4, 1.03-1.07x in NF4; session 33: 1.14-1.19x), hence the row bound. Its value, 3072 since session 33 (4096 before), lets in Qwen2.5-7B's 3584-row q / o and down projections,
-    where the WGMMA kernel ran at 1.03-1.30x (q) and 1.47-1.78x (down) the mma kernel's speed at 40-64 tokens in NVFP4
-    / MXFP4, 1.07-1.57x in NF4 (H200, benchmarks/results/decode/few_tokens_mxfp4_rolled_h200.md,
+    mma kernel's time at 40-48 tokens in NVFP4, 1.03-1.07x in NF4; session 33: 1.14-1.19x), hence the row bound.
+    Its value, 3072 since session 33 (4096 before), lets in Qwen2.5-7B's 3584-row q / o and down projections, where
+    the WGMMA kernel ran at 1.03-1.30x (q) and 1.47-1.78x (down) the mma kernel's speed at 40-64 tokens in NVFP4 /
+    MXFP4, 1.07-1.57x in NF4 (H200, benchmarks/results/decode/few_tokens_mxfp4_rolled_h200.md,
     nf4_rolled_prmt_base_h200.md)."""
     return (fmt in ("nvfp4", "mxfp4", "nf4") and n >= FEW_TOKEN_WGMMA_MIN_ROWS
             and FEW_TOKEN_WGMMA_MIN_TOKENS <= m <= FEW_TOKEN_MAX_TOKENS
