@@ -151,14 +151,15 @@ def main():
                         return ""
                     return "meets" if speed >= target else f"misses by {target - speed:.2f}x"
 
-                rows.append([f"{k}->{n}", f"{model} {proj}", m, f, t_bf16, t_gemm_decoded, t_dense, t_rs,
-                             t_bf16 / t_dense, t_bf16 / t_rs, t_dense / t_rs, "mixed rs" if takes_rs else "route",
+                # (times in us: the table prints 3 decimals, and a small GEMM's ms would keep only whole us)
+                rows.append([f"{k}->{n}", f"{model} {proj}", m, f, 1e3 * t_bf16, 1e3 * t_gemm_decoded, 1e3 * t_dense,
+                             1e3 * t_rs, t_bf16 / t_dense, t_bf16 / t_rs, t_dense / t_rs, "mixed rs" if takes_rs else "route",
                              t_bf16 / t_default, target, verdict(t_bf16 / t_default)])
                 print(rows[-1], flush=True)
         del dense, quant
         torch.cuda.empty_cache()
-    body = table(["shape (in->out)", "linear", "M", "format", "bf16 cuBLAS ms", "cuBLAS on the decoded weight ms",
-                  "route ms", "mixed rs ms", "route x bf16", "mixed rs x bf16", "rs vs route", "default path",
+    body = table(["shape (in->out)", "linear", "M", "format", "bf16 cuBLAS us", "cuBLAS on the decoded weight us",
+                  "route us", "mixed rs us", "route x bf16", "mixed rs x bf16", "rs vs route", "default path",
                   "default x bf16", "target", "default"], rows)
     body += ("\nroute: decode + cuBLAS from 512 tokens, the few-token op (ext_few_token_gemm) at <= 64 (from 40 tokens "
              "it runs large NVFP4 / MXFP4 weights through the register-operand kernel's K-split variant: "
