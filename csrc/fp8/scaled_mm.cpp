@@ -60,7 +60,7 @@ struct Preference {
   explicit Preference(uint64_t workspace) {
     EXT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p));
     EXT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-                                                              sizeof(workspace)));
+                                                          sizeof(workspace)));
   }
   ~Preference() { if (p) cublasLtMatmulPreferenceDestroy(p); }
 };
@@ -143,8 +143,9 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
     cublasLtMatmulHeuristicResult_t result = {};
     int returned = 0;
     EXT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, plan->la->l, plan->lb->l, plan->lc->l,
-                                                        plan->ld->l, pref.p, 1, &result, &returned));
-    if (returned == 0) EXT_CUBLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED);
+                                                    plan->ld->l, pref.p, 1, &result, &returned));
+    EXT_CHECK(returned > 0, "ext_fp8_scaled_mm: cuBLASLt offers no algorithm for a [", M, ", ", K, "] x [", N, ", ", K,
+              "]^T GEMM to ", out_dtype, has_bias ? " with a bias" : "");
     plan->algo = result.algo;
     it = plans.emplace(key, std::move(plan)).first;
   } else {
@@ -156,8 +157,8 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const float alpha = 1.0f, beta = 0.0f;
   // C is unused (beta 0) but cuBLASLt wants a pointer that is neither null nor D: aten passes its first operand's
   EXT_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc.d, &alpha, b.data_ptr(), plan.la->l, a.data_ptr(), plan.lb->l,
-                                      &beta, b.data_ptr(), plan.lc->l, out.data_ptr(), plan.ld->l, &plan.algo,
-                                      workspace_ptr, workspace, at::cuda::getCurrentCUDAStream()));
+                                  &beta, b.data_ptr(), plan.lc->l, out.data_ptr(), plan.ld->l, &plan.algo,
+                                  workspace_ptr, workspace, at::cuda::getCurrentCUDAStream()));
   return out;
 }
 

@@ -275,9 +275,9 @@ void gemm_into(const at::Tensor& out, const Mat& a, const Mat& b, double alpha, 
   const float falpha = static_cast<float>(alpha), fbeta = static_cast<float>(beta);
   EXT_CUBLAS_CHECK(cublasSetMathMode(blas.handle, CUBLAS_DEFAULT_MATH));
   EXT_CUBLAS_CHECK(cublasGemmEx(blas.handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                    (int)m, (int)n, (int)k, &falpha, b.src.const_data_ptr(), type, (int)lda,
-                                    a.src.const_data_ptr(), type, (int)ldb, &fbeta, out.mutable_data_ptr(), type,
-                                    (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
+                                (int)m, (int)n, (int)k, &falpha, b.src.const_data_ptr(), type, (int)lda,
+                                a.src.const_data_ptr(), type, (int)ldb, &fbeta, out.mutable_data_ptr(), type,
+                                (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
 }
 
 // alpha * (a @ b) as one GEMM into a fresh [M, N] (beta 0: the uninitialised output is never read); `shape`: the
