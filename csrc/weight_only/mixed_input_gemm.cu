@@ -451,21 +451,6 @@ __device__ __forceinline__ void st_shared8(uint32_t addr, uint32_t lo, uint32_t 
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(lo), "r"(hi) : "memory");
 }
 
-// NF4: a bf16 pair of levels[code] * absmax (each product in fp32 and rounded once, as the reference decode) for the
-// two codes of byte b of a word of codes (bitsandbytes-packed: the even column in the high nibble). hi4 / lo4 hold
-// each byte's high / low nibble times 4, i.e. the byte offsets of their levels in the table: one prmt picks a code's
-// offset (two shifts, two masks a word; before, a shift and a mask a code: NF4's stage loop 211 -> 195 instructions,
-// H200 session 33 +2% geomean at 40-2048 tokens, +5% at 40-64 tokens on the 8B MLP weights).
-__device__ __forceinline__ float nf4_level_at(const float* levels, uint32_t byte_offset) {
-  return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(levels) + byte_offset);
-}
-__device__ __forceinline__ uint32_t nf4_pair(uint32_t hi4, uint32_t lo4, int b, const float* levels, float absmax) {
-  const uint32_t sel = 0x4440u | (uint32_t)b;  // byte b, then zeros
-  const __nv_bfloat162 v = __floats2bfloat162_rn(nf4_level_at(levels, __byte_perm(hi4, 0u, sel)) * absmax,
-                                                 nf4_level_at(levels, __byte_perm(lo4, 0u, sel)) * absmax);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // A 32-column half's block scale(s) as the bf16 pairs of its two k16 steps (both elements of a pair the same scale):
 // NVFP4 two E4M3 bytes (steps 2h, 2h + 1), MXFP4 one E8M0 byte (both steps)
 template <int FMT>
@@ -618,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, RsTile<BM>::kCtasPerSm)
         uint32_t* a = frag[step];
         if (FMT == kNF4) {  // levels[code] * absmax in fp32, rounded once (bitsandbytes: the even column high)
           const float m0f = __uint_as_float(half ? c.am0.y : c.am0.x), m1f = __uint_as_float(half ? c.am1.y : c.am1.x);
-          a[0] = nf4_pair(h0, l0, 2 * e, levels, m0f);
+          a[0] = nf4_pair(h0, l0, 2 * e, levels, m0f);  // (e2m1_decode.cuh)
           a[1] = nf4_pair(h1, l1, 2 * e, levels, m1f);
           a[2] = nf4_pair(h0, l0, 2 * e + 1, levels, m0f);
           a[3] = nf4_pair(h1, l1, 2 * e + 1, levels, m1f);
