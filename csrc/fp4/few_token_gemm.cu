@@ -35,6 +35,7 @@
 #include <unordered_map>
 #include <type_traits>
 
+#include "../weight_only/mixed_input_gemm.h"
 #include "e2m1_decode.cuh"
 
 namespace surogate {
@@ -615,7 +616,8 @@ cudaError_t launch_planned(const void* x, const uint8_t* w, const uint8_t* scale
 }
 
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
-// variant all fit at once; 1 (no cluster, any number of waves) where even 2 do not. Then the ring of 2 for the split
+// variant all fit at once; kFewTokenMultiWaveSplit over several waves where even 2 do not (it had been 1: no cluster;
+// mixed_input_gemm.h has the measurements). Then the ring of 2 for the split
 // decode's short runs (few_token_split_decode; its staged variant holds fewer registers and stages than the ring of
 // 4's, whose clusters the split was planned on).
 template <int FMT, int T8, int NT>
@@ -625,7 +627,7 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
   constexpr int kDepth = few_token_depth<NT>();
   using Staged = Variant<FMT, T8, NT, false, kDepth>;
   const int steps = (K + kStep - 1) / kStep, nb = (N + Staged::BN - 1) / Staged::BN;
-  int split = 1;
+  int split = std::min(kFewTokenMultiWaveSplit, steps);
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
     if (nb <= Staged::capacity(dev, s, Staged::kMaxSmem)) {
       split = s;

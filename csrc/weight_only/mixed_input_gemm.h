@@ -92,6 +92,16 @@ inline bool mixed_input_fast_enough(long long m, long long n, long long k, int s
 // 1.03-1.30x (q) and 1.47-1.78x (down) the mma kernel's speed at 40-64 tokens in NVFP4 / MXFP4, 1.07-1.57x in NF4.
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
 constexpr int kFewTokenWgmmaMinTokens = 40;
+// The K split of a few-token launch (this kernel's and the few-token mma kernel's, csrc/fp4/few_token_gemm.cu): the
+// largest cluster (<= 8 CTAs) whose clusters all fit on the GPU at once; where not even clusters of 2 fit (more tiles
+// than SMs: Qwen2.5-7B's 18944-row gate / up), 4 over several waves, where it had been no split (one CTA per tile, a
+// few SMs running two of them while the rest ran one). Forced splits 1-8 on the H200 (session 34,
+// benchmarks/results/decode/few_tokens_multi_wave_split_h200.md): on Qwen2.5-7B's gate / up 4 ways took 0.80-0.82x
+// the time of none at 40-64 tokens (NVFP4 / NF4), 0.86-0.90x at 16, 0.90-0.92x at 1-8; 3 ways was best at 32 tokens
+// (0.83x) and 4 close (0.86x); 5-8 ways lost their waves' balance (up to 1.09x none's time at 40-64 tokens). Where a
+// split of 2+ fits one wave (Llama-3.1-8B's and Gemma-2-2B's gate / up), the rule's split measured the best of 1-8
+// within 0.5%.
+constexpr int kFewTokenMultiWaveSplit = 4;
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;
 constexpr long long kFewTokenWgmmaMinRows = 3072;
 inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long k) {
