@@ -616,10 +616,10 @@ cudaError_t launch_planned(const void* x, const uint8_t* w, const uint8_t* scale
 }
 
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
-// variant all fit at once; kFewTokenMultiWaveSplit over several waves where even 2 do not (it had been 1: no cluster;
-// mixed_input_gemm.h has the measurements). Then the ring of 2 for the split
-// decode's short runs (few_token_split_decode; its staged variant holds fewer registers and stages than the ring of
-// 4's, whose clusters the split was planned on).
+// variant all fit at once; where even 2 do not, few_token_multi_wave_split (4 over several waves where the unsplit
+// launch fills few of a wave's slots, else 1: no cluster; mixed_input_gemm.h has the measurements). Then the ring of 2
+// for the split decode's short runs (few_token_split_decode; its staged variant holds fewer registers and stages than
+// the ring of 4's, whose clusters the split was planned on).
 template <int FMT, int T8, int NT>
 cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                             const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
@@ -627,12 +627,13 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
   constexpr int kDepth = few_token_depth<NT>();
   using Staged = Variant<FMT, T8, NT, false, kDepth>;
   const int steps = (K + kStep - 1) / kStep, nb = (N + Staged::BN - 1) / Staged::BN;
-  int split = std::min(kFewTokenMultiWaveSplit, steps);
+  int split = 0;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
     if (nb <= Staged::capacity(dev, s, Staged::kMaxSmem)) {
       split = s;
       break;
     }
+  if (split == 0) split = few_token_multi_wave_split(nb, Staged::capacity(dev, 1, Staged::kMaxSmem), steps);
   const int per = (steps + split - 1) / split;
   split = (steps + per - 1) / per;  // no empty CTA
   if constexpr (few_token_split_decode<FMT, T8, NT>() && kDepth > 2) {

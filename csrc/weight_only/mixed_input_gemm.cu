@@ -843,16 +843,17 @@ cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
 
 // At most 64 tokens: 64-token tiles (m64n64 WGMMAs), K split over the largest cluster
 // (<= 8 CTAs, <= one per stage) whose clusters all fit on the GPU at once, so that the weight streams through every SM;
-// where not even clusters of 2 fit, kFewTokenMultiWaveSplit (mixed_input_gemm.h has why).
+// where not even clusters of 2 fit, few_token_multi_wave_split (mixed_input_gemm.h has why).
 template <int FMT>
 cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
   const int steps = (c.K + kBK - 1) / kBK, tiles = (c.N + kBN - 1) / kBN;
-  int split = std::min(kFewTokenMultiWaveSplit, steps);
+  int split = 0;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
     if (tiles <= cluster_capacity<FMT, 64>(dev, s)) {
       split = s;
       break;
     }
+  if (split == 0) split = few_token_multi_wave_split(tiles, cluster_capacity<FMT, 64>(dev, 1), steps);
   const int per = (steps + split - 1) / split;
   return launch_tile<FMT, 64>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }

@@ -93,15 +93,21 @@ inline bool mixed_input_fast_enough(long long m, long long n, long long k, int s
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
 constexpr int kFewTokenWgmmaMinTokens = 40;
 // The K split of a few-token launch (this kernel's and the few-token mma kernel's, csrc/fp4/few_token_gemm.cu): the
-// largest cluster (<= 8 CTAs) whose clusters all fit on the GPU at once; where not even clusters of 2 fit (more tiles
-// than SMs: Qwen2.5-7B's 18944-row gate / up), 4 over several waves, where it had been no split (one CTA per tile, a
-// few SMs running two of them while the rest ran one). Forced splits 1-8 on the H200 (session 34,
-// benchmarks/results/decode/few_tokens_multi_wave_split_h200.md): on Qwen2.5-7B's gate / up 4 ways took 0.80-0.82x
-// the time of none at 40-64 tokens (NVFP4 / NF4), 0.86-0.90x at 16, 0.90-0.92x at 1-8; 3 ways was best at 32 tokens
-// (0.83x) and 4 close (0.86x); 5-8 ways lost their waves' balance (up to 1.09x none's time at 40-64 tokens). Where a
-// split of 2+ fits one wave (Llama-3.1-8B's and Gemma-2-2B's gate / up), the rule's split measured the best of 1-8
-// within 0.5%.
+// largest cluster (<= 8 CTAs) whose clusters all fit on the GPU at once; where not even clusters of 2 fit, 4 ways over
+// several waves if the unsplit launch would fill at most 60% of a wave's CTA slots, else none (as before session 34).
+// Forced splits 1-8 on the H200 (session 34, benchmarks/results/decode/few_tokens_multi_wave_split_h200.md):
+// - Qwen2.5-7B's 18944-row gate / up (148 tiles: unsplit, 56% of the slots, a few SMs running two tiles while the rest
+//   ran one): 4 ways took 0.80-0.82x the time of none at 40-64 tokens (NVFP4 / NF4), 0.86-0.90x at 16, 0.90-0.92x
+//   at 1-8; 3 ways was best at 32 tokens (0.83x), 4 close (0.86x); 5-8 ways lost their waves' balance (up to 1.09x);
+// - a 28672-row gate / up (Llama-3.1-70B; unsplit 85% of the slots): 4 ways took 1.07-1.08x none's time at 32-64
+//   tokens (0.93-0.97x at 1-16, where 2 ways did best): not split;
+// - where a split of 2+ fits one wave (Llama-3.1-8B, Gemma-2-2B, Qwen2.5-14B gate / up), the rule's split measured
+//   within 0.5% of the best of 1-8 at 32-64 tokens.
 constexpr int kFewTokenMultiWaveSplit = 4;
+inline int few_token_multi_wave_split(long long ctas, long long wave_ctas, int steps) {
+  if (10 * ctas > 6 * wave_ctas) return 1;
+  return steps < kFewTokenMultiWaveSplit ? steps : kFewTokenMultiWaveSplit;
+}
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;
 constexpr long long kFewTokenWgmmaMinRows = 3072;
 inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long k) {
