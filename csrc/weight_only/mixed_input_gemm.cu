@@ -853,7 +853,8 @@ cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
       split = s;
       break;
     }
-  if (split == 0) split = few_token_multi_wave_split(tiles, cluster_capacity<FMT, 64>(dev, 1), steps);
+  if (split == 0)
+    split = few_token_multi_wave_split(tiles, cluster_capacity<FMT, 64>(dev, 1), steps, kFewTokenMultiWaveSplit);
   const int per = (steps + split - 1) / split;
   return launch_tile<FMT, 64>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }

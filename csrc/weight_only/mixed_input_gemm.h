@@ -93,20 +93,23 @@ inline bool mixed_input_fast_enough(long long m, long long n, long long k, int s
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
 constexpr int kFewTokenWgmmaMinTokens = 40;
 // The K split of a few-token launch (this kernel's and the few-token mma kernel's, csrc/fp4/few_token_gemm.cu): the
-// largest cluster (<= 8 CTAs) whose clusters all fit on the GPU at once; where not even clusters of 2 fit, 4 ways over
-// several waves if the unsplit launch would fill at most 60% of a wave's CTA slots, else none (as before session 34).
-// Forced splits 1-8 on the H200 (session 34, benchmarks/results/decode/few_tokens_multi_wave_split_h200.md):
-// - Qwen2.5-7B's 18944-row gate / up (148 tiles: unsplit, 56% of the slots, a few SMs running two tiles while the rest
-//   ran one): 4 ways took 0.80-0.82x the time of none at 40-64 tokens (NVFP4 / NF4), 0.86-0.90x at 16, 0.90-0.92x
-//   at 1-8; 3 ways was best at 32 tokens (0.83x), 4 close (0.86x); 5-8 ways lost their waves' balance (up to 1.09x);
+// largest cluster (<= 8 CTAs) whose clusters all fit on the GPU at once; where not even clusters of 2 fit, `ways` over
+// several waves (this kernel 4, the mma kernel 3) if the unsplit launch would fill at most 60% of a wave's CTA slots,
+// else none (as before session 34). Forced splits 1-8 on the H200 (session 34,
+// benchmarks/results/decode/few_tokens_multi_wave_split_h200.md):
+// - Qwen2.5-7B's 18944-row gate / up (148 tiles of this kernel, 296 of the mma kernel's: unsplit 56% of the slots, a
+//   few SMs running two while the rest ran one): here 4 ways took 0.79-0.82x the time of none at 40-64 tokens (NVFP4
+//   / NF4; 3 ways 0.83-0.85x, 5-8 ways up to 1.09x: their waves lost balance); the mma kernel 3 ways 0.83x at 32
+//   tokens and 0.93-0.95x at 1-16, where 4 ways ran its NVFP4 split decode's short-run ring of 2 (few_token_gemm.cu:
+//   kShortRunSteps) and lost 3-5% at 1-8 tokens;
 // - a 28672-row gate / up (Llama-3.1-70B; unsplit 85% of the slots): 4 ways took 1.07-1.08x none's time at 32-64
-//   tokens (0.93-0.97x at 1-16, where 2 ways did best): not split;
+//   tokens: not split;
 // - where a split of 2+ fits one wave (Llama-3.1-8B, Gemma-2-2B, Qwen2.5-14B gate / up), the rule's split measured
 //   within 0.5% of the best of 1-8 at 32-64 tokens.
-constexpr int kFewTokenMultiWaveSplit = 4;
-inline int few_token_multi_wave_split(long long ctas, long long wave_ctas, int steps) {
+constexpr int kFewTokenMultiWaveSplit = 4, kFewTokenMmaMultiWaveSplit = 3;
+inline int few_token_multi_wave_split(long long ctas, long long wave_ctas, int steps, int ways) {
   if (10 * ctas > 6 * wave_ctas) return 1;
-  return steps < kFewTokenMultiWaveSplit ? steps : kFewTokenMultiWaveSplit;
+  return steps < ways ? steps : ways;
 }
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;
 constexpr long long kFewTokenWgmmaMinRows = 3072;
