@@ -1,6 +1,7 @@
 // Dispatcher bindings of the csrc kernels: argument checks and launches only, no math. The Python callers
 // validate every input first (clear errors, a fallback path); the checks here (EXT_CHECK, common/check.h) guard
 // against misuse.
+#include <cstdlib>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/torch.h>
@@ -27,7 +28,7 @@ void launch_nvfp4_scale_bias_cast(const float* acc, const float* ga, const float
                                   void* out, int out_dtype, int64_t M, int64_t N, int sms, cudaStream_t stream);
 cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                                   const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
-                                  int sms, cudaStream_t stream);
+                                  int sms, int forced_split, cudaStream_t stream);
 }
 
 static int dtype_code(const torch::Tensor& x, const char* who) {
@@ -246,6 +247,19 @@ torch::Tensor nvfp4_gemm(const torch::Tensor& a, const torch::Tensor& b, const t
 // K % 32 == 0 and NF4 blocks a power of two >= 32 (surogate_hf.kernels.paths.few_token_kernel decides; it checks these).
 // A large weight at 40-64 tokens on an SM90a build runs the mixed-input WGMMA kernel instead
 // (few_token_wgmma_applies; kernels.paths.few_token_wgmma): the same sums, within the same one bf16 rounding.
+// SUROGATE_HF_FEW_TOKEN_SPLIT: the few-token launches' K split forced to 1-8 CTAs a tile (at most one per K step), to
+// measure their rule against the alternatives (benchmarks/probe_few_token_split.py); unset, empty or 0: the rule.
+// Read per call (a getenv: well under the call's host time), so that one process can time several.
+static int forced_few_token_split() {
+  const char* v = std::getenv("SUROGATE_HF_FEW_TOKEN_SPLIT");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long split = std::strtol(v, &end, 10);
+  EXT_CHECK(*end == '\0' && split >= 0 && split <= 8,
+            "SUROGATE_HF_FEW_TOKEN_SPLIT must be an integer from 0 (the launch's own rule) to 8, got '", v, "'");
+  return (int)split;
+}
+
 torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scales,
                              const c10::optional<torch::Tensor>& gscale, const c10::optional<torch::Tensor>& levels,
                              int64_t fmt, int64_t n, int64_t k, int64_t nf4_block) {
@@ -273,13 +287,14 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
   if (n == 0) return y;
   const torch::Tensor g = fmt == 0 ? gscale->to(x.device()).contiguous() : torch::Tensor();
   const int dev = x.get_device();
+  const int forced_split = forced_few_token_split();
   if (surogate::few_token_wgmma_applies((int)fmt, m, n, k) && surogate::mixed_input_gemm_supported(dev)) {
     // a large weight at 40-64 tokens: the WGMMA kernel decodes each fragment once for all the tokens
     const cudaError_t err = surogate::launch_mixed_input_gemm_few_tokens(
         (int)fmt, x.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()),
         reinterpret_cast<const uint8_t*>(scales.data_ptr()), fmt == 0 ? g.data_ptr<float>() : nullptr,
         fmt == 2 ? levels->data_ptr<float>() : nullptr, (int)nf4_block, y.data_ptr(), (int)m, (int)n, (int)k, dev,
-        at::cuda::getCurrentCUDAStream());
+        forced_split, at::cuda::getCurrentCUDAStream());
     if (err != cudaSuccess) (void)cudaGetLastError();
     EXT_CHECK(err == cudaSuccess, "few_token_gemm: WGMMA launch failed: ", cudaGetErrorString(err));
     return y;
@@ -289,7 +304,7 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
       (int)fmt, x.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()),
       fmt == 2 ? nullptr : reinterpret_cast<const uint8_t*>(scales.data_ptr()),
       fmt == 2 ? scales.data_ptr<float>() : nullptr, fmt == 2 ? levels->data_ptr<float>() : nullptr,
-      fmt == 0 ? g.data_ptr<float>() : nullptr, y.data_ptr(), (int)m, (int)n, (int)k, (int)nf4_block, sms,
+      fmt == 0 ? g.data_ptr<float>() : nullptr, y.data_ptr(), (int)m, (int)n, (int)k, (int)nf4_block, sms, forced_split,
       at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) (void)cudaGetLastError();  // a failed launch must not fail the next kernel's check too
   EXT_CHECK(err == cudaSuccess, "few_token_gemm: launch failed: ", cudaGetErrorString(err));

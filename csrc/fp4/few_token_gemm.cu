@@ -623,7 +623,7 @@ cudaError_t launch_planned(const void* x, const uint8_t* w, const uint8_t* scale
 template <int FMT, int T8, int NT>
 cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                             const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
-                            int dev, cudaStream_t stream) {
+                            int forced_split, int dev, cudaStream_t stream) {
   constexpr int kDepth = few_token_depth<NT>();
   using Staged = Variant<FMT, T8, NT, false, kDepth>;
   const int steps = (K + kStep - 1) / kStep, nb = (N + Staged::BN - 1) / Staged::BN;
@@ -635,6 +635,7 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
     }
   if (split == 0) split = few_token_multi_wave_split(nb, Staged::capacity(dev, 1, Staged::kMaxSmem), steps,
                                                      kFewTokenMmaMultiWaveSplit);
+  if (forced_split > 0) split = std::min(std::min(forced_split, kMaxSplit), steps);
   const int per = (steps + split - 1) / split;
   split = (steps + per - 1) / per;  // no empty CTA
   if constexpr (few_token_split_decode<FMT, T8, NT>() && kDepth > 2) {
@@ -652,12 +653,14 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
 template <int FMT, int T8>
 cudaError_t launch_tokens(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                           const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
-                          int sms, int dev, cudaStream_t stream) {
+                          int sms, int forced_split, int dev, cudaStream_t stream) {
   const int steps = (K + kStep - 1) / kStep;
   constexpr int kWide = T8 == 4 ? 4 : 2;
   if ((int64_t)((N + 32 * kWide - 1) / (32 * kWide)) * std::min(kMaxSplit, steps) >= sms)
-    return plan_and_launch<FMT, T8, kWide>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
-  return plan_and_launch<FMT, T8, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, dev, stream);
+    return plan_and_launch<FMT, T8, kWide>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, forced_split,
+                                           dev, stream);
+  return plan_and_launch<FMT, T8, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, forced_split, dev,
+                                     stream);
 }
 
 // 1-8 tokens take one n8 token tile, 9-16 two, 17-64 four to eight (in steps of two), all routed here
@@ -666,14 +669,20 @@ cudaError_t launch_tokens(const void* x, const uint8_t* w, const uint8_t* scales
 // 1.38-1.60x at 8, 1.18-1.47x at 16, 0.85-1.28x at 32 (64: the WGMMA kernel on the 8B's large weights).
 template <int FMT>
 cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax, const float* levels,
-                       const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int dev,
-                       cudaStream_t stream) {
-  if (M <= 8) return launch_tokens<FMT, 1>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-  switch ((M + 15) / 16) {
-    case 1: return launch_tokens<FMT, 2>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-    case 2: return launch_tokens<FMT, 4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-    case 3: return launch_tokens<FMT, 6>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-    default: return launch_tokens<FMT, 8>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+                       const float* gscale, void* y, int M, int N, int K, int nf4_block, int sms, int forced_split,
+                       int dev, cudaStream_t stream) {
+  // n8 token tiles: 1 up to 8 tokens, else 2, 4, 6 or 8
+  const int t8 = M <= 8 ? 1 : std::min(8, 2 * ((M + 15) / 16));
+  auto launch = [&](auto t8_constant) {
+    return launch_tokens<FMT, decltype(t8_constant)::value>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block,
+                                                            sms, forced_split, dev, stream);
+  };
+  switch (t8) {
+    case 1: return launch(std::integral_constant<int, 1>{});
+    case 2: return launch(std::integral_constant<int, 2>{});
+    case 4: return launch(std::integral_constant<int, 4>{});
+    case 6: return launch(std::integral_constant<int, 6>{});
+    default: return launch(std::integral_constant<int, 8>{});
   }
 }
 
@@ -681,19 +690,25 @@ cudaError_t launch_fmt(const void* x, const uint8_t* w, const uint8_t* scales, c
 
 // fmt: 0 NVFP4 (scales E4M3 [N, K/16], gscale the decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4 (absmax
 // fp32 per nf4_block elements of the flattened weight, levels its 16 values). x bf16 [M, K] and w [N, K/2] 16-byte
-// aligned, K % 32 == 0, 1 <= M <= 64, NF4 blocks a power of two >= 32: the caller checks.
+// aligned, K % 32 == 0, 1 <= M <= 64, NF4 blocks a power of two >= 32: the caller checks. forced_split 1-8 overrides
+// the K split rule (plan_and_launch; 0: the rule).
 cudaError_t launch_few_token_gemm(int fmt, const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                                   const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,
-                                  int sms, cudaStream_t stream) {
+                                  int sms, int forced_split, cudaStream_t stream) {
+  if (forced_split < 0) return cudaErrorInvalidValue;
   int dev = 0;
   const cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   int nf4_shift = 0;  // the kernel takes NF4's block size (a power of two) as a shift
   while (fmt == kNF4 && (1 << nf4_shift) < nf4_block) ++nf4_shift;
   nf4_block = nf4_shift;
-  if (fmt == kNVFP4) return launch_fmt<kNVFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-  if (fmt == kMXFP4) return launch_fmt<kMXFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
-  return launch_fmt<kNF4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, dev, stream);
+  if (fmt == kNVFP4)
+    return launch_fmt<kNVFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, forced_split, dev,
+                             stream);
+  if (fmt == kMXFP4)
+    return launch_fmt<kMXFP4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, forced_split, dev,
+                             stream);
+  return launch_fmt<kNF4>(x, w, scales, absmax, levels, gscale, y, M, N, K, nf4_block, sms, forced_split, dev, stream);
 }
 
 }  // namespace surogate

@@ -845,7 +845,7 @@ cudaError_t launch_fmt(const Call& c, int sms, int dev, cudaStream_t stream) {
 // (<= 8 CTAs, <= one per stage) whose clusters all fit on the GPU at once, so that the weight streams through every SM;
 // where not even clusters of 2 fit, few_token_multi_wave_split (mixed_input_gemm.h has why).
 template <int FMT>
-cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
+cudaError_t launch_few_tokens(const Call& c, int dev, int forced_split, cudaStream_t stream) {
   const int steps = (c.K + kBK - 1) / kBK, tiles = (c.N + kBN - 1) / kBN;
   int split = 0;
   for (int s = std::min(kMaxSplit, steps); s >= 2; --s)
@@ -855,6 +855,7 @@ cudaError_t launch_few_tokens(const Call& c, int dev, cudaStream_t stream) {
     }
   if (split == 0)
     split = few_token_multi_wave_split(tiles, cluster_capacity<FMT, 64>(dev, 1), steps, kFewTokenMultiWaveSplit);
+  if (forced_split > 0) split = std::min(std::min(forced_split, kMaxSplit), steps);
   const int per = (steps + split - 1) / split;
   return launch_tile<FMT, 64>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }
@@ -909,23 +910,25 @@ cudaError_t launch_mixed_input_gemm(int fmt, const void* x, const uint8_t* w, co
   if (fmt == kNF4) {
     if (!nf4_operands(levels, nf4_block, K, nested_absmax, nested_code, nested_offset, &c.nf4))
       return cudaErrorInvalidValue;
-    return few ? launch_few_tokens<kNF4>(c, dev, stream) : launch_fmt<kNF4>(c, sms, dev, stream);
+    return few ? launch_few_tokens<kNF4>(c, dev, 0, stream) : launch_fmt<kNF4>(c, sms, dev, stream);
   }
-  if (fmt == kNVFP4) return few ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_fmt<kNVFP4>(c, sms, dev, stream);
-  return few ? launch_few_tokens<kMXFP4>(c, dev, stream) : launch_fmt<kMXFP4>(c, sms, dev, stream);
+  if (fmt == kNVFP4)
+    return few ? launch_few_tokens<kNVFP4>(c, dev, 0, stream) : launch_fmt<kNVFP4>(c, sms, dev, stream);
+  return few ? launch_few_tokens<kMXFP4>(c, dev, 0, stream) : launch_fmt<kMXFP4>(c, sms, dev, stream);
 }
 
 cudaError_t launch_mixed_input_gemm_few_tokens(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
                                                const float* gscale, const float* levels, int nf4_block, void* y, int M,
-                                               int N, int K, int dev, cudaStream_t stream) {
-  if (M < 1 || M > 64 || K % 32 != 0 || fmt < kNVFP4 || fmt > kNF4) return cudaErrorInvalidValue;
+                                               int N, int K, int dev, int forced_split, cudaStream_t stream) {
+  if (M < 1 || M > 64 || K % 32 != 0 || fmt < kNVFP4 || fmt > kNF4 || forced_split < 0) return cudaErrorInvalidValue;
   if (N <= 0) return cudaSuccess;
   Call c{x, w, scales, gscale, {}, y, M, N, K, false};
   if (fmt == kNF4) {  // (the fp32 absmax as it is: no nested operands)
     if (!nf4_operands(levels, nf4_block, K, nullptr, nullptr, nullptr, &c.nf4)) return cudaErrorInvalidValue;
-    return launch_few_tokens<kNF4>(c, dev, stream);
+    return launch_few_tokens<kNF4>(c, dev, forced_split, stream);
   }
-  return fmt == kNVFP4 ? launch_few_tokens<kNVFP4>(c, dev, stream) : launch_few_tokens<kMXFP4>(c, dev, stream);
+  return fmt == kNVFP4 ? launch_few_tokens<kNVFP4>(c, dev, forced_split, stream)
+                       : launch_few_tokens<kMXFP4>(c, dev, forced_split, stream);
 }
 
 }  // namespace surogate

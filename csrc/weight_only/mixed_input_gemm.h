@@ -120,9 +120,9 @@ inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long
 
 // y [M, N] bf16 = x [M, K] bf16 @ deq(W)^T for 1 <= M <= 64 by the register-operand kernel's K-split variant: fmt 0
 // NVFP4, 1 MXFP4 (the operands as launch_mixed_input_gemm's), 2 NF4 (scales its fp32 absmax per nf4_block elements,
-// a power of two >= 32 dividing K; levels its 16 values)
+// a power of two >= 32 dividing K; levels its 16 values); forced_split 1-8 overrides the split rule (0: the rule)
 cudaError_t launch_mixed_input_gemm_few_tokens(int fmt, const void* x, const uint8_t* w, const uint8_t* scales,
                                                const float* gscale, const float* levels, int nf4_block, void* y, int M,
-                                               int N, int K, int dev, cudaStream_t stream);
+                                               int N, int K, int dev, int forced_split, cudaStream_t stream);
 
 }  // namespace surogate

@@ -564,6 +564,37 @@ def test_few_token_kernel_on_a_wide_long_weight(fmt):
         assert torch.equal(y, again), f"{fmt} [{n}, {k}] M={m}: not deterministic; " + _where_wrong(y != again)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_few_token_op_under_a_forced_k_split(fmt, monkeypatch):
+    """SUROGATE_HF_FEW_TOKEN_SPLIT forces the few-token launches' K split (benchmarks/probe_few_token_split.py times
+    the rule against it): every split of 1-8, on a weight of 18944 rows (Qwen2.5-7B's gate/up rows: no cluster of 2+
+    fits one wave, so 2-8 run several waves of clusters) through both kernels (the mma one at 1-33 tokens, the WGMMA
+    one at 40-64 where it applies), within one bf16 rounding of the reference and deterministic; a value outside 0-8
+    raises naming the variable."""
+    _built_extension()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
+    n, k = 18944, 1024
+    _, _, args, wref = _quantized(fmt, _weight(n, k))
+    if fmt == "nvfp4":
+        op_args, wk = (args[0], args[1], args[2], None, 0), wref
+    else:
+        op_args, wk = (args[0], args[1].float().contiguous(), None, args[2].float().contiguous(), 2), wref.bfloat16().float()
+    for m in (1, 12, 33, 40, 64):
+        x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
+        for split in range(1, 9):
+            monkeypatch.setenv("SUROGATE_HF_FEW_TOKEN_SPLIT", str(split))
+            y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+            _assert_within_one_rounding(y, x, wk, f"{fmt} [{n}, {k}] M={m} split {split}")
+            again = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+            assert torch.equal(y, again), f"{fmt} M={m} split {split}: not deterministic; " + _where_wrong(y != again)
+    x = _rand((1, k), torch.bfloat16, seed=1, spread=False).to(DEV)
+    for bad in ("9", "-1", "two"):
+        monkeypatch.setenv("SUROGATE_HF_FEW_TOKEN_SPLIT", bad)
+        with pytest.raises(RuntimeError, match=f"SUROGATE_HF_FEW_TOKEN_SPLIT must be an integer .* got '{bad}'"):
+            torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
+
+
 MANY_TOKENS = (512, 777, 2048)
 
 
