@@ -616,8 +616,8 @@ cudaError_t launch_planned(const void* x, const uint8_t* w, const uint8_t* scale
 }
 
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
-// variant all fit at once; where even 2 do not, few_token_multi_wave_split (3 or 4 over several waves where the
-// unsplit launch fills few of a wave's slots, else 1: no cluster; mixed_input_gemm.h has the measurements). Then the ring of 2
+// variant all fit at once; where even 2 do not, 3 or 4 over several waves (at 17-32 tokens only where the unsplit
+// launch fills few of a wave's slots: few_token_multi_wave_split; mixed_input_gemm.h has the measurements). Then the ring of 2
 // for the split decode's short runs (few_token_split_decode; its staged variant holds fewer registers and stages than
 // the ring of 4's, whose clusters the split was planned on).
 template <int FMT, int T8, int NT>
@@ -633,11 +633,18 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
       split = s;
       break;
     }
-  if (split == 0) {
-    // 3 ways where 4 would leave NVFP4 / MXFP4's split decode short runs (its ring of 2, below) and at 17-32 tokens
-    constexpr int kWays =
-        few_token_split_decode<FMT, T8, NT>() || T8 >= 4 ? kFewTokenMmaMultiWaveSplit : kFewTokenMultiWaveSplit;
-    split = few_token_multi_wave_split(nb, Staged::capacity(dev, 1, Staged::kMaxSmem), steps, kWays);
+  if (split == 0) {  // no cluster of 2+ fits one wave (mixed_input_gemm.h has the measurements)
+    if constexpr (T8 <= 2) {
+      // 1-16 tokens: 4 ways over several waves whatever the unsplit launch's fill, but 3 where 4 would put NVFP4's
+      // split decode on its short-run ring of 2 (below), which lost there (MXFP4's gained)
+      int ways = kFewTokenMultiWaveSplit;
+      if (FMT == kNVFP4 && few_token_split_decode<FMT, T8, NT>() && (steps + ways - 1) / ways <= kShortRunSteps)
+        ways = kFewTokenMmaMultiWaveSplit;
+      split = std::min(ways, steps);
+    } else {
+      split = few_token_multi_wave_split(nb, Staged::capacity(dev, 1, Staged::kMaxSmem), steps,
+                                         kFewTokenMmaMultiWaveSplit);
+    }
   }
   if (forced_split > 0) split = std::min(std::min(forced_split, kMaxSplit), steps);
   const int per = (steps + split - 1) / split;
