@@ -617,9 +617,9 @@ cudaError_t launch_planned(const void* x, const uint8_t* w, const uint8_t* scale
 
 // The K split: the largest (at most 8 CTAs per cluster, at most one per 128-column step) whose clusters of the staged
 // variant all fit at once; where even 2 do not, 3 or 4 over several waves (at 17-32 tokens only where the unsplit
-// launch fills few of a wave's slots: few_token_multi_wave_split; mixed_input_gemm.h has the measurements). Then the ring of 2
-// for the split decode's short runs (few_token_split_decode; its staged variant holds fewer registers and stages than
-// the ring of 4's, whose clusters the split was planned on).
+// launch fills few of a wave's slots: few_token_multi_wave_split; mixed_input_gemm.h has the measurements). Then the
+// ring of 2 for the split decode's short runs (few_token_split_decode; its staged variant holds fewer registers and
+// stages than the ring of 4's, whose clusters the split was planned on).
 template <int FMT, int T8, int NT>
 cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scales, const float* absmax,
                             const float* levels, const float* gscale, void* y, int M, int N, int K, int nf4_block,

@@ -109,11 +109,11 @@ inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long
 // - Qwen2.5-7B's 18944-row gate / up (148 tiles of this kernel, 296 of the mma kernel's: unsplit 56% of the slots, a
 //   few SMs running two while the rest ran one): here 4 ways took 0.79-0.82x the time of none at 40-64 tokens (NVFP4
 //   / NF4; 3 ways 0.83-0.85x, 5-8 ways up to 1.09x: their waves lost balance); the mma kernel 3 ways 0.82x at 32
-//   tokens (4 ways 0.86-0.88x) and 0.93-0.94x at 1-8 in NVFP4, where 4 ways ran the split decode's short-run ring of
+//   tokens (4 ways 0.86-0.89x) and 0.93-0.94x at 1-8 in NVFP4, where 4 ways ran the split decode's short-run ring of
 //   2 (few_token_gemm.cu: kShortRunSteps) and lost 3-5% to none; 4 ways 0.88-0.90x at 16 tokens and 0.92x at one
-//   token in NF4 (3 ways 0.93-0.94x), MXFP4 0.84x at 1-8 tokens (its ring of 2 helps; 3 ways 0.90x)
+//   token in NF4 (3 ways 0.93-0.94x), MXFP4 0.84x at 1-8 tokens (its ring of 2 helps; 3 ways 0.90-0.91x)
 //   (probe_few_token_split_b306e6d_h200.md, probe_few_token_split_1c44e0e_h200.md);
-// - a 28672-row gate / up (Llama-3.1-70B; unsplit 85% of the slots): 4 ways took 1.07-1.08x none's time at 32-64
+// - a 28672-row gate / up (Llama-3.1-70B; unsplit 85% of the slots): 4 ways took 1.06-1.08x none's time at 32-64
 //   tokens (not split there) and 0.93-0.96x at 1-16 in every format (16 steps a CTA: no short runs);
 // - where a split of 2+ fits one wave (Llama-3.1-8B, Gemma-2-2B, Qwen2.5-14B gate / up), the rule's split measured
 //   within 0.5% of the best of 1-8 at 32-64 tokens.
