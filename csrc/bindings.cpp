@@ -255,8 +255,9 @@ static int forced_few_token_split() {
   if (v == nullptr || *v == '\0') return 0;
   char* end = nullptr;
   const long split = std::strtol(v, &end, 10);
-  EXT_CHECK(*end == '\0' && split >= 0 && split <= 8,
-            "SUROGATE_HF_FEW_TOKEN_SPLIT must be an integer from 0 (the launch's own rule) to 8, got '", v, "'");
+  EXT_CHECK(*end == '\0' && split >= 0 && split <= surogate::kMixedInputMaxSplit,
+            "SUROGATE_HF_FEW_TOKEN_SPLIT must be an integer from 0 (the launch's own rule) to ",
+            surogate::kMixedInputMaxSplit, ", got '", v, "'");
   return (int)split;
 }
 

@@ -45,7 +45,7 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 128;  // 4 warps; warp w owns the 8-row weight groups [w * NT, (w + 1) * NT) of the CTA's rows
 constexpr int kStep = 128;     // K per main-loop step: 4 lanes x 32 codes of each weight row
-constexpr int kMaxSplit = 8;   // the portable cluster size
+constexpr int kMaxSplit = kMixedInputMaxSplit;  // the portable cluster size
 constexpr int kMaxDevices = 64;  // the per-device shared-memory opt-in is a bit mask
 constexpr int kRowBytes = kStep * 2;  // one token's x in a stage (kStep bf16)
 using namespace wdec;
@@ -646,7 +646,7 @@ cudaError_t plan_and_launch(const void* x, const uint8_t* w, const uint8_t* scal
                                          kFewTokenMmaMultiWaveSplit);
     }
   }
-  if (forced_split > 0) split = std::min(std::min(forced_split, kMaxSplit), steps);
+  split = few_token_split_or_forced(split, forced_split, steps);
   const int per = (steps + split - 1) / split;
   split = (steps + per - 1) / per;  // no empty CTA
   if constexpr (few_token_split_decode<FMT, T8, NT>() && kDepth > 2) {

@@ -855,7 +855,7 @@ cudaError_t launch_few_tokens(const Call& c, int dev, int forced_split, cudaStre
     }
   if (split == 0)
     split = few_token_multi_wave_split(tiles, cluster_capacity<FMT, 64>(dev, 1), steps, kFewTokenMultiWaveSplit);
-  if (forced_split > 0) split = std::min(std::min(forced_split, kMaxSplit), steps);
+  split = few_token_split_or_forced(split, forced_split, steps);
   const int per = (steps + split - 1) / split;
   return launch_tile<FMT, 64>(c, (steps + per - 1) / per, per, dev, stream);  // (no CTA without a stage)
 }

@@ -122,6 +122,13 @@ inline int few_token_multi_wave_split(long long ctas, long long wave_ctas, int s
   if (10 * ctas > 6 * wave_ctas) return 1;
   return steps < ways ? steps : ways;
 }
+// The split a few-token launch takes: the rule's, or SUROGATE_HF_FEW_TOKEN_SPLIT's forced one (bindings.cpp) where
+// set, capped at the cluster size and at one CTA per K step
+inline int few_token_split_or_forced(int rule_split, int forced_split, int steps) {
+  if (forced_split <= 0) return rule_split;
+  const int split = forced_split < kMixedInputMaxSplit ? forced_split : kMixedInputMaxSplit;
+  return split < steps ? split : steps;
+}
 
 // y [M, N] bf16 = x [M, K] bf16 @ deq(W)^T for 1 <= M <= 64 by the register-operand kernel's K-split variant: fmt 0
 // NVFP4, 1 MXFP4 (the operands as launch_mixed_input_gemm's), 2 NF4 (scales its fp32 absmax per nf4_block elements,

@@ -466,6 +466,16 @@ def _assert_within_one_rounding(y, x, w, what):
     assert err.max() <= 0, f"{what}: off by {err.max():.3g} past one bf16 rounding; " + _where_wrong(err > 0)
 
 
+def _few_token_operands(fmt, args, wref):
+    """(ext_few_token_gemm's operands after x up to k, the dense weight it is checked against) from _quantized's op
+    args and reference weight: the kernel decodes NF4 to bf16 like the reference op."""
+    if fmt == "nvfp4":
+        return (args[0], args[1], args[2], None, 0), wref
+    if fmt == "mxfp4":
+        return (args[0], args[1], None, None, 1), wref
+    return (args[0], args[1].float().contiguous(), None, args[2].float().contiguous(), 2), wref.bfloat16().float()
+
+
 FEW_TOKENS = (1, 5, 12, 16, 17, 33, 40, 64)  # (40: where large NVFP4 / MXFP4 weights switch to the WGMMA kernel)
 
 
@@ -484,12 +494,7 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
         pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
     k, n = nk
     fwd, _, args, wref = _quantized(fmt, _weight(n, k))
-    if fmt == "nvfp4":
-        op_args, wk = (args[0], args[1], args[2], None, 0), wref
-    elif fmt == "mxfp4":
-        op_args, wk = (args[0], args[1], None, None, 1), wref
-    else:  # the kernel decodes NF4 to bf16 like the reference op
-        op_args, wk = (args[0], args[1].float().contiguous(), None, args[2].float().contiguous(), 2), wref.bfloat16().float()
+    op_args, wk = _few_token_operands(fmt, args, wref)
     for m in FEW_TOKENS:
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
@@ -554,8 +559,7 @@ def test_few_token_kernel_on_a_wide_long_weight(fmt):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
     n, k = 28672, 8192
-    _, _, args, wk = _quantized(fmt, _weight(n, k))
-    op_args = (args[0], args[1], args[2], None, 0) if fmt == "nvfp4" else (args[0], args[1], None, None, 1)
+    op_args, wk = _few_token_operands(fmt, *_quantized(fmt, _weight(n, k))[2:])
     for m in (1, 12, 17, 24, 32):
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         y = torch.ops.surogate.ext_few_token_gemm(x, *op_args, n, k, 64)
@@ -576,10 +580,7 @@ def test_few_token_op_under_a_forced_k_split(fmt, monkeypatch):
         pytest.skip("the few-token kernel sums its K splits across a thread-block cluster (SM90+)")
     n, k = 18944, 1024
     _, _, args, wref = _quantized(fmt, _weight(n, k))
-    if fmt == "nvfp4":
-        op_args, wk = (args[0], args[1], args[2], None, 0), wref
-    else:
-        op_args, wk = (args[0], args[1].float().contiguous(), None, args[2].float().contiguous(), 2), wref.bfloat16().float()
+    op_args, wk = _few_token_operands(fmt, args, wref)
     for m in (1, 12, 33, 40, 64):
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         for split in range(1, 9):
