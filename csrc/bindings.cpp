@@ -245,7 +245,7 @@ torch::Tensor nvfp4_gemm(const torch::Tensor& a, const torch::Tensor& b, const t
 // (w uint8 [N, K/2], scales E4M3 [N, K/16], gscale its decode global), 1 MXFP4 (scales E8M0 [N, K/32]), 2 NF4
 // (w bitsandbytes-packed, N * K / 2 bytes; scales the fp32 absmax per nf4_block elements; levels its 16 values).
 // K % 32 == 0 and NF4 blocks a power of two >= 32 (surogate_hf.kernels.paths.few_token_kernel decides; it checks these).
-// A large weight at 40-64 tokens on an SM90a build runs the mixed-input WGMMA kernel instead
+// A large weight at 33-64 tokens (a wide one from 17) on an SM90a build runs the mixed-input WGMMA kernel instead
 // (few_token_wgmma_applies; kernels.paths.few_token_wgmma): the same sums, within the same one bf16 rounding.
 // SUROGATE_HF_FEW_TOKEN_SPLIT: the few-token launches' K split forced to 1-8 CTAs a tile (at most one per K step), to
 // measure their rule against the alternatives (benchmarks/probe_few_token_split.py); unset, empty or 0: the rule.
@@ -290,7 +290,7 @@ torch::Tensor few_token_gemm(const torch::Tensor& x_in, const torch::Tensor& w, 
   const int dev = x.get_device();
   const int forced_split = forced_few_token_split();
   if (surogate::few_token_wgmma_applies((int)fmt, m, n, k) && surogate::mixed_input_gemm_supported(dev)) {
-    // a large weight at 40-64 tokens: the WGMMA kernel decodes each fragment once for all the tokens
+    // a large weight at 33-64 tokens, a wide one from 17: the WGMMA kernel decodes each fragment once for all the tokens
     const cudaError_t err = surogate::launch_mixed_input_gemm_few_tokens(
         (int)fmt, x.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()),
         reinterpret_cast<const uint8_t*>(scales.data_ptr()), fmt == 0 ? g.data_ptr<float>() : nullptr,

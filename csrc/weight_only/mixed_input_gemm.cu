@@ -18,7 +18,7 @@
 //     consumers' 256 threads, once the WGMMAs that read the stage completed);
 //   - at <= 64 tokens, 64-token tiles with K split over a thread-block cluster whose partial sums meet through
 //     distributed shared memory (two CTAs per SM there, no register trade): the few-token op runs this for large
-//     weights at 40-64 tokens (few_token_wgmma_applies, mixed_input_gemm.h).
+//     weights at 33-64 tokens, wide ones from 17 (few_token_wgmma_applies, mixed_input_gemm.h).
 // From 512 tokens the route runs it for the NVFP4 / MXFP4 weights where it measured faster than decode + cuBLAS
 // (mixed_input_applies in decoded_linear.cpp; docs/kernels.md has the figures), and everywhere it can run when opted in
 // (SUROGATE_HF_MIXED_INPUT=1). A first version decoded in the producer warpgroup into a bf16 weight tile in shared

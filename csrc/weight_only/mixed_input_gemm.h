@@ -78,31 +78,44 @@ inline bool mixed_input_fast_enough(long long m, long long n, long long k, int s
          (fill >= kMixedInputLongFill && run >= kMixedInputLongSteps);
 }
 
-// The few-token op's (ext_few_token_gemm) choice of kernel: from kFewTokenWgmmaMinTokens to 64 tokens a weight of at
-// least kFewTokenWgmmaMinElements elements and kFewTokenWgmmaMinRows rows takes the register-operand WGMMA kernel
-// (64-token tiles, K split over a cluster), where each weight fragment is decoded once for all the tokens; elsewhere
-// the few-token mma kernel, whose n8 token tiles each repeat their mmas. Measured on the H200 at 32-64 tokens
-// (docs/kernels.md): from 40 tokens the WGMMA kernel took 0.53-0.98x the time on Llama-3.1-8B's q / gate_up / down
-// and Qwen3-1.7B's MLP projections (NF4: 0.62-0.94x); 1.02-1.43x on the smaller weights (Qwen3-1.7B q and k/v,
-// SmolLM2-135M's; the 8B k/v 0.86-1.04x) and, but for the 8B MLP, at 32 tokens. The row bound: on Qwen3-1.7B's down
-// projection (2048 rows: 16 tiles, whose K split leaves about one CTA per SM) the mma kernel took 0.81-0.85x the
-// WGMMA kernel's time at 40-48 tokens in NVFP4 (1.01x at 64; session 29, its weight-as-A form) and 0.94-0.97x in NF4
-// (session 33, 72282d6's kernels: 0.84-0.88x at 40-48 tokens, 1.04-1.06x at 64). Qwen2.5-7B's 3584-row q / o and
-// down projections (28 tiles) take it since session 33 (the bound was 4096 rows): there the WGMMA kernel ran at
-// 1.03-1.30x (q) and 1.47-1.78x (down) the mma kernel's speed at 40-64 tokens in NVFP4 / MXFP4, 1.07-1.57x in NF4.
+// The few-token op's (ext_few_token_gemm) choice of kernel: a weight of at least kFewTokenWgmmaMinElements elements
+// and kFewTokenWgmmaMinRows rows takes the register-operand WGMMA kernel (64-token tiles, K split over a cluster),
+// where each weight fragment is decoded once for all the tokens, from kFewTokenWgmmaMinTokens to 64 tokens, and a wide
+// one (kFewTokenWgmmaWideMinElements) from kFewTokenWgmmaWideMinTokens; elsewhere the few-token mma kernel, whose n8
+// token tiles each repeat their mmas. Measured on the H200 (docs/kernels.md):
+// - from 40 tokens the WGMMA kernel took 0.53-0.98x the time on Llama-3.1-8B's q / gate_up / down and Qwen3-1.7B's MLP
+//   projections (NF4: 0.62-0.94x); 1.02-1.43x on the smaller weights (Qwen3-1.7B q and k/v, SmolLM2-135M's; the 8B
+//   k/v 0.86-1.04x).
+// - 33-39 tokens (session 35, 611ce17, benchmarks/results/decode/few_tokens_wgmma_from_17_h200.md): there the mma
+//   kernel runs six n8 tiles of two 8-row groups a warp (17-32 tokens: four tiles of four groups, from the shared-memory
+//   ring), 1.2-1.7x its time at 32 tokens on the large weights; at 39 tokens the WGMMA kernel ran at 1.08-1.47x its
+//   speed on every eligible weight measured (Llama-3.1-8B q / MLP, Qwen2.5-7B q / MLP, Qwen3-1.7B and Gemma-2-2B
+//   gate_up, GPT-OSS-20B q) in all three formats.
+// - 17-32 tokens (same run): on the wide MLP weights of Llama-3.1-8B (56M elements) and Qwen2.5-7B (65M) the WGMMA
+//   kernel ran at 1.10-1.39x the mma kernel's speed (NF4 1.10-1.19x); on the 12-20M-element ones (Llama-3.1-8B q,
+//   Qwen2.5-7B q, Qwen3-1.7B and Gemma-2-2B gate_up, GPT-OSS-20B q) at 0.69-0.99x in NVFP4 / MXFP4, hence the wide
+//   bound between them.
+// - The row bound: on Qwen3-1.7B's down projection (2048 rows: 16 tiles, whose K split leaves about one CTA per SM)
+//   the mma kernel took 0.81-0.85x the WGMMA kernel's time at 40-48 tokens in NVFP4 (1.01x at 64; session 29, its
+//   weight-as-A form) and 0.94-0.97x in NF4 (session 33, 72282d6's kernels: 0.84-0.88x at 40-48 tokens, 1.04-1.06x at
+//   64); again 0.88x at 39 tokens (session 35). Qwen2.5-7B's 3584-row q / o and down projections (28 tiles) take it
+//   since session 33 (the bound was 4096 rows): there the WGMMA kernel ran at 1.03-1.30x (q) and 1.47-1.78x (down)
+//   the mma kernel's speed at 40-64 tokens in NVFP4 / MXFP4, 1.07-1.57x in NF4.
 // surogate_hf.kernels.paths.few_token_wgmma states the same rule (and the caller checks mixed_input_gemm_supported).
-constexpr int kFewTokenWgmmaMinTokens = 40;
+constexpr int kFewTokenWgmmaMinTokens = 33;
 constexpr long long kFewTokenWgmmaMinElements = 8ll << 20;
 constexpr long long kFewTokenWgmmaMinRows = 3072;
+constexpr int kFewTokenWgmmaWideMinTokens = 17;
+constexpr long long kFewTokenWgmmaWideMinElements = 48ll << 20;
 inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long k) {
-  return fmt >= 0 && fmt <= 2 && n >= kFewTokenWgmmaMinRows && m >= kFewTokenWgmmaMinTokens && m <= 64 &&
-         n * k >= kFewTokenWgmmaMinElements;
+  if (fmt < 0 || fmt > 2 || n < kFewTokenWgmmaMinRows || m > 64 || n * k < kFewTokenWgmmaMinElements) return false;
+  return m >= kFewTokenWgmmaMinTokens || (m >= kFewTokenWgmmaWideMinTokens && n * k >= kFewTokenWgmmaWideMinElements);
 }
 
 // The K split of a few-token launch (this kernel's and the few-token mma kernel's, csrc/fp4/few_token_gemm.cu): the
 // largest cluster (<= 8 CTAs) whose clusters all fit on the GPU at once; where not even clusters of 2 fit (before
 // session 34: no split), several waves of clusters:
-// - this kernel (40-64 tokens) and the mma kernel at 17-32 tokens: 4 and 3 ways, where the unsplit launch would fill
+// - this kernel (33-64 tokens, 17-64 on wide weights) and the mma kernel at 17-32 tokens: 4 and 3 ways, where the unsplit launch would fill
 //   at most 60% of a wave's CTA slots, else none (few_token_multi_wave_split);
 // - the mma kernel at 1-16 tokens: 4 ways, or 3 where 4 would run NVFP4's split decode on its short-run ring of 2.
 // Forced splits 1-8 on the H200 (session 34, benchmarks/results/decode/few_tokens_multi_wave_split_h200.md):

@@ -98,31 +98,40 @@ def few_token_kernel(fmt: str, m: int, k: int, dtype: torch.dtype, capability: t
             and (fmt != "nf4" or (nf4_block >= 32 and nf4_block & (nf4_block - 1) == 0)))
 
 
-# Within the few-token op (surogate::ext_few_token_gemm), from this many tokens a weight of at least
-# FEW_TOKEN_WGMMA_MIN_ELEMENTS elements and FEW_TOKEN_WGMMA_MIN_ROWS rows runs the register-operand WGMMA kernel's
-# K-split variant (csrc/weight_only/mixed_input_gemm.h: kFewTokenWgmmaMinTokens, kFewTokenWgmmaMinElements,
-# kFewTokenWgmmaMinRows, the same rule).
-FEW_TOKEN_WGMMA_MIN_TOKENS = 40
+# Within the few-token op (surogate::ext_few_token_gemm), from FEW_TOKEN_WGMMA_MIN_TOKENS a weight of at least
+# FEW_TOKEN_WGMMA_MIN_ELEMENTS elements and FEW_TOKEN_WGMMA_MIN_ROWS rows, and from FEW_TOKEN_WGMMA_WIDE_MIN_TOKENS one
+# of at least FEW_TOKEN_WGMMA_WIDE_MIN_ELEMENTS, runs the register-operand WGMMA kernel's K-split variant
+# (csrc/weight_only/mixed_input_gemm.h: kFewTokenWgmmaMinTokens and the rest, the same rule).
+FEW_TOKEN_WGMMA_MIN_TOKENS = 33
 FEW_TOKEN_WGMMA_MIN_ELEMENTS = 8 << 20
 FEW_TOKEN_WGMMA_MIN_ROWS = 3072
+FEW_TOKEN_WGMMA_WIDE_MIN_TOKENS = 17
+FEW_TOKEN_WGMMA_WIDE_MIN_ELEMENTS = 48 << 20
 
 
 def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int] | None, sm90a_built: bool) -> bool:
     """Whether a few-token forward (few_token_kernel holds) of an [n, k] weight runs, inside ext_few_token_gemm, the
     register-operand WGMMA kernel (64-token tiles, K split over a thread-block cluster, each weight fragment decoded
     once for all the tokens) rather than the mma kernel (n8 token tiles, each repeating its mmas).
-    Measured on the H200 (docs/kernels.md), from 40 tokens: 0.53-0.98x the mma kernel's time on Llama-3.1-8B's q /
-    gate_up / down and Qwen3-1.7B's MLP projections; slower on smaller weights and, but for the 8B MLP, at 32
-    tokens; and on Qwen3-1.7B's down projection (2048 rows, whose K split leaves about one CTA per SM: 1.18-1.24x the
-    mma kernel's time at 40-48 tokens in NVFP4, 1.03-1.07x in NF4; session 33: 1.14-1.19x), hence the row bound.
-    Its value, 3072 since session 33 (4096 before), lets in Qwen2.5-7B's 3584-row q / o and down projections, where
-    the WGMMA kernel ran at 1.03-1.30x (q) and 1.47-1.78x (down) the mma kernel's speed at 40-64 tokens in NVFP4 /
-    MXFP4, 1.07-1.57x in NF4 (H200, benchmarks/results/decode/few_tokens_mxfp4_rolled_h200.md,
-    nf4_rolled_prmt_base_h200.md)."""
-    return (fmt in ("nvfp4", "mxfp4", "nf4") and n >= FEW_TOKEN_WGMMA_MIN_ROWS
-            and FEW_TOKEN_WGMMA_MIN_TOKENS <= m <= FEW_TOKEN_MAX_TOKENS
+    Measured on the H200 (docs/kernels.md):
+    - from 40 tokens, 0.53-0.98x the mma kernel's time on Llama-3.1-8B's q / gate_up / down and Qwen3-1.7B's MLP
+      projections; slower on smaller weights;
+    - at 33-39 tokens (the mma kernel's six-tile variant) 1.08-1.47x its speed on every eligible weight measured
+      (session 35, benchmarks/results/decode/few_tokens_wgmma_from_17_h200.md); at 17-32 tokens 1.10-1.39x on the
+      wide MLP weights of Llama-3.1-8B and Qwen2.5-7B (56-65M elements), 0.69-0.99x on the 12-20M-element ones in
+      NVFP4 / MXFP4, hence the wide bound;
+    - on Qwen3-1.7B's down projection (2048 rows, whose K split leaves about one CTA per SM) 1.18-1.24x the mma
+      kernel's time at 40-48 tokens in NVFP4, 1.03-1.07x in NF4 (session 33: 1.14-1.19x), hence the row bound. Its
+      value, 3072 since session 33 (4096 before), lets in Qwen2.5-7B's 3584-row q / o and down projections, where the
+      WGMMA kernel ran at 1.03-1.30x (q) and 1.47-1.78x (down) the mma kernel's speed at 40-64 tokens in NVFP4 /
+      MXFP4, 1.07-1.57x in NF4 (H200, benchmarks/results/decode/few_tokens_mxfp4_rolled_h200.md,
+      nf4_rolled_prmt_base_h200.md)."""
+    if not (fmt in ("nvfp4", "mxfp4", "nf4") and n >= FEW_TOKEN_WGMMA_MIN_ROWS and m <= FEW_TOKEN_MAX_TOKENS
             and n * k >= FEW_TOKEN_WGMMA_MIN_ELEMENTS and capability is not None and tuple(capability) == (9, 0)
-            and sm90a_built)
+            and sm90a_built):
+        return False
+    return m >= FEW_TOKEN_WGMMA_MIN_TOKENS or (m >= FEW_TOKEN_WGMMA_WIDE_MIN_TOKENS
+                                               and n * k >= FEW_TOKEN_WGMMA_WIDE_MIN_ELEMENTS)
 
 
 MIXED_INPUT_MIN_TOKENS = 512  # csrc/weight_only/decoded_linear.cpp: kMixedInputMinTokens

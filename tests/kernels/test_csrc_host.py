@@ -214,7 +214,7 @@ def test_the_python_mirror_of_the_mixed_input_rules_matches_the_header(tmp_path_
     from surogate_hf.kernels import paths as P
 
     exe = _build_host(tmp_path_factory, Path(__file__).parent / "host" / "mixed_input_rules_host.cu", "launch rules")
-    cases = [(m, n, k, sms, fmt) for _, _, k, n in S.all_linears() for m in (1, 40, 64, 65, 512, 777, 1024, 2048, 8192)
+    cases = [(m, n, k, sms, fmt) for _, _, k, n in S.all_linears() for m in (1, 16, 17, 32, 33, 40, 64, 65, 512, 777, 1024, 2048, 8192)
              for sms in (78, 114, 132) for fmt in (0, 1, 2)]
     out = subprocess.run([str(exe)], input="".join(f"{m} {n} {k} {sms} {fmt}\n" for m, n, k, sms, fmt in cases),
                          capture_output=True, text=True, check=True).stdout.split("\n")

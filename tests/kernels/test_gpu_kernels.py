@@ -476,7 +476,7 @@ def _few_token_operands(fmt, args, wref):
     return (args[0], args[1].float().contiguous(), None, args[2].float().contiguous(), 2), wref.bfloat16().float()
 
 
-FEW_TOKENS = (1, 5, 12, 16, 17, 33, 40, 64)  # (40: where large NVFP4 / MXFP4 weights switch to the WGMMA kernel)
+FEW_TOKENS = (1, 5, 12, 16, 17, 32, 33, 40, 64)  # (33, wide weights 17: where large ones take the WGMMA kernel)
 
 
 @pytest.mark.parametrize("nk", SHAPES_NK, ids=lambda nk: f"{nk[0]}to{nk[1]}")
@@ -485,7 +485,7 @@ def test_few_token_kernel_over_the_shapes_table(fmt, nk, monkeypatch):
     """csrc's few-token weight-only GEMM (surogate::ext_few_token_gemm) on every linear of the table at 1 to 64
     tokens: within one bf16 rounding (plus fp32 summation-order slack) of x.float() @ deq(W).float().T with the
     kernel's decode, bit-identical from run to run, and what the forward op runs for bf16 x on an SM90 GPU. Where
-    paths.few_token_wgmma holds (large weights from 40 tokens), the op's result is the register-operand
+    paths.few_token_wgmma holds (large weights from 33 tokens, wide ones from 17), the op's result is the register-operand
     WGMMA kernel's, bit for bit (ext_mixed_input_gemm)."""
     from surogate_hf.kernels import ext
 

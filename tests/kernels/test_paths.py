@@ -279,40 +279,46 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
     assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, (10, 0), True)  # WGMMA is SM90a's
 
 
-def test_few_token_wgmma_takes_the_large_4bit_weights_from_40_tokens():
+def test_few_token_wgmma_takes_the_large_4bit_weights_from_33_tokens_and_the_wide_ones_from_17():
     """Inside the few-token op, the register-operand WGMMA kernel runs weights of >= 8M elements and >= 3072 rows at
-    40-64 tokens on an sm_90a build (where it was measured faster: Llama-3.1-8B q / gate_up / down, Qwen3-1.7B
-    gate_up, Qwen2.5-7B q / down and its MLP); the mma kernel everything else. The C++ states the same constants
-    (csrc/weight_only/mixed_input_gemm.h)."""
+    33-64 tokens, and those of >= 48M elements from 17, on an sm_90a build (where it was measured faster: Llama-3.1-8B
+    q / gate_up / down, Qwen3-1.7B gate_up, Qwen2.5-7B q / down and its MLP; from 17 tokens the 8B's and Qwen2.5-7B's
+    MLP); the mma kernel everything else. The C++ states the same constants (csrc/weight_only/mixed_input_gemm.h)."""
     header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
     assert f"kFewTokenWgmmaMinTokens = {P.FEW_TOKEN_WGMMA_MIN_TOKENS};" in header
     assert f"kFewTokenWgmmaMinElements = {P.FEW_TOKEN_WGMMA_MIN_ELEMENTS >> 20}ll << 20;" in header
     assert f"kFewTokenWgmmaMinRows = {P.FEW_TOKEN_WGMMA_MIN_ROWS};" in header
-    taken = {(model, proj) for model, proj, k, n in S.all_linears() if P.few_token_wgmma("nvfp4", 64, n, k, SM90, True)}
+    assert f"kFewTokenWgmmaWideMinTokens = {P.FEW_TOKEN_WGMMA_WIDE_MIN_TOKENS};" in header
+    assert f"kFewTokenWgmmaWideMinElements = {P.FEW_TOKEN_WGMMA_WIDE_MIN_ELEMENTS >> 20}ll << 20;" in header
+    taken = {(model, proj) for model, proj, k, n in S.all_linears() if P.few_token_wgmma("nvfp4", 33, n, k, SM90, True)}
     for proj in ("q", "gate_up", "down"):
         assert ("Llama-3.1-8B", proj) in taken
     assert ("Llama-3.1-8B", "kv") not in taken and not any(model == "SmolLM2-135M" for model, _ in taken)
+    wide = {(model, proj) for model, proj, k, n in S.all_linears() if P.few_token_wgmma("nvfp4", 17, n, k, SM90, True)}
+    assert wide == {(model, proj) for model in ("Llama-3.1-8B", "Qwen2.5-7B") for proj in ("gate_up", "down")}
     for fmt in ("nvfp4", "mxfp4"):
-        assert P.few_token_wgmma(fmt, 40, 4096, 4096, SM90, True)
+        assert P.few_token_wgmma(fmt, 33, 4096, 4096, SM90, True)
+        assert not P.few_token_wgmma(fmt, 32, 4096, 4096, SM90, True)  # 16M elements: not wide
+        assert P.few_token_wgmma(fmt, 17, 14336, 4096, SM90, True)  # wide: 56M elements
+        assert not P.few_token_wgmma(fmt, 16, 14336, 4096, SM90, True)
         assert P.few_token_wgmma(fmt, 64, 14336, 4096, SM90, True)
-        assert not P.few_token_wgmma(fmt, 39, 4096, 4096, SM90, True)
         assert not P.few_token_wgmma(fmt, 65, 4096, 4096, SM90, True)  # past the few-token op
         assert not P.few_token_wgmma(fmt, 64, 2048, 2048, SM90, True)  # 4M elements: the mma kernel was faster
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, (10, 0), True)  # WGMMA is SM90a's
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, SM90, False)
         assert not P.few_token_wgmma(fmt, 64, 4096, 4096, None, True)
     # every format: weights of >= 3072 rows (on Qwen3-1.7B's 2048-row down projection the mma kernel was faster at
-    # 40-48 tokens; on Qwen2.5-7B's 3584-row q and down the WGMMA kernel, session 33)
+    # 39-48 tokens; on Qwen2.5-7B's 3584-row q and down the WGMMA kernel, session 33)
     for proj in ("q", "o", "gate_up", "down"):
         assert ("Qwen2.5-7B", proj) in taken
     for fmt in ("nvfp4", "mxfp4", "nf4"):
-        assert P.few_token_wgmma(fmt, 40, 4096, 4096, SM90, True)
+        assert P.few_token_wgmma(fmt, 33, 4096, 4096, SM90, True)
         assert P.few_token_wgmma(fmt, 64, 6144, 2048, SM90, True)
-        assert P.few_token_wgmma(fmt, 40, 3584, 18944, SM90, True)
+        assert P.few_token_wgmma(fmt, 17, 3584, 18944, SM90, True)
         assert not P.few_token_wgmma(fmt, 40, 3071, 18944, SM90, True)
-        assert not P.few_token_wgmma(fmt, 48, 2048, 6144, SM90, True)
+        assert not P.few_token_wgmma(fmt, 33, 2048, 6144, SM90, True)
         assert not P.few_token_wgmma(fmt, 64, 2048, 6144, SM90, True)
-    assert not P.few_token_wgmma("nf4", 39, 4096, 4096, SM90, True)
+    assert not P.few_token_wgmma("nf4", 32, 4096, 4096, SM90, True)
     assert not P.few_token_wgmma("fp8", 64, 4096, 4096, SM90, True)
 
 
