@@ -88,12 +88,12 @@ inline bool mixed_input_fast_enough(long long m, long long n, long long k, int s
 //   k/v 0.86-1.04x).
 // - 33-39 tokens (session 35, 611ce17, benchmarks/results/decode/few_tokens_wgmma_from_17_h200.md): there the mma
 //   kernel runs six n8 tiles of two 8-row groups a warp (17-32 tokens: four tiles of four groups, from the shared-memory
-//   ring), 1.2-1.7x its time at 32 tokens on the large weights; at 39 tokens the WGMMA kernel ran at 1.08-1.47x its
+//   ring), 1.15-1.6x its time at 32 tokens on the large weights; at 39 tokens the WGMMA kernel ran at 1.08-1.89x its
 //   speed on every eligible weight measured (Llama-3.1-8B q / MLP, Qwen2.5-7B q / MLP, Qwen3-1.7B and Gemma-2-2B
 //   gate_up, GPT-OSS-20B q) in all three formats.
 // - 17-32 tokens (same run): on the wide MLP weights of Llama-3.1-8B (56M elements) and Qwen2.5-7B (65M) the WGMMA
 //   kernel ran at 1.10-1.39x the mma kernel's speed (NF4 1.10-1.19x); on the 12-20M-element ones (Llama-3.1-8B q,
-//   Qwen2.5-7B q, Qwen3-1.7B and Gemma-2-2B gate_up, GPT-OSS-20B q) at 0.69-0.99x in NVFP4 / MXFP4, hence the wide
+//   Qwen2.5-7B q, Qwen3-1.7B and Gemma-2-2B gate_up, GPT-OSS-20B q) at 0.86-0.99x in NVFP4 / MXFP4, hence the wide
 //   bound between them.
 // - The row bound: on Qwen3-1.7B's down projection (2048 rows: 16 tiles, whose K split leaves about one CTA per SM)
 //   the mma kernel took 0.81-0.85x the WGMMA kernel's time at 40-48 tokens in NVFP4 (1.01x at 64; session 29, its

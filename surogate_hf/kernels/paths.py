@@ -116,9 +116,9 @@ def few_token_wgmma(fmt: str, m: int, n: int, k: int, capability: tuple[int, int
     Measured on the H200 (docs/kernels.md):
     - from 40 tokens, 0.53-0.98x the mma kernel's time on Llama-3.1-8B's q / gate_up / down and Qwen3-1.7B's MLP
       projections; slower on smaller weights;
-    - at 33-39 tokens (the mma kernel's six-tile variant) 1.08-1.47x its speed on every eligible weight measured
+    - at 33-39 tokens (the mma kernel's six-tile variant) 1.08-1.89x its speed on every eligible weight measured
       (session 35, benchmarks/results/decode/few_tokens_wgmma_from_17_h200.md); at 17-32 tokens 1.10-1.39x on the
-      wide MLP weights of Llama-3.1-8B and Qwen2.5-7B (56-65M elements), 0.69-0.99x on the 12-20M-element ones in
+      wide MLP weights of Llama-3.1-8B and Qwen2.5-7B (56-65M elements), 0.86-0.99x on the 12-20M-element ones in
       NVFP4 / MXFP4, hence the wide bound;
     - on Qwen3-1.7B's down projection (2048 rows, whose K split leaves about one CTA per SM) 1.18-1.24x the mma
       kernel's time at 40-48 tokens in NVFP4, 1.03-1.07x in NF4 (session 33: 1.14-1.19x), hence the row bound. Its
