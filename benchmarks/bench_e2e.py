@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch import nn
 
-from common import attempt, speed_knobs, table, time_train_steps, train_step_fn, write_result
+from common import attempt, speed_knobs, table, time_train_steps_cpu, train_step_fn, write_result
 
 import surogate_hf.kernels  # noqa: F401
 
@@ -309,10 +309,10 @@ def _run_setup(key, layers, batch, seq, warmup, steps):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, SHAPES[SHAPE][5], (batch, seq), device="cuda")
-    dt, peak, loss = time_train_steps(train_step_fn(model, ids, opt), warmup, steps)
+    dt, peak, loss, cpu = time_train_steps_cpu(train_step_fn(model, ids, opt), warmup, steps)
     ntrain = sum(p.numel() for p in params)
     del model, opt, params
-    return batch * seq * steps / dt, peak, ntrain, float(loss)
+    return batch * seq * steps / dt, peak, ntrain, float(loss), 1e3 * cpu / steps, 1e3 * dt / steps
 
 
 def main():
@@ -388,7 +388,8 @@ def main():
                 print(f"{label}: FAILED {errors[label]}", flush=True)
                 continue
             runs.setdefault(key, []).append(res)
-            print(f"{label}: {res[0]:,.0f} tok/s, peak {res[1]:.1f} GiB, loss {res[3]:.3f} "
+            print(f"{label}: {res[0]:,.0f} tok/s, peak {res[1]:.1f} GiB, loss {res[3]:.3f}, "
+                  f"host CPU {res[4]:.1f} / wall {res[5]:.1f} ms a step "
                   f"({time.perf_counter() - t0:.0f}s{f', round {rnd + 1}' if args.rounds > 1 else ''})", flush=True)
     for key, got in runs.items():
         if SETUPS[key][0] in errors:
@@ -403,7 +404,8 @@ def main():
         if key not in measured:
             rows.append([label, None, None, None, None, None, errors[label]])
             continue
-        tok, peak, ntrain, _ = measured[key]
+        tok, peak, ntrain, _, _, _ = measured[key]
+        cpu = sorted(r[4] for r in runs[key])
         ratio, target, notes = None, None, []
         pairs = SMALL_MODEL_TARGETS.get(key) if SHAPE == "smollm2-135m" else None
         for peer, want in pairs or TARGETS.get(key, []):
@@ -417,6 +419,8 @@ def main():
             notes.append(f"{r:.2f}x {SETUPS[peer][0]} (target {want}): {verdict}")
         if args.rounds > 1:
             notes.append(f"median of {args.rounds} rounds, {spread[key][0]:,.0f}-{spread[key][1]:,.0f} tok/s")
+        notes.append(f"host CPU {cpu[(len(cpu) - 1) // 2]:.1f} ms a step (process time, every thread"
+                     + (f"; rounds {cpu[0]:.1f}-{cpu[-1]:.1f}" if len(cpu) > 1 else "") + f"; wall {measured[key][5]:.1f})")
         notes += [f"WARNED: {w}" for w in warned.get(key, [])]
         rows.append([label, tok, peak, ntrain / 1e6, ratio, target, "; ".join(notes)])
     hidden, inter, _, _, _, vocab, _, arch = SHAPES[SHAPE]

@@ -70,7 +70,15 @@ GC_OFF = []  # bench_e2e --gc-off: Python's garbage collector frozen and off dur
 
 def time_train_steps(step, warmup: int, steps: int) -> tuple[float, float | None, torch.Tensor]:
     """(seconds for `steps` timed steps after `warmup`, peak GiB over warm-up and timed steps or None off CUDA,
-    the last loss). Raises on a non-finite loss: a broken setup must not report a speed. With GC_OFF set, the objects
+    the last loss): time_train_steps_cpu without the host CPU time."""
+    return time_train_steps_cpu(step, warmup, steps)[:3]
+
+
+def time_train_steps_cpu(step, warmup: int, steps: int) -> tuple[float, float | None, torch.Tensor, float]:
+    """time_train_steps's (seconds, peak GiB, last loss), then the CPU seconds the process spent over the same timed
+    steps (time.process_time: every thread, the autograd engine's included). On a host-bound step that is the work
+    the host does, which a shared host's wall clock (other tenants, descheduling) blurs; on a GPU-bound one the
+    closing synchronize's spin-wait adds to it. Raises on a non-finite loss: a broken setup must not report a speed. With GC_OFF set, the objects
     alive after the warm-up are frozen (gc.freeze) and the collector is off for the timed steps: a host-bound step
     otherwise takes a full collection's pause at a random step."""
     import gc
@@ -88,18 +96,18 @@ def time_train_steps(step, warmup: int, steps: int) -> tuple[float, float | None
         gc.freeze()
         gc.disable()
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             loss = step()
         sync()
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     finally:
         if GC_OFF:
             gc.enable()
             gc.unfreeze()
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
-    return seconds, (torch.cuda.max_memory_allocated() / 2**30 if cuda else None), loss
+    return seconds, (torch.cuda.max_memory_allocated() / 2**30 if cuda else None), loss, cpu_seconds
 
 
 def attempt(label: str, fn, errors: dict):

@@ -15,9 +15,11 @@ def test_rounds_interleave_setups_and_report_medians(monkeypatch):
     order, written = [], {}
     speeds = {"peft_bf16": iter([100.0, 300.0, 200.0]), "ours_nf4": iter([90.0, 330.0, 250.0])}
 
+    host_ms = {"peft_bf16": iter([80.0, 95.0, 90.0]), "ours_nf4": iter([70.0, 60.0, 65.0])}
+
     def fake_run(key, layers, batch, seq, warmup, steps):
         order.append(key)
-        return next(speeds[key]), 1.0, 2_000_000, 0.5
+        return next(speeds[key]), 1.0, 2_000_000, 0.5, next(host_ms[key]), 100.0
 
     monkeypatch.setattr(E, "run_setup", fake_run)
     monkeypatch.setattr(E, "write_result", lambda name, title, body: written.update(body=body))
@@ -30,3 +32,6 @@ def test_rounds_interleave_setups_and_report_medians(monkeypatch):
     assert "| 200 |" in body.replace(",", "") and "| 250 |" in body.replace(",", "")  # the medians
     assert "1.25x PEFT LoRA" in body  # the ratio of the medians: 250 / 200
     assert "median of 3 rounds, 90-330 tok/s" in body
+    # the host CPU time a step: its own median and spread over the rounds
+    assert "host CPU 90.0 ms a step (process time, every thread; rounds 80.0-95.0" in body
+    assert "host CPU 65.0 ms a step (process time, every thread; rounds 60.0-70.0" in body
