@@ -419,8 +419,9 @@ def main():
             notes.append(f"{r:.2f}x {SETUPS[peer][0]} (target {want}): {verdict}")
         if args.rounds > 1:
             notes.append(f"median of {args.rounds} rounds, {spread[key][0]:,.0f}-{spread[key][1]:,.0f} tok/s")
-        notes.append(f"host CPU {cpu[(len(cpu) - 1) // 2]:.1f} ms a step (process time, every thread"
-                     + (f"; rounds {cpu[0]:.1f}-{cpu[-1]:.1f}" if len(cpu) > 1 else "") + f"; wall {measured[key][5]:.1f})")
+        cpu_spread = f"; rounds {cpu[0]:.1f}-{cpu[-1]:.1f}" if len(cpu) > 1 else ""
+        notes.append(f"host CPU {cpu[(len(cpu) - 1) // 2]:.1f} ms a step (process time, every thread{cpu_spread}; "
+                     f"wall {measured[key][5]:.1f})")
         notes += [f"WARNED: {w}" for w in warned.get(key, [])]
         rows.append([label, tok, peak, ntrain / 1e6, ratio, target, "; ".join(notes)])
     hidden, inter, _, _, _, vocab, _, arch = SHAPES[SHAPE]
