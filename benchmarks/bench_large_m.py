@@ -6,8 +6,8 @@ linears of real models, side by side in one process.
 Each timing is a CUDA graph replay of CHAIN distinct layers back to back (their weights exceed L2 as a model's do),
 per call. Targets (issue 13): >= 0.9x bf16 cuBLAS at M >= 2048 and >= 1.5x at M <= 64, judged for every path (the
 route's default: decode + cuBLAS, or the few-token kernel at <= 64 tokens; the mixed-input kernel runs in the route
-with SUROGATE_HF_MIXED_INPUT=1; at <= 64 tokens the few-token op runs its K-split variant for large NVFP4 / MXFP4
-weights from 40 tokens, kernels.paths.few_token_wgmma). (Results before session 25 also have a "mixed smem" column:
+with SUROGATE_HF_MIXED_INPUT=1; at <= 64 tokens the few-token op runs its K-split variant for large 4-bit weights
+from 33 tokens, wide ones from 17, kernels.paths.few_token_wgmma). (Results before session 25 also have a "mixed smem" column:
 a first mixed-input kernel that decoded into shared memory, since removed; results/large_m_s21.md judges it alone.)
     python benchmarks/bench_large_m.py --models Llama-3.1-8B,Qwen3-1.7B,SmolLM2-135M --tokens 16,64,2048,8192
 """
@@ -161,8 +161,8 @@ def main():
     body = table(["shape (in->out)", "linear", "M", "format", "bf16 cuBLAS us", "cuBLAS on the decoded weight us",
                   "route us", "mixed rs us", "route x bf16", "mixed rs x bf16", "rs vs route", "default path",
                   "default x bf16", "target", "default"], rows)
-    body += ("\nroute: decode + cuBLAS from 512 tokens, the few-token op (ext_few_token_gemm) at <= 64 (from 40 tokens "
-             "it runs large NVFP4 / MXFP4 weights through the register-operand kernel's K-split variant: "
+    body += ("\nroute: decode + cuBLAS from 512 tokens, the few-token op (ext_few_token_gemm) at <= 64 (from 33 tokens, "
+             "17 on wide weights, it runs large 4-bit weights through the register-operand kernel's K-split variant: "
              "kernels.paths.few_token_wgmma); mixed rs: the mixed-input kernel (ext_mixed_input_gemm), at <= 64 tokens "
              "that K-split variant. default path: what a module's forward runs (from 512 tokens "
              "kernels.paths.mixed_input_kernel picks between the two; SUROGATE_HF_MIXED_INPUT overrides it); the "

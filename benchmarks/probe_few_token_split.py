@@ -1,10 +1,11 @@
 """The few-token op's K split rule against forced splits (SUROGATE_HF_FEW_TOKEN_SPLIT=1..8), and bf16 cuBLAS.
 
-The few-token launches (csrc/fp4/few_token_gemm.cu at 1-39 tokens, the register-operand WGMMA kernel at 40-64 on
-large weights) split each tile's K over a thread-block cluster; csrc/weight_only/mixed_input_gemm.h
-(few_token_multi_wave_split) states the rule and these measurements. Per weight, format and token count: bf16 cuBLAS,
-the op under its rule, and the op with every forced split; eight distinct weights back to back in one CUDA graph, us
-per call. Session 34's figures: benchmarks/results/decode/few_tokens_multi_wave_split_h200.md. Example (GPU machine):
+The few-token launches (csrc/fp4/few_token_gemm.cu, and the register-operand WGMMA kernel from 33 tokens on large
+weights, from 17 on wide ones: kernels.paths.few_token_wgmma) split each tile's K over a thread-block cluster;
+csrc/weight_only/mixed_input_gemm.h (few_token_multi_wave_split) states the rule and these measurements. Per
+weight, format and token count: bf16 cuBLAS, the op under its rule, and the op with every forced split; eight
+distinct weights back to back in one CUDA graph, us per call. Session 34's figures:
+benchmarks/results/decode/few_tokens_multi_wave_split_h200.md. Example (GPU machine):
     python benchmarks/probe_few_token_split.py --shapes "Qwen2.5-7B gate_up:3584:18944" --tokens 1,16,40
 """
 

@@ -1,7 +1,7 @@
 """Run-to-run equality of the weight-only few-token paths under repetition (diagnostic, GPU machine): each op called
 REPEAT times on one input must give the same bits every time. The mma few-token kernel and the register-operand
-kernel's K-split variant (through the few-token op from 40 tokens on large weights, and called directly,
-ext_mixed_input_gemm, at any token count) sum fixed K ranges in a fixed order, so any difference is a
+kernel's K-split variant (through the few-token op from 33 tokens on large weights, 17 on wide ones, and called
+directly, ext_mixed_input_gemm, at any token count) sum fixed K ranges in a fixed order, so any difference is a
 race. Prints the mismatching calls per (path, format, shape, tokens).
     python benchmarks/stress_determinism.py --repeat 50
 """

@@ -87,10 +87,10 @@ inline bool mixed_input_fast_enough(long long m, long long n, long long k, int s
 //   projections (NF4: 0.62-0.94x); 1.02-1.43x on the smaller weights (Qwen3-1.7B q and k/v, SmolLM2-135M's; the 8B
 //   k/v 0.86-1.04x).
 // - 33-39 tokens (session 35, 611ce17, benchmarks/results/decode/few_tokens_wgmma_from_17_h200.md): there the mma
-//   kernel runs six n8 tiles of two 8-row groups a warp (17-32 tokens: four tiles of four groups, from the shared-memory
-//   ring), 1.15-1.6x its time at 32 tokens on the large weights; at 39 tokens the WGMMA kernel ran at 1.08-1.89x its
-//   speed on every eligible weight measured (Llama-3.1-8B q / MLP, Qwen2.5-7B q / MLP, Qwen3-1.7B and Gemma-2-2B
-//   gate_up, GPT-OSS-20B q) in all three formats.
+//   kernel runs six n8 tiles of two 8-row groups a warp (17-32 tokens: four tiles of four groups, from the
+//   shared-memory ring), 1.15-1.6x its time at 32 tokens on the large weights; at 39 tokens the WGMMA kernel ran at
+//   1.08-1.89x its speed on every eligible weight measured (Llama-3.1-8B q / MLP, Qwen2.5-7B q / MLP, Qwen3-1.7B and
+//   Gemma-2-2B gate_up, GPT-OSS-20B q) in all three formats.
 // - 17-32 tokens (same run): on the wide MLP weights of Llama-3.1-8B (56M elements) and Qwen2.5-7B (65M) the WGMMA
 //   kernel ran at 1.10-1.39x the mma kernel's speed (NF4 1.10-1.19x); on the 12-20M-element ones (Llama-3.1-8B q,
 //   Qwen2.5-7B q, Qwen3-1.7B and Gemma-2-2B gate_up, GPT-OSS-20B q) at 0.86-0.99x in NVFP4 / MXFP4, hence the wide
@@ -115,8 +115,10 @@ inline bool few_token_wgmma_applies(int fmt, long long m, long long n, long long
 // The K split of a few-token launch (this kernel's and the few-token mma kernel's, csrc/fp4/few_token_gemm.cu): the
 // largest cluster (<= 8 CTAs) whose clusters all fit on the GPU at once; where not even clusters of 2 fit (before
 // session 34: no split), several waves of clusters:
-// - this kernel (33-64 tokens, 17-64 on wide weights) and the mma kernel at 17-32 tokens: 4 and 3 ways, where the unsplit launch would fill
-//   at most 60% of a wave's CTA slots, else none (few_token_multi_wave_split);
+// - this kernel (33-64 tokens, 17-64 on wide weights) and the mma kernel at 17-32 tokens: 4 and 3 ways, where the
+//   unsplit launch would fill at most 60% of a wave's CTA slots, else none (few_token_multi_wave_split). (The mma
+//   kernel's 3 ways were measured on Qwen2.5-7B's gate / up below, which the WGMMA kernel takes from 17 tokens since
+//   session 35; they stay for the many-row weights under the wide bound.)
 // - the mma kernel at 1-16 tokens: 4 ways, or 3 where 4 would run NVFP4's split decode on its short-run ring of 2.
 // Forced splits 1-8 on the H200 (session 34, benchmarks/results/decode/few_tokens_multi_wave_split_h200.md):
 // - Qwen2.5-7B's 18944-row gate / up (148 tiles of this kernel, 296 of the mma kernel's: unsplit 56% of the slots, a

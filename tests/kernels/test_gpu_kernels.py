@@ -572,8 +572,8 @@ def test_few_token_kernel_on_a_wide_long_weight(fmt):
 def test_few_token_op_under_a_forced_k_split(fmt, monkeypatch):
     """SUROGATE_HF_FEW_TOKEN_SPLIT forces the few-token launches' K split (benchmarks/probe_few_token_split.py times
     the rule against it): every split of 1-8, on a weight of 18944 rows (Qwen2.5-7B's gate/up rows: no cluster of 2+
-    fits one wave, so 2-8 run several waves of clusters) through both kernels (the mma one at 1-33 tokens, the WGMMA
-    one at 40-64 where it applies), within one bf16 rounding of the reference and deterministic; a value outside 0-8
+    fits one wave, so 2-8 run several waves of clusters) through both kernels (the mma one at 1-32 tokens, the WGMMA
+    one from 33 where it applies: 19M elements, not wide), within one bf16 rounding of the reference and deterministic; a value outside 0-8
     raises naming the variable."""
     _built_extension()
     if torch.cuda.get_device_capability() < (9, 0):
@@ -581,7 +581,7 @@ def test_few_token_op_under_a_forced_k_split(fmt, monkeypatch):
     n, k = 18944, 1024
     _, _, args, wref = _quantized(fmt, _weight(n, k))
     op_args, wk = _few_token_operands(fmt, args, wref)
-    for m in (1, 12, 33, 40, 64):
+    for m in (1, 12, 24, 33, 40, 64):
         x = _rand((m, k), torch.bfloat16, seed=m, spread=False).to(DEV)
         for split in range(1, 9):
             monkeypatch.setenv("SUROGATE_HF_FEW_TOKEN_SPLIT", str(split))
