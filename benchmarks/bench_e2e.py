@@ -174,6 +174,21 @@ def compiled(build, graph_route=True):
     return make
 
 
+def compiled_model(build):
+    """The whole model under one torch.compile, as TrainingArguments(torch_compile=True) and accelerate's
+    TorchDynamoPlugin compile it (torch.compile(model)): one dynamo frame a step instead of one per decoder layer, so
+    the frame entry (guard evaluation) and AOTAutograd's runtime wrappers run once, not once a layer."""
+
+    def make(layers):
+        from surogate_hf.nn import linear as L
+
+        torch._dynamo.reset()
+        L.COMPILED_DECODED_ROUTE = True
+        return torch.compile(build(layers), **COMPILE_KWARGS)
+
+    return make
+
+
 def _decoder_layers(model):
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return inner.model.layers
@@ -218,6 +233,11 @@ SETUPS = {
     **{f"ours_{f}_triton_norms": (f"ours {f} QLoRA, bf16 adapters, FusedRMSNorm on its Triton kernels (the Python "
                                   "autograd.Function, not the extension's C++ op)", lambda L, f=f: ours_qlora(L, f), "lora")
        for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
+    "peft_bf16_compiled_model": ("PEFT LoRA, bf16 base, bf16 adapters, whole model compiled",
+                                 compiled_model(lambda L: peft_bf16(L, True)), "lora"),
+    **{f"ours_{f}_compiled_model": (f"ours {f} QLoRA, bf16 adapters, whole model compiled",
+                                     compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
+       for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_bf16_fused_norms": ("full fine-tune bf16, eager, our FusedRMSNorm only (stock linears)",
                               lambda L: full(L, fused_norms_only=True), "full"),
@@ -259,6 +279,8 @@ TARGETS = {
     **{f"ours_{f}_compiled_traced": [("peft_bf16_compiled", 1.0), (f"ours_{f}_compiled", 1.0)]
        for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     **{f"ours_{f}_triton_norms": [("peft_bf16", 1.0), (f"ours_{f}", 1.0)] for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
+    **{f"ours_{f}_compiled_model": [("peft_bf16_compiled_model", 1.0), (f"ours_{f}_compiled", 1.0)]
+       for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_nvfp4_compiled": [("full_bf16_compiled", 0.8), ("full_nvfp4", 1.0)],
