@@ -35,3 +35,30 @@ def test_rounds_interleave_setups_and_report_medians(monkeypatch):
     # the host CPU time a step: its own median and spread over the rounds
     assert "host CPU 90.0 ms a step (process time, every thread; rounds 80.0-95.0" in body
     assert "host CPU 65.0 ms a step (process time, every thread; rounds 60.0-70.0" in body
+
+
+def test_every_target_names_known_setups():
+    """A ratio's peer must be a setup (a misspelt one would silently never be measured)."""
+    for key, peers in {**E.TARGETS, **E.SMALL_MODEL_TARGETS}.items():
+        assert key in E.SETUPS, key
+        for peer, ratio in peers:
+            assert peer in E.SETUPS and ratio > 0, (key, peer)
+
+
+def test_whole_model_setups_compile_the_model_as_the_trainer_does(monkeypatch):
+    """The `_compiled_model` setups hand the built model to torch.compile whole, with --compile-mode's kwargs
+    (TrainingArguments(torch_compile=True) goes through accelerate's torch.compile(model))."""
+    import torch
+
+    from surogate_hf.nn import linear as L
+
+    built = torch.nn.Linear(4, 4)
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append((model, kw)) or "compiled")
+    monkeypatch.setattr(E, "COMPILE_KWARGS", {"mode": "reduce-overhead"})
+    monkeypatch.setattr(L, "COMPILED_DECODED_ROUTE", False)
+    assert E.compiled_model(lambda layers: built)(2) == "compiled"
+    assert calls == [(built, {"mode": "reduce-overhead"})]
+    assert L.COMPILED_DECODED_ROUTE is True  # the extension's graph ops, as the per-layer setups use
+    for fmt in ("fp8", "nf4", "nvfp4", "mxfp4"):
+        assert ("peft_bf16_compiled_model", 1.0) in E.TARGETS[f"ours_{fmt}_compiled_model"]
