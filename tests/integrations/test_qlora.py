@@ -308,13 +308,17 @@ def test_merge_to_dense_from_prequantized_checkpoint(tiny_dir, batch, tmp_path, 
     assert err <= 1e-5 and err_q <= 1e-5
 
 
-@pytest.mark.parametrize("fmt,traced,ckpt", [("fp8", False, False), ("nf4", False, False), ("nf4", True, False),
-                                             ("nvfp4", True, False), ("mxfp4", True, False), ("nvfp4", True, True)])
-def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, ckpt, monkeypatch):
+@pytest.mark.parametrize("fmt,traced,ckpt,whole", [("fp8", False, False, False), ("nf4", False, False, False),
+                                                   ("nf4", True, False, False), ("nvfp4", True, False, False),
+                                                   ("mxfp4", True, False, False), ("nvfp4", True, True, False),
+                                                   ("nf4", False, False, True), ("mxfp4", True, True, True)])
+def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, ckpt, whole, monkeypatch):
     """What the README recommends for speed: each decoder layer under torch.compile (fullgraph, so a graph break
     in our LoRA layer or quantized base fails here), same loss and adapter gradients as eager. traced: with the
     token threshold at 0, the 4-bit bases take the in-graph decode (nn.linear.decoded_linear) a real batch takes;
-    ckpt: under non-reentrant activation checkpointing as well (a checkpoint region inside a checkpointed layer)."""
+    ckpt: under non-reentrant activation checkpointing as well (a checkpoint region inside a checkpointed layer);
+    whole: the whole PeftModel in one compile instead (fullgraph unless checkpointed), loss included, as
+    TrainingArguments(torch_compile=True) compiles it through accelerate (torch.compile(model))."""
     from surogate_hf.kernels import paths
 
     if traced:
@@ -322,6 +326,7 @@ def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, 
     torch._dynamo.reset()
     eager = get_peft_model(load(tiny_dir, fmt, torch.bfloat16), lora_cfg())
     if ckpt:
+        eager.config.use_cache = False  # (as prepare_for_training sets it; else transformers' warning, a graph break)
         eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         eager.train()
     set_lora_dtype(eager, "fp32")
@@ -330,11 +335,17 @@ def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, 
             if "lora_B" in n:
                 p.normal_(std=0.02)  # B starts at zero; give the adapters a gradient path through A too
     compiled = copy.deepcopy(eager)
-    for layer in compiled.base_model.model.model.layers:
-        layer.compile(backend="aot_eager", fullgraph=True)
+    if whole:
+        # (with checkpointing, transformers' input-gradient hook on the embedding, requires_grad_ on its output, breaks
+        # the whole-model graph, stock PEFT's too: there the graph is allowed to break)
+        run = torch.compile(compiled, backend="aot_eager", fullgraph=not ckpt)
+    else:
+        run = compiled
+        for layer in compiled.base_model.model.model.layers:
+            layer.compile(backend="aot_eager", fullgraph=True)
     losses, grads = [], []
-    for m in (eager, compiled):
-        loss = m(**batch).loss
+    for m, call in ((eager, eager), (compiled, run)):
+        loss = call(**batch).loss
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
