@@ -387,7 +387,7 @@ def main():
         fh.TRACED_CAST = args.traced_cast or fh.TRACED_CAST
     if args.layers is None:
         args.layers = SHAPES[SHAPE][6]
-    errors, tps, measured, warned, spread = {}, {}, {}, {}, {}
+    errors, warned = {}, {}
     keys = args.setups.split(",")
     runs = {}
     for rnd in range(args.rounds):
@@ -413,6 +413,16 @@ def main():
             print(f"{label}: {res[0]:,.0f} tok/s, peak {res[1]:.1f} GiB, loss {res[3]:.3f}, "
                   f"host CPU {res[4]:.1f} / wall {res[5]:.1f} ms a step "
                   f"({time.perf_counter() - t0:.0f}s{f', round {rnd + 1}' if args.rounds > 1 else ''})", flush=True)
+            # the table so far, rewritten after each run: a process stopped by a time limit (whole-model compiles
+            # take minutes) still leaves what it measured
+            report(args, keys, runs, errors, warned, done=sum(map(len, runs.values())))
+    report(args, keys, runs, errors, warned)
+
+
+def report(args, keys, runs, errors, warned, done=None):
+    """Write the result table from the runs so far: medians over rounds, ratios to the peers measured; done: the
+    setup runs finished when a partial table is written (None: the run's final table)."""
+    measured, tps, spread = {}, {}, {}
     for key, got in runs.items():
         if SETUPS[key][0] in errors:
             continue
@@ -421,10 +431,11 @@ def main():
         tps[key] = measured[key][0]
         spread[key] = (got[0][0], got[-1][0])
     rows = []
-    for key in keys:  # ratios once every setup ran, whatever the order
+    for key in keys:  # ratios among the setups measured, whatever their order
         label = SETUPS[key][0]
         if key not in measured:
-            rows.append([label, None, None, None, None, None, errors[label]])
+            rows.append([label, None, None, None, None, None,
+                         errors.get(label, "not run yet (the table was written before this setup's turn)")])
             continue
         tok, peak, ntrain, _, _, _ = measured[key]
         cpu = sorted(r[4] for r in runs[key])
@@ -439,8 +450,8 @@ def main():
                 ratio, target = r, want
             verdict = "meets" if r >= want else f"misses by {want - r:.2f}x"
             notes.append(f"{r:.2f}x {SETUPS[peer][0]} (target {want}): {verdict}")
-        if args.rounds > 1:
-            notes.append(f"median of {args.rounds} rounds, {spread[key][0]:,.0f}-{spread[key][1]:,.0f} tok/s")
+        if len(runs[key]) > 1:
+            notes.append(f"median of {len(runs[key])} rounds, {spread[key][0]:,.0f}-{spread[key][1]:,.0f} tok/s")
         cpu_spread = f"; rounds {cpu[0]:.1f}-{cpu[-1]:.1f}" if len(cpu) > 1 else ""
         notes.append(f"host CPU {cpu[(len(cpu) - 1) // 2]:.1f} ms a step (process time, every thread{cpu_spread}; "
                      f"wall {measured[key][5]:.1f})")
@@ -453,7 +464,9 @@ def main():
             + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
             + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "")
             + ("; Python's garbage collector frozen and off in the timed steps (--gc-off)" if args.gc_off else "")
-            + (f"; traced fp8 casts: {args.traced_cast}" if args.traced_cast else "") + ".\n\n")
+            + (f"; traced fp8 casts: {args.traced_cast}" if args.traced_cast else "")
+            + (f"; PARTIAL: written after {done} of {args.rounds * len(keys)} setup runs" if done is not None else "")
+            + ".\n\n")
     body += table(["setup", "tokens/s", "peak GiB", "trainable M", "ratio", "target", "note"], rows)
     if errors:
         body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())

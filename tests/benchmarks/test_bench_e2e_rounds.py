@@ -62,3 +62,22 @@ def test_whole_model_setups_compile_the_model_as_the_trainer_does(monkeypatch):
     assert L.COMPILED_DECODED_ROUTE is True  # the extension's graph ops, as the per-layer setups use
     for fmt in ("fp8", "nf4", "nvfp4", "mxfp4"):
         assert ("peft_bf16_compiled_model", 1.0) in E.TARGETS[f"ours_{fmt}_compiled_model"]
+
+
+def test_the_table_is_rewritten_after_each_run(monkeypatch):
+    """A run stopped by a time limit leaves the setups it measured: the table is written after every setup run,
+    marked partial and naming the setups still to run, then once more in full."""
+    bodies = []
+
+    def fake_run(key, layers, batch, seq, warmup, steps):
+        return {"peft_bf16": 100.0, "ours_nf4": 120.0}[key], 1.0, 2_000_000, 0.5, 50.0, 60.0
+
+    monkeypatch.setattr(E, "run_setup", fake_run)
+    monkeypatch.setattr(E, "write_result", lambda name, title, body: bodies.append(body))
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--shape", "smollm2-360m", "--setups", "peft_bf16,ours_nf4",
+                                      "--name", "t"])
+    E.main()
+    assert len(bodies) == 3
+    assert "PARTIAL: written after 1 of 2 setup runs" in bodies[0] and "not run yet" in bodies[0]
+    assert "PARTIAL: written after 2 of 2 setup runs" in bodies[1] and "1.20x PEFT LoRA" in bodies[1]
+    assert "PARTIAL" not in bodies[2] and "not run yet" not in bodies[2] and "1.20x PEFT LoRA" in bodies[2]
