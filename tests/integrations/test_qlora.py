@@ -313,7 +313,7 @@ def test_merge_to_dense_from_prequantized_checkpoint(tiny_dir, batch, tmp_path, 
                                                    ("mxfp4", True, False, False), ("nvfp4", True, True, False),
                                                    ("nf4", False, False, True), ("mxfp4", True, True, True)])
 def test_compiled_decoder_layers_train_like_eager(tiny_dir, batch, fmt, traced, ckpt, whole, monkeypatch):
-    """What the README recommends for speed: each decoder layer under torch.compile (fullgraph, so a graph break
+    """What the README recommends for speed, torch.compile: here each decoder layer (fullgraph, so a graph break
     in our LoRA layer or quantized base fails here), same loss and adapter gradients as eager. traced: with the
     token threshold at 0, the 4-bit bases take the in-graph decode (nn.linear.decoded_linear) a real batch takes;
     ckpt: under non-reentrant activation checkpointing as well (a checkpoint region inside a checkpointed layer);
