@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(require_cli_extra("yaml", "--print-config").safe_dump(cfg, sort_keys=False))
         return 0
-    metrics = run_sft(cfg)
+    try:
+        metrics = run_sft(cfg)
+    except ConfigError as e:  # what only the machine can tell (use_cuda_graphs without a GPU), before any work
+        print(f"surogate-hf sft: config error: {e}", file=sys.stderr)
+        return 2
     print(summary(metrics))
     return 0

@@ -7,7 +7,7 @@ import os
 import time
 
 from .data import build_data
-from .schema import BUILTIN_PREFIX, OPTIMIZERS, qlora_format, recipe_config, require_cli_extra
+from .schema import BUILTIN_PREFIX, OPTIMIZERS, ConfigError, qlora_format, recipe_config, require_cli_extra
 
 
 def _dtype(cfg: dict, cuda: bool):
@@ -100,6 +100,8 @@ def training_arguments(cfg: dict, cuda: bool, has_eval: bool):
         bf16=False,
         fp16=False,
         disable_tqdm=False,
+        torch_compile=cfg["torch_compile"] or cfg["use_cuda_graphs"],
+        **({"torch_compile_mode": "reduce-overhead"} if cfg["use_cuda_graphs"] else {}),
     )
 
 
@@ -161,6 +163,10 @@ def run_sft(cfg: dict) -> dict:
 
     t0 = time.time()
     cuda = torch.cuda.is_available()
+    if cfg["use_cuda_graphs"] and not cuda:
+        # (torch.compile would silently run without them)
+        raise ConfigError("use_cuda_graphs: true needs a CUDA device and none is available; set it to false "
+                          "(torch_compile: true compiles without CUDA graphs)")
     out = cfg["output_dir"]
     os.makedirs(out, exist_ok=True)
     set_seed(cfg["train_seed"])

@@ -139,6 +139,10 @@ SCHEMA: dict[str, Opt] = {
     "eval_steps": Opt(100, _int(0)),
     "logging_steps": Opt(10, _int(1)),
     "recompute": Opt(True, _bool),
+    # compile (the Trainer's torch_compile: the whole model, inductor); use_cuda_graphs adds CUDA graphs
+    # (torch_compile_mode="reduce-overhead"), which a small model's host-bound QLoRA step needs (docs/qlora.md)
+    "torch_compile": Opt(False, _bool),
+    "use_cuda_graphs": Opt(False, _bool),
     # optimizer
     "optimizer": Opt("adamw_8bit", _choice(*OPTIMIZERS)),
     "learning_rate": Opt(2e-4, _float(0, lo_open=True)),
@@ -195,7 +199,7 @@ SUROGATE_ONLY = {
     "model_type", "max_model_len", "rope_scaling", "apply_recommended_values", "checkpoint_dir", "from_scratch",
     "cpu_training", "offload_residual", "offload_master", "offload_quants", "offload_optimizer", "offload_grads",
     "persistent_quants", "use_zero_copy", "use_write_combined", "zero_level", "shard_weights", "shard_gradients",
-    "use_all_to_all_reduce", "memcpy_all_gather", "memcpy_send_recv", "distributed", "gpus", "use_cuda_graphs",
+    "use_all_to_all_reduce", "memcpy_all_gather", "memcpy_send_recv", "distributed", "gpus",
     "use_fused_rope", "fp4_backend", "cooldown_steps", "final_lr_fraction", "normuon_momentum", "normuon_beta2",
     "normuon_cautious_wd", "train_vision", "validation_datasets", "lmhead_chunks", "attn_bwd_chunks",
     "long_context", "init_projections_to_zero", "train_router", "adapter_path", "router_aux_loss_coef",

@@ -53,9 +53,9 @@ BASE = "model: builtin:tiny-llama\ndatasets: [{type: synthetic}]\n"
 
 
 def test_unknown_keys_are_named(tmp_path, capsys):
-    err = _err(tmp_path, capsys, BASE + "lora_rnak: 8\nfoo: 1\nuse_cuda_graphs: true\n")
+    err = _err(tmp_path, capsys, BASE + "lora_rnak: 8\nfoo: 1\noffload_master: true\n")
     assert "lora_rnak (did you mean lora_rank?)" in err and "foo" in err
-    assert "not supported by surogate-hf sft: use_cuda_graphs" in err
+    assert "not supported by surogate-hf sft: offload_master" in err
 
 
 def test_two_qlora_formats(tmp_path, capsys):
@@ -204,3 +204,20 @@ def test_activation_aware_qlora_init_runs(tmp_path, monkeypatch):
     (kw, errors), = seen
     assert kw["iters"] == 1 and len(kw["calibration"]) == 4
     assert errors and all(e["loftq"] < e["plain"] for e in errors.values())
+
+
+def test_compile_keys_reach_the_trainer(tmp_path, capsys, monkeypatch):
+    """torch_compile: the Trainer's torch_compile (the whole model); use_cuda_graphs (Surogate's key): the same with
+    torch_compile_mode reduce-overhead, refused with a config error on a machine without CUDA (torch.compile would
+    quietly skip the graphs there) before anything is created."""
+    from surogate_hf.cli.run import training_arguments
+
+    for keys, want in (({}, (False, None)), ({"torch_compile": True}, (True, None)),
+                       ({"use_cuda_graphs": True}, (True, "reduce-overhead"))):
+        cfg = check_config({"model": "builtin:tiny-llama", "datasets": [{"type": "synthetic"}],
+                            "output_dir": str(tmp_path / "out"), **keys})
+        args = training_arguments(cfg, cuda=False, has_eval=False)
+        assert (args.torch_compile, args.torch_compile_mode) == want, keys
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    err = _err(tmp_path, capsys, BASE + "use_cuda_graphs: true\n")
+    assert "use_cuda_graphs: true needs a CUDA device" in err
