@@ -42,32 +42,79 @@ def plain(recipe, layers, batch, seq, warmup, steps):
     return batch * seq * steps / dt
 
 
-def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None):
-    """tokens/s of the Trainer's timed steps (after `warmup`), and its optimizer. model: a built model (QLoRA) instead
-    of the bf16 base with `recipe`'s callback; compile_mode: the Trainer's torch_compile with this mode."""
+def step_times_note(stamps, warmup, steps) -> str:
+    """The timed steps' durations (ms) as median and range: a mean over steps that hides a slow step (a graph
+    recorded again, a recompile) shows here. stamps[i]: the end of step i."""
+    ms = sorted((b - a) * 1e3 for a, b in zip(stamps[warmup - 1:warmup + steps - 1], stamps[warmup:warmup + steps]))
+    return f"step ms median {ms[len(ms) // 2]:.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
+
+
+def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None, profile_to=None):
+    """tokens/s of the Trainer's timed steps (after `warmup`), and a note (its optimizer, the steps' durations).
+    model: a built model (QLoRA) instead of the bf16 base with `recipe`'s callback; compile_mode: the Trainer's
+    torch_compile with this mode; profile_to: a file for torch.profiler's tables of two more steps after the timed
+    ones."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from surogate_hf.integrations.trainer import SurogateRecipeCallback
 
-    stamps = []
+    stamps, prof = [], []
 
     class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if profile_to and state.global_step == warmup + steps:
+                prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                               torch.profiler.ProfilerActivity.CUDA]))
+                prof[0].__enter__()
+
         def on_step_end(self, args, state, control, **kw):
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
+            if prof and state.global_step == warmup + steps + 2:
+                prof[0].__exit__(None, None, None)
+                write_profile_tables(prof[0], profile_to)
 
     model = E.base_model(layers) if model is None else model
     compile_kw = {} if compile_mode is None else {"torch_compile": True, "torch_compile_mode": compile_mode}
-    args = TrainingArguments(output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=batch,
-                             learning_rate=1e-5, report_to=[], save_strategy="no", logging_steps=10_000,
+    args = TrainingArguments(output_dir=out, max_steps=warmup + steps + (2 if profile_to else 0),
+                             per_device_train_batch_size=batch, learning_rate=1e-5, report_to=[], save_strategy="no", logging_steps=10_000,
                              disable_tqdm=True, dataloader_num_workers=0, bf16=False, **compile_kw)
     callbacks = [Clock()] + ([SurogateRecipeCallback(recipe)] if recipe else [])
-    t = Trainer(model=model, args=args, train_dataset=_Ids(batch * (warmup + steps), seq, E.SHAPES[E.SHAPE][5]),
+    t = Trainer(model=model, args=args, train_dataset=_Ids(batch * args.max_steps, seq, E.SHAPES[E.SHAPE][5]),
                 callbacks=callbacks)
     t.train()
     optim = type(t.optimizer.optimizer if hasattr(t.optimizer, "optimizer") else t.optimizer).__name__
     del t, model
-    return batch * seq * steps / (stamps[-1] - stamps[warmup - 1]), f"{args.optim} ({optim})"
+    return (batch * seq * steps / (stamps[warmup + steps - 1] - stamps[warmup - 1]),
+            f"{args.optim} ({optim}); {step_times_note(stamps, warmup, steps)}")
+
+
+def write_profile_tables(prof, path):
+    """torch.profiler's key averages over the profiled steps (two steps' totals), by host time and by GPU time."""
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90) + "\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90) + "\n")
+    print(f"profile tables: {path}", flush=True)
+
+
+def plain_qlora(build, layers, batch, seq, warmup, steps, compile_mode=None):
+    """The same QLoRA model in a plain loop (forward, backward, fused AdamW, zero_grad), compiled as the Trainer
+    compiles it: tokens/s and the timed steps' durations."""
+    if compile_mode is not None:
+        E.COMPILE_KWARGS.clear()
+        E.COMPILE_KWARGS["mode"] = compile_mode
+        build = E.compiled_model(build)
+    model = build(layers)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    ids = torch.randint(0, E.SHAPES[E.SHAPE][5], (batch, seq), device="cuda")
+    step, stamps = train_step_fn(model, ids, opt), []
+    for _ in range(warmup + steps):
+        step()
+        torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+    del model, opt
+    return batch * seq * steps / (stamps[-1] - stamps[warmup - 1]), step_times_note(stamps, warmup, steps)
 
 
 QLORA_BUILDS = {"peft": ("PEFT LoRA, bf16 base, bf16 adapters", lambda L: E.peft_bf16(L, True)),
@@ -79,7 +126,7 @@ def qlora_main(args, layers):
     """QLoRA through the Trainer: each setup's tokens/s and its ratio to PEFT's Trainer run in this process."""
     import torch._dynamo
 
-    errors, res = {}, {}
+    errors, res, plain_res = {}, {}, {}
     keys = args.qlora.split(",")
     unknown = [k for k in keys if k not in QLORA_BUILDS]
     if unknown:
@@ -87,27 +134,41 @@ def qlora_main(args, layers):
     for key in keys:
         label, build = QLORA_BUILDS[key]
         torch._dynamo.reset()
+        prof = f"{args.profile_dir}/trainer_{key}.txt" if args.profile_dir else None
         got = attempt(label, lambda: trainer(None, layers, args.batch, args.seq, args.warmup, args.steps,
                                              "/tmp/bench_trainer", model=build(layers),
-                                             compile_mode=args.torch_compile_mode), errors)
+                                             compile_mode=args.torch_compile_mode, profile_to=prof), errors)
         gc.collect()
         torch.cuda.empty_cache()
         if got is not None:
             res[key] = got
             print(f"{label}: {got[0]:,.0f} tok/s {got[1]}", flush=True)
+        if args.plain:
+            torch._dynamo.reset()
+            got = attempt(f"{label}, plain loop", lambda: plain_qlora(build, layers, args.batch, args.seq,
+                                                                       args.warmup, args.steps,
+                                                                       args.torch_compile_mode), errors)
+            gc.collect()
+            torch.cuda.empty_cache()
+            if got is not None:
+                plain_res[key] = got
+                print(f"{label}, plain loop: {got[0]:,.0f} tok/s {got[1]}", flush=True)
     peft = res.get("peft", (None,))[0]
     rows = []
     for key in keys:
         label = QLORA_BUILDS[key][0]
         tok, note = res.get(key, (None, errors.get(label, "")))
+        plain_tok, plain_note = plain_res.get(key, (None, errors.get(f"{label}, plain loop", "")))
         rows.append([label, tok, tok / peft if tok and peft and key != "peft" else None, 1.0 if key != "peft" else None,
-                     note])
+                     note] + ([plain_tok, tok / plain_tok if tok and plain_tok else None, plain_note]
+                              if args.plain else []))
     mode = args.torch_compile_mode
     body = (f"{args.shape} shape, {layers} layers, batch {args.batch} x {args.seq}, {args.warmup} warm-up + "
             f"{args.steps} timed steps, through the HF Trainer"
             + (f" with torch_compile=True, torch_compile_mode={mode!r} (the whole model compiled by accelerate)"
                if mode else " (eager)") + ".\n\n")
-    body += table(["setup", "tokens/s", "x PEFT (Trainer)", "target", "note"], rows)
+    body += table(["setup", "tokens/s", "x PEFT (Trainer)", "target", "note"]
+                  + (["plain loop tokens/s", "Trainer x plain loop", "plain loop note"] if args.plain else []), rows)
     if errors:
         body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())
     write_result(args.name, "QLoRA through the HF Trainer", body)
@@ -127,13 +188,19 @@ def main():
                     f"peft,nf4,mxfp4 (of {','.join(QLORA_BUILDS)}); ratios to peft")
     ap.add_argument("--torch-compile-mode", default=None, choices=["default", "reduce-overhead"],
                     help="with --qlora: the Trainer's torch_compile=True with this torch_compile_mode")
+    ap.add_argument("--plain", action="store_true",
+                    help="with --qlora: also time each model in a plain loop, compiled the same way (Trainer x plain)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="with --qlora: torch.profiler tables of the last two timed Trainer steps, one file a setup")
     args = ap.parse_args()
     E.SHAPE = args.shape
     layers = args.layers or E.SHAPES[args.shape][6]
     if args.qlora:
         return qlora_main(args, layers)
-    if args.torch_compile_mode:
-        raise SystemExit("--torch-compile-mode applies to --qlora runs (the recipes' Trainer runs are eager)")
+    for opt, val in (("--torch-compile-mode", args.torch_compile_mode), ("--plain", args.plain),
+                     ("--profile-dir", args.profile_dir)):
+        if val:
+            raise SystemExit(f"{opt} applies to --qlora runs (the recipes' Trainer runs are eager)")
     errors, res = {}, {}
     for recipe in args.recipes.split(","):
         r = None if recipe == "bf16" else recipe  # bf16 = the model as it is (no recipe applied)

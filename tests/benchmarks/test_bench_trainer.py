@@ -17,11 +17,16 @@ import bench_trainer as T  # noqa: E402
 def _run(monkeypatch, argv, speeds):
     calls, written = [], {}
 
-    def fake_trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None):
-        calls.append((model, compile_mode))
+    def fake_trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None, profile_to=None):
+        calls.append((model, compile_mode, profile_to))
         return speeds[model], "adamw_torch_fused (AdamW)"
 
+    def fake_plain(build, layers, batch, seq, warmup, steps, compile_mode=None):
+        calls.append(("plain", build(layers), compile_mode))
+        return speeds[build(layers)] * 2, "step ms median 1.0 (1.0-1.0)"
+
     monkeypatch.setattr(T, "trainer", fake_trainer)
+    monkeypatch.setattr(T, "plain_qlora", fake_plain)
     monkeypatch.setattr(T, "QLORA_BUILDS", {k: (f"setup {k}", lambda layers, k=k: k) for k in ("peft", "nf4", "mxfp4")})
     monkeypatch.setattr(T, "write_result", lambda name, title, body: written.update(body=body))
     monkeypatch.setattr(sys, "argv", ["bench_trainer.py", "--shape", "smollm2-135m", *argv])
@@ -32,13 +37,23 @@ def _run(monkeypatch, argv, speeds):
 def test_qlora_setups_run_through_the_trainer_against_peft(monkeypatch):
     calls, body = _run(monkeypatch, ["--qlora", "peft,nf4,mxfp4", "--torch-compile-mode", "reduce-overhead"],
                        {"peft": 100.0, "nf4": 99.0, "mxfp4": 102.0})
-    assert calls == [("peft", "reduce-overhead"), ("nf4", "reduce-overhead"), ("mxfp4", "reduce-overhead")]
+    assert calls == [("peft", "reduce-overhead", None), ("nf4", "reduce-overhead", None),
+                     ("mxfp4", "reduce-overhead", None)]
     assert "torch_compile_mode='reduce-overhead'" in body
     assert "| 0.990 |" in body and "| 1.020 |" in body  # x PEFT, from the same process
+
+
+def test_plain_loop_and_profile_ride_along(monkeypatch, tmp_path):
+    calls, body = _run(monkeypatch, ["--qlora", "peft,nf4", "--torch-compile-mode", "default", "--plain",
+                                     "--profile-dir", str(tmp_path)], {"peft": 100.0, "nf4": 99.0})
+    assert calls == [("peft", "default", f"{tmp_path}/trainer_peft.txt"), ("plain", "peft", "default"),
+                     ("nf4", "default", f"{tmp_path}/trainer_nf4.txt"), ("plain", "nf4", "default")]
+    assert "Trainer x plain loop" in body and "| 0.500 |" in body  # the Trainer's tok/s over the plain loop's
 
 
 def test_bad_options_are_refused(monkeypatch):
     with pytest.raises(SystemExit, match="unknown setup"):
         _run(monkeypatch, ["--qlora", "peft,nf5"], {})
-    with pytest.raises(SystemExit, match="applies to --qlora"):
-        _run(monkeypatch, ["--torch-compile-mode", "default"], {})
+    for opt in (["--torch-compile-mode", "default"], ["--plain"], ["--profile-dir", "/tmp/x"]):
+        with pytest.raises(SystemExit, match=f"{opt[0]} applies to --qlora"):
+            _run(monkeypatch, opt, {})
