@@ -323,8 +323,24 @@ def run_setup(key, layers, batch, seq, warmup, steps):
                 os.environ[name] = value
 
 
+STOCK_CAUSAL_MASK = []  # --stock-causal-mask
+
+
+def causal_mask_policy():
+    """Every setup, the peers included, runs with surogate_hf's compiled causal-mask skip (integrations/causal_mask.py;
+    our entry points install it for our models, so it is installed here for PEFT's too: attention then costs the same
+    on both sides), or with transformers' stock mask function under --stock-causal-mask. A no-op on torch >= 2.13."""
+    from surogate_hf.integrations import causal_mask as CM
+
+    if STOCK_CAUSAL_MASK:
+        CM.uninstall_compiled_causal_mask_skip()
+    else:
+        CM.install_compiled_causal_mask_skip()
+
+
 def _run_setup(key, layers, batch, seq, warmup, steps):
     model = SETUPS[key][1](layers)
+    causal_mask_policy()
     if GRAD_CKPT:
         model.train()
         kwargs = {"use_reentrant": False}
@@ -366,6 +382,9 @@ def main():
                     help="measure every setup this many times, the setups interleaved round by round, and report the "
                          "median tok/s with the spread: host-bound rows (small models) vary by 10-20%% between runs of "
                          "one process, which one round cannot tell from a real difference")
+    ap.add_argument("--stock-causal-mask", action="store_true",
+                    help="transformers' own SDPA mask function on every setup (before torch 2.13 a whole-model compile "
+                         "then materializes the causal mask: surogate_hf.integrations.causal_mask)")
     ap.add_argument("--gc-off", action="store_true",
                     help="freeze the objects alive after the warm-up and turn Python's garbage collector off for the "
                          "timed steps (common.GC_OFF), in every setup alike")
@@ -384,6 +403,8 @@ def main():
         args.warmup = 4 if args.compile_mode == "reduce-overhead" else 2
     if args.grad_ckpt:
         GRAD_CKPT.append(True)
+    if args.stock_causal_mask:
+        STOCK_CAUSAL_MASK.append(True)
     if args.traced_gemm or args.traced_cast:
         import surogate_hf.recipes.fp8_hybrid as fh
 
@@ -467,6 +488,7 @@ def report(args, keys, runs, errors, warned, done=None):
             + (f"{args.rounds} rounds (setups interleaved; medians), " if args.rounds > 1 else "")
             + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
             + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "")
+            + ("; transformers' stock SDPA mask function (--stock-causal-mask)" if args.stock_causal_mask else "")
             + ("; Python's garbage collector frozen and off in the timed steps (--gc-off)" if args.gc_off else "")
             + (f"; traced fp8 casts: {args.traced_cast}" if args.traced_cast else "")
             + (f"; PARTIAL: written after {done} of {args.rounds * len(keys)} setup runs" if done is not None else "")

@@ -42,6 +42,9 @@ def plain(recipe, layers, batch, seq, warmup, steps):
     return batch * seq * steps / dt
 
 
+TRAINER_KWARGS = {}  # --no-nan-inf-filter
+
+
 def step_times_note(stamps, warmup, steps) -> str:
     """The timed steps' durations (ms) as median and range: a mean over steps that hides a slow step (a graph
     recorded again, a recompile) shows here. stamps[i]: the end of step i."""
@@ -75,10 +78,12 @@ def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_
                 write_profile_tables(prof[0], profile_to)
 
     model = E.base_model(layers) if model is None else model
+    E.causal_mask_policy()
     compile_kw = {} if compile_mode is None else {"torch_compile": True, "torch_compile_mode": compile_mode}
     args = TrainingArguments(output_dir=out, max_steps=warmup + steps + (2 if profile_to else 0),
                              per_device_train_batch_size=batch, learning_rate=1e-5, report_to=[], save_strategy="no", logging_steps=10_000,
-                             disable_tqdm=True, dataloader_num_workers=0, bf16=False, **compile_kw)
+                             disable_tqdm=True, dataloader_num_workers=0, bf16=False, **compile_kw,
+                             **TRAINER_KWARGS)
     callbacks = [Clock()] + ([SurogateRecipeCallback(recipe)] if recipe else [])
     t = Trainer(model=model, args=args, train_dataset=_Ids(batch * args.max_steps, seq, E.SHAPES[E.SHAPE][5]),
                 callbacks=callbacks)
@@ -106,6 +111,7 @@ def plain_qlora(build, layers, batch, seq, warmup, steps, compile_mode=None):
         E.COMPILE_KWARGS["mode"] = compile_mode
         build = E.compiled_model(build)
     model = build(layers)
+    E.causal_mask_policy()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     ids = torch.randint(0, E.SHAPES[E.SHAPE][5], (batch, seq), device="cuda")
     step, stamps = train_step_fn(model, ids, opt), []
@@ -166,7 +172,9 @@ def qlora_main(args, layers):
     body = (f"{args.shape} shape, {layers} layers, batch {args.batch} x {args.seq}, {args.warmup} warm-up + "
             f"{args.steps} timed steps, through the HF Trainer"
             + (f" with torch_compile=True, torch_compile_mode={mode!r} (the whole model compiled by accelerate)"
-               if mode else " (eager)") + ".\n\n")
+               if mode else " (eager)")
+            + ("; transformers' stock SDPA mask function" if args.stock_causal_mask else "")
+            + ("; logging_nan_inf_filter=False" if args.no_nan_inf_filter else "") + ".\n\n")
     body += table(["setup", "tokens/s", "x PEFT (Trainer)", "target", "note"]
                   + (["plain loop tokens/s", "Trainer x plain loop", "plain loop note"] if args.plain else []), rows)
     if errors:
@@ -188,17 +196,27 @@ def main():
                     f"peft,nf4,mxfp4 (of {','.join(QLORA_BUILDS)}); ratios to peft")
     ap.add_argument("--torch-compile-mode", default=None, choices=["default", "reduce-overhead"],
                     help="with --qlora: the Trainer's torch_compile=True with this torch_compile_mode")
+    ap.add_argument("--stock-causal-mask", action="store_true",
+                    help="transformers' own SDPA mask function (bench_e2e's flag: before torch 2.13 a whole-model "
+                         "compile then materializes the causal mask)")
+    ap.add_argument("--no-nan-inf-filter", action="store_true",
+                    help="with --qlora: TrainingArguments(logging_nan_inf_filter=False): no isnan/isinf check of "
+                         "each step's loss (two host syncs a step)")
     ap.add_argument("--plain", action="store_true",
                     help="with --qlora: also time each model in a plain loop, compiled the same way (Trainer x plain)")
     ap.add_argument("--profile-dir", default=None,
                     help="with --qlora: torch.profiler tables of the last two timed Trainer steps, one file a setup")
     args = ap.parse_args()
     E.SHAPE = args.shape
+    if args.stock_causal_mask:
+        E.STOCK_CAUSAL_MASK.append(True)
+    if args.no_nan_inf_filter:
+        TRAINER_KWARGS["logging_nan_inf_filter"] = False
     layers = args.layers or E.SHAPES[args.shape][6]
     if args.qlora:
         return qlora_main(args, layers)
     for opt, val in (("--torch-compile-mode", args.torch_compile_mode), ("--plain", args.plain),
-                     ("--profile-dir", args.profile_dir)):
+                     ("--profile-dir", args.profile_dir), ("--no-nan-inf-filter", args.no_nan_inf_filter)):
         if val:
             raise SystemExit(f"{opt} applies to --qlora runs (the recipes' Trainer runs are eager)")
     errors, res = {}, {}

@@ -7,6 +7,9 @@ It never imports triton or a native extension. The two patches of library code h
   SurogateConfig; `surogate_hf.integrations.prequantized.install_merge_patch()` / `uninstall_merge_patch()`;
 - PEFT's LoRA dispatch (SurogateLoraLinear on quantized bases): `prepare_for_training`, and our quantizers when
   they load a model; `surogate_hf.integrations.peft.install_peft_dispatch()` / `uninstall_peft_dispatch()`.
+One registration replaces a transformers function through its public registry, on torch < 2.13 only: SDPA's mask
+function, so that a compiled model skips the causal mask as eager does (integrations/causal_mask.py):
+`prepare_for_training`, `apply_recipe`, our quantizers; `install_compiled_causal_mask_skip()` / `uninstall_...()`.
 """
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .integrations.causal_mask import install_compiled_causal_mask_skip
 from .integrations.peft import install_peft_dispatch
 from .recipes.norm import fuse_norms
 
@@ -35,6 +36,7 @@ def prepare_for_training(
         if not isinstance(flag, bool):
             raise TypeError(f"prepare_for_training: {name} must be True or False, got {flag!r}")
     install_peft_dispatch()
+    install_compiled_causal_mask_skip()
     for p in model.parameters():
         p.requires_grad_(False)
     if gradient_checkpointing:

@@ -202,9 +202,11 @@ class SurogateHfQuantizer(HfQuantizer):
         model._surogate_report = self.report
         # LoRA on these modules must go through surogate's LoRA layer (a stock lora.Linear would merge into
         # packed data), also for load_adapter() straight after from_pretrained().
+        from .causal_mask import install_compiled_causal_mask_skip
         from .peft import install_peft_dispatch
 
         install_peft_dispatch()
+        install_compiled_causal_mask_skip()  # whole-model compile keeps SDPA's causal kernels on torch < 2.13
         return model
 
     def get_quantize_ops(self):

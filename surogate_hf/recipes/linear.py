@@ -549,6 +549,9 @@ def apply_recipe(model: nn.Module, recipe=None, *, module_filter_fn=None, **knob
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "to_dict"):  # a transformers config: saved as config.json
         setattr(hf_config, CONFIG_ATTR, cfg.to_dict())
+        from ..integrations.causal_mask import install_compiled_causal_mask_skip
+
+        install_compiled_causal_mask_skip()  # a compiled transformers model keeps SDPA's causal kernels (torch < 2.13)
     return model
 
 

@@ -273,9 +273,11 @@ class PrequantizedHfQuantizer(HfQuantizer):
                     if t.is_meta:
                         raise PrequantizedCheckpointError(f"{type(module).__name__}: a slot was not filled by the checkpoint")
                 adopt_stored(module)
+        from ..causal_mask import install_compiled_causal_mask_skip
         from ..peft import install_peft_dispatch  # LoRA on these bases needs surogate's LoRA layer (see peft.py)
 
         install_peft_dispatch()
+        install_compiled_causal_mask_skip()  # whole-model compile keeps SDPA's causal kernels on torch < 2.13
         return model
 
     def _dequantize(self, model, dtype=None):
