@@ -74,8 +74,15 @@ def base_model(layers: int):
     torch.manual_seed(0)
     with torch.device("cuda"):
         m = AutoModelForCausalLM.from_config(config(layers), dtype=torch.bfloat16, attn_implementation=_attention())
-    m.config.use_cache = False
+    m.config.use_cache = bool(USE_CACHE)
     return m
+
+
+# --use-cache: keep transformers' default use_cache=True. Under a whole-model compile that decides SDPA's mask: without
+# a cache, create_causal_mask checks position_ids for packed sequences, a check a graph cannot run, so it builds the
+# [batch, 1, seq, seq] mask and SDPA runs non-causal kernels over it; with a cache it skips the mask (on torch < 2.13
+# with surogate_hf.integrations.causal_mask). Eager and per-layer compiles build the mask outside any graph either way.
+USE_CACHE = []
 
 
 def _targets(model):
@@ -382,6 +389,8 @@ def main():
                     help="measure every setup this many times, the setups interleaved round by round, and report the "
                          "median tok/s with the spread: host-bound rows (small models) vary by 10-20%% between runs of "
                          "one process, which one round cannot tell from a real difference")
+    ap.add_argument("--use-cache", action="store_true",
+                    help="the models keep use_cache=True (transformers' default; see USE_CACHE)")
     ap.add_argument("--stock-causal-mask", action="store_true",
                     help="transformers' own SDPA mask function on every setup (before torch 2.13 a whole-model compile "
                          "then materializes the causal mask: surogate_hf.integrations.causal_mask)")
@@ -405,6 +414,8 @@ def main():
         GRAD_CKPT.append(True)
     if args.stock_causal_mask:
         STOCK_CAUSAL_MASK.append(True)
+    if args.use_cache:
+        USE_CACHE.append(True)
     if args.traced_gemm or args.traced_cast:
         import surogate_hf.recipes.fp8_hybrid as fh
 
@@ -489,6 +500,7 @@ def report(args, keys, runs, errors, warned, done=None):
             + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
             + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "")
             + ("; transformers' stock SDPA mask function (--stock-causal-mask)" if args.stock_causal_mask else "")
+            + ("; use_cache=True (--use-cache)" if args.use_cache else "")
             + ("; Python's garbage collector frozen and off in the timed steps (--gc-off)" if args.gc_off else "")
             + (f"; traced fp8 casts: {args.traced_cast}" if args.traced_cast else "")
             + (f"; PARTIAL: written after {done} of {args.rounds * len(keys)} setup runs" if done is not None else "")

@@ -47,7 +47,8 @@ TRAINER_KWARGS = {}  # --no-nan-inf-filter
 
 def step_times_note(stamps, warmup, steps) -> str:
     """The timed steps' durations (ms) as median and range: a mean over steps that hides a slow step (a graph
-    recorded again, a recompile) shows here. stamps[i]: the end of step i."""
+    recorded again, a recompile) shows here. stamps[i]: the host's clock when step i returned (the GPU is waited for
+    only at the end of the warm-up and of the timed steps, as a training loop does not wait each step)."""
     ms = sorted((b - a) * 1e3 for a, b in zip(stamps[warmup - 1:warmup + steps - 1], stamps[warmup:warmup + steps]))
     return f"step ms median {ms[len(ms) // 2]:.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
 
@@ -71,7 +72,8 @@ def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_
                 prof[0].__enter__()
 
         def on_step_end(self, args, state, control, **kw):
-            torch.cuda.synchronize()
+            if state.global_step in (warmup, warmup + steps):  # the timed window's two ends
+                torch.cuda.synchronize()
             stamps.append(time.perf_counter())
             if prof and state.global_step == warmup + steps + 2:
                 prof[0].__exit__(None, None, None)
@@ -115,9 +117,10 @@ def plain_qlora(build, layers, batch, seq, warmup, steps, compile_mode=None):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     ids = torch.randint(0, E.SHAPES[E.SHAPE][5], (batch, seq), device="cuda")
     step, stamps = train_step_fn(model, ids, opt), []
-    for _ in range(warmup + steps):
+    for i in range(1, warmup + steps + 1):
         step()
-        torch.cuda.synchronize()
+        if i in (warmup, warmup + steps):
+            torch.cuda.synchronize()
         stamps.append(time.perf_counter())
     del model, opt
     return batch * seq * steps / (stamps[-1] - stamps[warmup - 1]), step_times_note(stamps, warmup, steps)
@@ -174,6 +177,7 @@ def qlora_main(args, layers):
             + (f" with torch_compile=True, torch_compile_mode={mode!r} (the whole model compiled by accelerate)"
                if mode else " (eager)")
             + ("; transformers' stock SDPA mask function" if args.stock_causal_mask else "")
+            + ("; use_cache=True" if args.use_cache else "")
             + ("; logging_nan_inf_filter=False" if args.no_nan_inf_filter else "") + ".\n\n")
     body += table(["setup", "tokens/s", "x PEFT (Trainer)", "target", "note"]
                   + (["plain loop tokens/s", "Trainer x plain loop", "plain loop note"] if args.plain else []), rows)
@@ -199,6 +203,8 @@ def main():
     ap.add_argument("--stock-causal-mask", action="store_true",
                     help="transformers' own SDPA mask function (bench_e2e's flag: before torch 2.13 a whole-model "
                          "compile then materializes the causal mask)")
+    ap.add_argument("--use-cache", action="store_true",
+                    help="the models keep use_cache=True (bench_e2e's flag: a whole-model compile then skips the mask)")
     ap.add_argument("--no-nan-inf-filter", action="store_true",
                     help="with --qlora: TrainingArguments(logging_nan_inf_filter=False): no isnan/isinf check of "
                          "each step's loss (two host syncs a step)")
@@ -210,6 +216,8 @@ def main():
     E.SHAPE = args.shape
     if args.stock_causal_mask:
         E.STOCK_CAUSAL_MASK.append(True)
+    if args.use_cache:
+        E.USE_CACHE.append(True)
     if args.no_nan_inf_filter:
         TRAINER_KWARGS["logging_nan_inf_filter"] = False
     layers = args.layers or E.SHAPES[args.shape][6]
