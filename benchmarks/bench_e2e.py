@@ -7,8 +7,8 @@ fp8 QLoRA + fp8-hybrid >= 1.25x (issue 12); our nf4 QLoRA >= 1.5x PEFT + bitsand
 fine-tune fp8-hybrid >= 1.15x bf16 and >= 1.10x torchao float8 under torch.compile. Every setup runs in this one
 process; failures are reported. Compiled setups: `_compiled` compiles each decoder layer, `_compiled_model` the whole
 model (as TrainingArguments(torch_compile=True) does); --compile-mode reduce-overhead adds CUDA graphs, which a small
-model's host-bound step needs:
-    python benchmarks/bench_e2e.py --shape smollm2-135m --compile-mode reduce-overhead \
+model's host-bound step needs, and --use-cache keeps SDPA's causal mask out of a whole-model graph (USE_CACHE):
+    python benchmarks/bench_e2e.py --shape smollm2-135m --compile-mode reduce-overhead --use-cache --gc-off \
         --setups peft_bf16_compiled_model,ours_nf4_compiled_model,ours_mxfp4_compiled_model"""
 
 from __future__ import annotations

@@ -81,3 +81,18 @@ def test_the_table_is_rewritten_after_each_run(monkeypatch):
     assert "PARTIAL: written after 1 of 2 setup runs" in bodies[0] and "not run yet" in bodies[0]
     assert "PARTIAL: written after 2 of 2 setup runs" in bodies[1] and "1.20x PEFT LoRA" in bodies[1]
     assert "PARTIAL" not in bodies[2] and "not run yet" not in bodies[2] and "1.20x PEFT LoRA" in bodies[2]
+
+
+def test_causal_mask_policy_follows_the_flag(monkeypatch):
+    """Every setup gets surogate_hf's compiled causal-mask skip (where this torch needs it), or transformers' stock
+    mask function under --stock-causal-mask."""
+    from surogate_hf.integrations import causal_mask as CM
+
+    calls = []
+    monkeypatch.setattr(CM, "install_compiled_causal_mask_skip", lambda: calls.append("install"))
+    monkeypatch.setattr(CM, "uninstall_compiled_causal_mask_skip", lambda: calls.append("uninstall"))
+    monkeypatch.setattr(E, "STOCK_CAUSAL_MASK", [])
+    E.causal_mask_policy()
+    monkeypatch.setattr(E, "STOCK_CAUSAL_MASK", [True])
+    E.causal_mask_policy()
+    assert calls == ["install", "uninstall"]
