@@ -83,9 +83,9 @@ def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_
     E.causal_mask_policy()
     compile_kw = {} if compile_mode is None else {"torch_compile": True, "torch_compile_mode": compile_mode}
     args = TrainingArguments(output_dir=out, max_steps=warmup + steps + (2 if profile_to else 0),
-                             per_device_train_batch_size=batch, learning_rate=1e-5, report_to=[], save_strategy="no", logging_steps=10_000,
-                             disable_tqdm=True, dataloader_num_workers=0, bf16=False, **compile_kw,
-                             **TRAINER_KWARGS)
+                             per_device_train_batch_size=batch, learning_rate=1e-5, report_to=[], save_strategy="no",
+                             logging_steps=10_000, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
+                             **compile_kw, **TRAINER_KWARGS)
     callbacks = [Clock()] + ([SurogateRecipeCallback(recipe)] if recipe else [])
     t = Trainer(model=model, args=args, train_dataset=_Ids(batch * args.max_steps, seq, E.SHAPES[E.SHAPE][5]),
                 callbacks=callbacks)
@@ -211,7 +211,7 @@ def main():
     ap.add_argument("--plain", action="store_true",
                     help="with --qlora: also time each model in a plain loop, compiled the same way (Trainer x plain)")
     ap.add_argument("--profile-dir", default=None,
-                    help="with --qlora: torch.profiler tables of the last two timed Trainer steps, one file a setup")
+                    help="with --qlora: torch.profiler tables of two Trainer steps after the timed ones")
     args = ap.parse_args()
     E.SHAPE = args.shape
     if args.stock_causal_mask:

@@ -6,8 +6,12 @@ flash / cuDNN causal kernels. That skip is refused while exporting, which transf
 `torch.compiler.is_exporting()`. Before torch 2.13, dynamo folds that call to a constant True in every compiled
 frame (`torch._dynamo.variables.torch`'s constant-folded functions; 2.13 reads the real flag). So a model compiled
 whole (`torch.compile(model)`, the Trainer's `torch_compile=True`) materializes a [batch, 1, seq, seq] causal mask
-and SDPA runs its masked, non-causal kernels. On an H200 at SmolLM2-135M's shape (batch 4 x 2048) that made the
-attention kernels 2.6x slower (fprop 166 vs 61 us, bprop 416 vs 159 us a layer), about a quarter of the step.
+and SDPA runs its masked, non-causal kernels. On an H200 at SmolLM2-135M's shape (batch 4 x 2048) a built mask made
+the attention kernels 2.6x slower (fprop 166 vs 61 us, bprop 416 vs 159 us a layer), about a quarter of the step.
+
+Not covered here, on any torch: with `use_cache=False` (gradient checkpointing sets it) transformers checks
+`position_ids` for packed sequences first, a check of tensor values that a graph cannot make, so it keeps the mask
+(`allow_is_causal_skip=False`, which this function respects); and a batch with an `attention_mask` keeps its mask.
 
 `install_compiled_causal_mask_skip()` registers, through transformers' public mask registry
 (`AttentionMaskInterface.register("sdpa", ...)`), a mask function that returns None where transformers' own rule
