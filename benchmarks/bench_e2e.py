@@ -345,6 +345,23 @@ def causal_mask_policy():
         CM.install_compiled_causal_mask_skip()
 
 
+def add_attention_mask_args(ap):
+    """--use-cache and --stock-causal-mask (this script's and bench_trainer's): what decides SDPA's mask in a
+    whole-model graph."""
+    ap.add_argument("--use-cache", action="store_true",
+                    help="the models keep use_cache=True (transformers' default; see USE_CACHE)")
+    ap.add_argument("--stock-causal-mask", action="store_true",
+                    help="transformers' own SDPA mask function on every setup (before torch 2.13 a whole-model compile "
+                         "then materializes the causal mask: surogate_hf.integrations.causal_mask)")
+
+
+def apply_attention_mask_args(args):
+    if args.stock_causal_mask:
+        STOCK_CAUSAL_MASK.append(True)
+    if args.use_cache:
+        USE_CACHE.append(True)
+
+
 def _run_setup(key, layers, batch, seq, warmup, steps):
     model = SETUPS[key][1](layers)
     causal_mask_policy()
@@ -389,11 +406,7 @@ def main():
                     help="measure every setup this many times, the setups interleaved round by round, and report the "
                          "median tok/s with the spread: host-bound rows (small models) vary by 10-20%% between runs of "
                          "one process, which one round cannot tell from a real difference")
-    ap.add_argument("--use-cache", action="store_true",
-                    help="the models keep use_cache=True (transformers' default; see USE_CACHE)")
-    ap.add_argument("--stock-causal-mask", action="store_true",
-                    help="transformers' own SDPA mask function on every setup (before torch 2.13 a whole-model compile "
-                         "then materializes the causal mask: surogate_hf.integrations.causal_mask)")
+    add_attention_mask_args(ap)
     ap.add_argument("--gc-off", action="store_true",
                     help="freeze the objects alive after the warm-up and turn Python's garbage collector off for the "
                          "timed steps (common.GC_OFF), in every setup alike")
@@ -412,10 +425,7 @@ def main():
         args.warmup = 4 if args.compile_mode == "reduce-overhead" else 2
     if args.grad_ckpt:
         GRAD_CKPT.append(True)
-    if args.stock_causal_mask:
-        STOCK_CAUSAL_MASK.append(True)
-    if args.use_cache:
-        USE_CACHE.append(True)
+    apply_attention_mask_args(args)
     if args.traced_gemm or args.traced_cast:
         import surogate_hf.recipes.fp8_hybrid as fh
 

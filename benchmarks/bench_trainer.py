@@ -200,11 +200,7 @@ def main():
                     f"peft,nf4,mxfp4 (of {','.join(QLORA_BUILDS)}); ratios to peft")
     ap.add_argument("--torch-compile-mode", default=None, choices=["default", "reduce-overhead"],
                     help="with --qlora: the Trainer's torch_compile=True with this torch_compile_mode")
-    ap.add_argument("--stock-causal-mask", action="store_true",
-                    help="transformers' own SDPA mask function (bench_e2e's flag: before torch 2.13 a whole-model "
-                         "compile then materializes the causal mask)")
-    ap.add_argument("--use-cache", action="store_true",
-                    help="the models keep use_cache=True (bench_e2e's flag: a whole-model compile then skips the mask)")
+    E.add_attention_mask_args(ap)
     ap.add_argument("--no-nan-inf-filter", action="store_true",
                     help="with --qlora: TrainingArguments(logging_nan_inf_filter=False): no isnan/isinf check of "
                          "each step's loss (two host syncs a step)")
@@ -214,10 +210,7 @@ def main():
                     help="with --qlora: torch.profiler tables of two Trainer steps after the timed ones")
     args = ap.parse_args()
     E.SHAPE = args.shape
-    if args.stock_causal_mask:
-        E.STOCK_CAUSAL_MASK.append(True)
-    if args.use_cache:
-        E.USE_CACHE.append(True)
+    E.apply_attention_mask_args(args)
     if args.no_nan_inf_filter:
         TRAINER_KWARGS["logging_nan_inf_filter"] = False
     layers = args.layers or E.SHAPES[args.shape][6]

@@ -51,6 +51,16 @@ def test_plain_loop_and_profile_ride_along(monkeypatch, tmp_path):
     assert "Trainer x plain loop" in body and "| 0.500 |" in body  # the Trainer's tok/s over the plain loop's
 
 
+def test_attention_mask_flags_reach_bench_e2e(monkeypatch):
+    """--use-cache / --stock-causal-mask are bench_e2e's switches (the models it builds, the mask policy it applies),
+    and the table says which ran."""
+    monkeypatch.setattr(T.E, "USE_CACHE", [])
+    monkeypatch.setattr(T.E, "STOCK_CAUSAL_MASK", [])
+    _, body = _run(monkeypatch, ["--qlora", "peft", "--use-cache", "--stock-causal-mask"], {"peft": 100.0})
+    assert T.E.USE_CACHE == [True] and T.E.STOCK_CAUSAL_MASK == [True]
+    assert "use_cache=True" in body and "stock SDPA mask function" in body
+
+
 def test_bad_options_are_refused(monkeypatch):
     with pytest.raises(SystemExit, match="unknown setup"):
         _run(monkeypatch, ["--qlora", "peft,nf5"], {})
