@@ -5,12 +5,15 @@ layer's call that scale differently: dynamo's frame entry (guard evaluation), AO
 (autograd.Function.apply over every input, the wrappers' loops over them), the inductor wrapper's own lines (extern
 GEMMs, allocations), its custom-op calls and its Triton launches, the backward thread, the optimizer.
 
-Record one process per setup on the GPU machine (py-spy is a wheel from the package index, carried in .whl):
+Record on the GPU machine (py-spy is a wheel from the package index, carried in .whl; bench_e2e attaches it to its
+own process after each setup's warm-up, so no compile is sampled):
 
-    py-spy record --threads --rate 250 --format raw -o spy_<setup>.txt -- \
-        python3 bench_e2e.py --shape smollm2-135m --setups <setup> --steps 100 --warmup 3 --gc-off --name spy_<setup>
+    python3 bench_e2e.py --shape smollm2-135m --setups <setup>,<setup> --steps 60 --gc-off --pyspy spy \
+        --pyspy-exe /tmp/site/bin/py-spy
 
-then here: python3 analyze_pyspy.py spy_peft_bf16_compiled.txt spy_ours_nf4_compiled.txt
+then here: python3 analyze_pyspy.py spy/spy_peft_bf16_compiled.txt spy/spy_ours_nf4_compiled.txt
+(Session 35 recorded each setup's whole process, `py-spy record --threads --rate 250 --format raw -o ... -- python3
+bench_e2e.py ...`; a whole-model compile under the sampler took 3x as long, session 38.)
 """
 
 from __future__ import annotations
@@ -18,8 +21,17 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+from pathlib import Path
 
-TIMED_LOOP = "common.py:101"  # the timed loop's `loss = step()` in time_train_steps_cpu
+
+def timed_loop() -> str:
+    """'common.py:<line>' of the timed loop's `loss = step()` in common.time_train_steps_cpu, read from the source."""
+    lines = (Path(__file__).with_name("common.py")).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("def time_train_steps_cpu("))
+    return f"common.py:{next(i for i in range(start, len(lines)) if lines[i].strip().startswith('loss = step()')) + 1}"
+
+
+TIMED_LOOP = timed_loop()
 COMPILING = ("convert_frame.py", "compile_fx")
 
 

@@ -309,6 +309,16 @@ SMALL_MODEL_TARGETS = {
 
 
 GRAD_CKPT = []  # --grad-ckpt: activation checkpointing on every setup (what fits a big model on one GPU)
+PYSPY = {}  # --pyspy: {"dir": where each setup run's samples go, "exe": the py-spy executable, "runs": count per setup}
+
+
+def pyspy_file(key):
+    """The py-spy output of this run of setup `key` under --pyspy (spy_<setup>.txt, then _r2, _r3 for later rounds),
+    else None."""
+    if not PYSPY:
+        return None
+    n = PYSPY["runs"][key] = PYSPY["runs"].get(key, 0) + 1
+    return os.path.join(PYSPY["dir"], f"spy_{key}{'' if n == 1 else f'_r{n}'}.txt")
 # environment a setup runs under (read per call by the extension: an A/B of a path choice in one process, interleaved)
 SETUP_ENV = {f"ours_{f}_decode_route": {"SUROGATE_HF_MIXED_INPUT": "0"} for f in ("nvfp4", "mxfp4")}
 
@@ -375,7 +385,8 @@ def _run_setup(key, layers, batch, seq, warmup, steps):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, SHAPES[SHAPE][5], (batch, seq), device="cuda")
-    dt, peak, loss, cpu = time_train_steps_cpu(train_step_fn(model, ids, opt), warmup, steps)
+    dt, peak, loss, cpu = time_train_steps_cpu(train_step_fn(model, ids, opt), warmup, steps, pyspy_file(key),
+                                               PYSPY.get("exe", "py-spy"))
     ntrain = sum(p.numel() for p in params)
     del model, opt, params
     return batch * seq * steps / dt, peak, ntrain, float(loss), 1e3 * cpu / steps, 1e3 * dt / steps
@@ -410,8 +421,15 @@ def main():
     ap.add_argument("--gc-off", action="store_true",
                     help="freeze the objects alive after the warm-up and turn Python's garbage collector off for the "
                          "timed steps (common.GC_OFF), in every setup alike")
+    ap.add_argument("--pyspy", default=None, metavar="DIR",
+                    help="sample each setup run's timed steps with py-spy (attached after the warm-up, so no compile is "
+                         "sampled) into DIR/spy_<setup>.txt for analyze_pyspy.py; the sampler slows the timed steps")
+    ap.add_argument("--pyspy-exe", default="py-spy", help="the py-spy executable (a name on PATH or a path)")
     ap.add_argument("--name", default="e2e_qwen3_1.7b")
     args = ap.parse_args()
+    if args.pyspy:
+        os.makedirs(args.pyspy, exist_ok=True)
+        PYSPY.update(dir=args.pyspy, exe=args.pyspy_exe, runs={})
     if args.gc_off:
         from common import GC_OFF
 
@@ -512,6 +530,7 @@ def report(args, keys, runs, errors, warned, done=None):
             + ("; transformers' stock SDPA mask function (--stock-causal-mask)" if args.stock_causal_mask else "")
             + ("; use_cache=True (--use-cache)" if args.use_cache else "")
             + ("; Python's garbage collector frozen and off in the timed steps (--gc-off)" if args.gc_off else "")
+            + ("; the timed steps sampled by py-spy (--pyspy: slower than unsampled)" if args.pyspy else "")
             + (f"; traced fp8 casts: {args.traced_cast}" if args.traced_cast else "")
             + (f"; PARTIAL: written after {done} of {args.rounds * len(keys)} setup runs" if done is not None else "")
             + ".\n\n")

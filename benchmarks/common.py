@@ -7,8 +7,12 @@ never dropped silently.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -74,13 +78,45 @@ def time_train_steps(step, warmup: int, steps: int) -> tuple[float, float | None
     return time_train_steps_cpu(step, warmup, steps)[:3]
 
 
-def time_train_steps_cpu(step, warmup: int, steps: int) -> tuple[float, float | None, torch.Tensor, float]:
+PYSPY_ATTACH_S = 2.0  # py-spy's attach to a running process, waited out before the timed steps
+
+
+@contextlib.contextmanager
+def pyspy_sampling(path: str | None, exe: str = "py-spy"):
+    """py-spy sampling this process (every thread, Python frames, 250 Hz, raw format: analyze_pyspy.py reads it) into
+    `path` for the block; nothing when path is None. Attached to the running process after the warm-up, so compiles
+    are never sampled: sampling a whole model's compile from the start (`py-spy record -- python ...`) made it take
+    3x as long (PEFT's SmolLM2-135M setup 305 s against ~100 s, H200, session 38)."""
+    if path is None:
+        yield
+        return
+    found = shutil.which(exe)
+    if found is None:
+        raise FileNotFoundError(f"--pyspy: no py-spy executable at {exe!r} (pip install py-spy; --pyspy-exe names it)")
+    proc = subprocess.Popen([found, "record", "--pid", str(os.getpid()), "--threads", "--rate", "250", "--format",
+                             "raw", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(PYSPY_ATTACH_S)
+    if proc.poll() is not None:
+        raise RuntimeError(f"py-spy exited before the timed steps: {proc.stderr.read().decode()[-500:]}")
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def time_train_steps_cpu(step, warmup: int, steps: int, sample_to: str | None = None,
+                         pyspy_exe: str = "py-spy") -> tuple[float, float | None, torch.Tensor, float]:
     """time_train_steps's (seconds, peak GiB, last loss), then the CPU seconds the process spent over the same timed
     steps (time.process_time: every thread, the autograd engine's included): close to the wall time where the host
     bounds the step (SmolLM2-135M's compiled QLoRA step: within 0.1 ms, H200, session 35), well under it where the
     GPU does (plus the closing synchronize's spin-wait). Raises on a non-finite loss: a broken setup must not report
     a speed. With GC_OFF set, the objects alive after the warm-up are frozen (gc.freeze) and the collector is off for
-    the timed steps: a host-bound step otherwise takes a full collection's pause at a random step."""
+    the timed steps: a host-bound step otherwise takes a full collection's pause at a random step. sample_to: a file
+    for py-spy's samples of the timed steps (pyspy_sampling; the sampler's own cost slows them)."""
     import gc
 
     cuda = torch.cuda.is_available()
@@ -96,11 +132,12 @@ def time_train_steps_cpu(step, warmup: int, steps: int) -> tuple[float, float | 
         gc.freeze()
         gc.disable()
     try:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            loss = step()
-        sync()
-        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        with pyspy_sampling(sample_to, pyspy_exe):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                loss = step()  # analyze_pyspy.timed_loop() finds this line
+            sync()
+            seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     finally:
         if GC_OFF:
             gc.enable()

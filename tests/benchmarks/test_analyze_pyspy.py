@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import analyze_pyspy as A  # noqa: E402
 
-TIMED = "time_train_steps_cpu (common.py:101)"
+TIMED = f"time_train_steps_cpu ({A.TIMED_LOOP})"
 LAYER = "Module._call_impl (torch/nn/modules/module.py:1790)"
 
 
