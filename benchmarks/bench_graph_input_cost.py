@@ -11,6 +11,12 @@ tensors beside x, whose backward op takes them again (as the decode route's inpu
 `--extra` count and timed forward + backward in blocks interleaved across the counts. The slope of the best block's
 step time over the graph inputs is the host cost per input.
     python benchmarks/bench_graph_input_cost.py --layers 60 --extra 1,4,8,16
+
+--guards: the host cost of a guard instead. A compiled frame whose forward reads a few Python attributes of each of
+N submodules (an int, a string, a missing name: the kind of module state a quantized linear's forward consults)
+and adds them to x; called forward only, for N = 10 and 400. The step difference over the difference in guard-tree
+lines (probe_graph_inputs.guard_counts of dynamo's guard log: the checks and the managers that reach them) is what
+evaluating one such line costs each call.
 """
 
 from __future__ import annotations
@@ -81,6 +87,50 @@ class Stack(nn.Module):
         return x
 
 
+class _Attrs(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.subs = nn.ModuleList(nn.Module() for _ in range(n))
+        for i, sub in enumerate(self.subs):
+            sub.index, sub.label = i, f"sub{i}"
+
+    def forward(self, x):
+        acc = 0
+        for sub in self.subs:
+            acc += sub.index + len(sub.label) + (getattr(sub, "missing", None) is None)
+        return x + acc
+
+
+def guard_cost(device, calls: int = 2000, blocks: int = 7) -> None:
+    from probe_graph_inputs import captured_guards, guard_counts
+
+    x = torch.ones(1, device=device)
+    sizes, best, lines = (10, 400), {}, {}
+    models = {}
+    for n in sizes:
+        torch._dynamo.reset()
+        with captured_guards() as text:
+            models[n] = torch.compile(_Attrs(n), backend="eager")
+            models[n](x)
+        lines[n] = sum(guard_counts(text[0]).values())
+        best[n] = float("inf")
+    for _ in range(blocks):
+        for n in sizes:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                models[n](x)
+            best[n] = min(best[n], (time.perf_counter() - t0) / calls)
+    print(f"device {device}, torch {torch.__version__}, best of {blocks} interleaved blocks of {calls} calls")
+    print()
+    print("| submodules read | guard-tree lines | call us |")
+    print("|---|---|---|")
+    for n in sizes:
+        print(f"| {n} | {lines[n]} | {best[n] * 1e6:.1f} |")
+    print()
+    per_line = (best[sizes[1]] - best[sizes[0]]) / (lines[sizes[1]] - lines[sizes[0]])
+    print(f"host cost per guard-tree line and call: {per_line * 1e9:.0f} ns")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=60)
@@ -88,8 +138,12 @@ def main():
     ap.add_argument("--steps", type=int, default=50, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=7, help="timed blocks per model, interleaved across the models")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--guards", action="store_true", help="time guard evaluation instead (see the module docstring)")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if args.guards:
+        guard_cost(dev)
+        return
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     extras = [int(e) for e in args.extra.split(",")]
     x = torch.randn(2, 8, device=dev, requires_grad=True)

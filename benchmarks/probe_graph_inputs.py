@@ -5,7 +5,8 @@ and NO_TENSOR_ALIASING where its source is not a module attribute), an AOTAutogr
 size / stride assert in the compiled forward, and, where the backward reads it, a saved tensor packed and unpacked,
 every step. This probe compiles each setup's model (the `_compiled_model` builds: torch.compile of the whole model) at
 two depths and reports, per decoder layer (the difference between the depths, so the embedding, LM head and loss
-drop out): the forward graph's inputs and dynamo's guards by kind.
+drop out): the forward graph's inputs and dynamo's guard checks by kind, with the guard tree's size (the checks and
+the managers that reach them, which guard evaluation walks too).
     python benchmarks/probe_graph_inputs.py --setups peft_bf16_compiled_model,ours_nf4_compiled_model
 (CUDA only: bench_e2e's builds are CUDA models, and our linears take the extension's decode + GEMM route only on CUDA
 tensors.)
@@ -24,8 +25,8 @@ import torch
 
 import bench_e2e as E
 
-GUARD_KINDS = ("TENSOR_MATCH", "NO_TENSOR_ALIASING", "ID_MATCH", "TYPE_MATCH", "EQUALS_MATCH", "DICT_CONTAINS",
-               "DICT_VERSION", "NONE_MATCH", "LAMBDA_GUARD")
+GUARD_KINDS = ("TENSOR_MATCH", "DIMENSION_DYNAMIC_MARKING_GUARD", "NO_TENSOR_ALIASING", "ID_MATCH", "TYPE_MATCH",
+               "EQUALS_MATCH", "DICT_CONTAINS", "DICT_VERSION", "LENGTH_CHECK", "NONE_MATCH", "LAMBDA_GUARD")
 
 
 @contextlib.contextmanager
@@ -46,9 +47,16 @@ def captured_guards():
 
 
 def guard_counts(text: str) -> collections.Counter:
-    """Guards by kind in TORCH_LOGS=guards text (each guard is a tree line '+- KIND: ...')."""
-    return collections.Counter(m.group(1) for line in text.splitlines() for m in [re.search(r"\+- ([A-Z_]+)", line)]
-                               if m)
+    """Guard checks by kind in TORCH_LOGS=guards text: tree lines '+- KIND: ...' (or a bare '+- KIND', a relational
+    guard's share under each of its tensors). The tree's other lines are the managers that reach them (GuardManager,
+    DictGuardManager and their key / value managers), counted under "managers"."""
+    counts = collections.Counter()
+    for line in text.splitlines():
+        m = re.search(r"\+- ([A-Za-z_]+)", line)
+        if m:
+            kind = m.group(1)
+            counts[kind if re.fullmatch(r"[A-Z][A-Z_]+", kind) else "managers"] += 1
+    return counts
 
 
 def measure(key: str, layers: int, seq: int) -> dict:
@@ -88,17 +96,21 @@ def main():
     rows = []
     for key in args.setups.split(","):
         one, two = measure(key, 1, args.seq), measure(key, 2, args.seq)
-        per_layer = {k: two["guards"][k] - one["guards"][k] for k in GUARD_KINDS}
-        total = sum(two["guards"].values()) - sum(one["guards"].values())
-        rows.append((key, two["graphs"], two["inputs"] - one["inputs"], total, per_layer))
-        print(f"{key}: graphs {two['graphs']}, graph inputs per layer {two['inputs'] - one['inputs']}, guards per "
-              f"layer {total} ({', '.join(f'{k} {v}' for k, v in per_layer.items() if v)})", flush=True)
+        diff = {k: two["guards"][k] - one["guards"][k] for k in set(two["guards"]) | set(one["guards"])}
+        lines = sum(diff.values())
+        checks = lines - diff.get("managers", 0)
+        per_layer = {k: diff.get(k, 0) for k in GUARD_KINDS}
+        rows.append((key, two["graphs"], two["inputs"] - one["inputs"], checks, lines, per_layer))
+        print(f"{key}: graphs {two['graphs']}, graph inputs per layer {two['inputs'] - one['inputs']}, guard checks per "
+              f"layer {checks} ({', '.join(f'{k} {v}' for k, v in per_layer.items() if v)}), guard-tree lines {lines}",
+              flush=True)
     print()
-    print("| setup | graphs | graph inputs per decoder layer | guards per decoder layer | of which |")
-    print("|---|---|---|---|---|")
-    for key, graphs, inputs, total, per_layer in rows:
+    print("| setup | graphs | graph inputs per decoder layer | guard checks per decoder layer | of which | guard-tree "
+          "lines (checks and their managers) |")
+    print("|---|---|---|---|---|---|")
+    for key, graphs, inputs, checks, lines, per_layer in rows:
         kinds = ", ".join(f"{k} {v}" for k, v in per_layer.items() if v)
-        print(f"| {E.SETUPS[key][0]} | {graphs} | {inputs} | {total} | {kinds} |")
+        print(f"| {E.SETUPS[key][0]} | {graphs} | {inputs} | {checks} | {kinds} | {lines} |")
 
 
 if __name__ == "__main__":

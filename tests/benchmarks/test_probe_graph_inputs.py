@@ -31,5 +31,6 @@ def test_guard_counts_read_dynamos_guard_log():
         torch.compile(_ThreeTensors(), backend="eager")(torch.ones(4))
     counts = P.guard_counts(text[0])
     assert counts["TENSOR_MATCH"] == 4  # the input and the module's three tensors, one guard each
-    assert sum(counts.values()) > counts["TENSOR_MATCH"]  # and the module structure's own guards
+    assert counts["managers"] >= 4  # a manager reaches each of them
+    assert all(k == "managers" or k.isupper() for k in counts)
     assert P.guard_counts("") == {}
