@@ -319,6 +319,8 @@ def pyspy_file(key):
         return None
     n = PYSPY["runs"][key] = PYSPY["runs"].get(key, 0) + 1
     return os.path.join(PYSPY["dir"], f"spy_{key}{'' if n == 1 else f'_r{n}'}.txt")
+
+
 # environment a setup runs under (read per call by the extension: an A/B of a path choice in one process, interleaved)
 SETUP_ENV = {f"ours_{f}_decode_route": {"SUROGATE_HF_MIXED_INPUT": "0"} for f in ("nvfp4", "mxfp4")}
 
