@@ -7,9 +7,11 @@ hands the graph more tensors than a bf16 one (codes, scales, an NF4 weight's tab
 them per decoder layer), so a host-bound step (a small model without CUDA graphs) pays for each.
 
 Here: a stack of `--layers` tiny layers, each one custom op (its output x's clone) taking `extra` frozen one-byte
-tensors beside x, whose backward op takes them again (as the decode route's input gradient does), then a matmul with a trainable [8, 8] weight; compiled whole (inductor, default mode) for each
-`--extra` count and timed forward + backward in blocks interleaved across the counts. The slope of the best block's
-step time over the graph inputs is the host cost per input.
+tensors beside x, whose backward op takes them again (as the decode route's input gradient does), then a matmul
+with a trainable [8, 8] weight; compiled whole (inductor, default mode) for each `--extra` count and timed forward +
+backward in blocks interleaved across the counts. The slope of the best block's step time over the graph inputs is
+the host cost per input, op-argument handling included (the ops here are Python kernels, which take the tensors as a
+Python list; the extension's ops are C++).
     python benchmarks/bench_graph_input_cost.py --layers 60 --extra 1,4,8,16
 
 --guards: the host cost of a guard instead. A compiled frame whose forward reads a few Python attributes of each of

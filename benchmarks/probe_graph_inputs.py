@@ -101,9 +101,9 @@ def main():
         checks = lines - diff.get("managers", 0)
         per_layer = {k: diff.get(k, 0) for k in GUARD_KINDS}
         rows.append((key, two["graphs"], two["inputs"] - one["inputs"], checks, lines, per_layer))
-        print(f"{key}: graphs {two['graphs']}, graph inputs per layer {two['inputs'] - one['inputs']}, guard checks per "
-              f"layer {checks} ({', '.join(f'{k} {v}' for k, v in per_layer.items() if v)}), guard-tree lines {lines}",
-              flush=True)
+        kinds = ", ".join(f"{k} {v}" for k, v in per_layer.items() if v)
+        print(f"{key}: graphs {two['graphs']}, graph inputs per layer {two['inputs'] - one['inputs']}, "
+              f"guard checks per layer {checks} ({kinds}), guard-tree lines {lines}", flush=True)
     print()
     print("| setup | graphs | graph inputs per decoder layer | guard checks per decoder layer | of which | guard-tree "
           "lines (checks and their managers) |")
