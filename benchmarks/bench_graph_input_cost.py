@@ -11,7 +11,8 @@ tensors beside x, whose backward op takes them again (as the decode route's inpu
 with a trainable [8, 8] weight; compiled whole (inductor, default mode) for each `--extra` count and timed forward +
 backward in blocks interleaved across the counts. The slope of the best block's step time over the graph inputs is
 the host cost per input, op-argument handling included (the ops here are Python kernels, which take the tensors as a
-Python list; the extension's ops are C++).
+Python list; the extension's ops are C++). --fused: no custom op; the forward reads a byte of each frozen tensor in
+one inductor-fused pointwise kernel and the backward does not read them: the graph inputs' own cost.
     python benchmarks/bench_graph_input_cost.py --layers 60 --extra 1,4,8,16
 
 --guards: the host cost of a guard instead. A compiled frame whose forward reads a few Python attributes of each of
@@ -66,6 +67,8 @@ torch.library.register_autograd("graph_input_cost::take", _take_backward, setup_
 
 
 class Layer(nn.Module):
+    fused = False  # --fused: the frozen tensors read by one inductor-fused pointwise kernel instead of the op
+
     def __init__(self, extra: int, device):
         super().__init__()
         self.names = tuple(f"frozen{i}" for i in range(extra))
@@ -75,7 +78,12 @@ class Layer(nn.Module):
         self.weight = nn.Parameter(torch.eye(8, device=device))
 
     def forward(self, x):
-        return torch.ops.graph_input_cost.take(x, [getattr(self, n) for n in self.names]) @ self.weight
+        frozen = [getattr(self, n) for n in self.names]
+        if self.fused:
+            for t in frozen:  # one fused kernel reading a byte of each; the backward does not read them
+                x = x + t[0] * 0
+            return x @ self.weight
+        return torch.ops.graph_input_cost.take(x, frozen) @ self.weight
 
 
 class Stack(nn.Module):
@@ -141,7 +149,11 @@ def main():
     ap.add_argument("--blocks", type=int, default=7, help="timed blocks per model, interleaved across the models")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--guards", action="store_true", help="time guard evaluation instead (see the module docstring)")
+    ap.add_argument("--fused", action="store_true",
+                    help="no custom op: the frozen tensors are read by an inductor-fused pointwise kernel in the forward "
+                         "(the graph inputs' own cost, without a kernel's argument handling or a backward reading them)")
     args = ap.parse_args()
+    Layer.fused = args.fused
     dev = torch.device(args.device)
     if args.guards:
         guard_cost(dev)
@@ -168,7 +180,8 @@ def main():
     lo, hi = min(extras), max(extras)
     slope = (best[hi] - best[lo]) / (inputs[hi] - inputs[lo]) if hi != lo else float("nan")
     print(f"device {dev}, torch {torch.__version__}, {args.layers} layers, best of {args.blocks} interleaved blocks of "
-          f"{args.steps} forward + backward steps")
+          f"{args.steps} forward + backward steps; the frozen tensors "
+          + ("read by a fused pointwise kernel (--fused)" if args.fused else "taken by the custom op and its backward"))
     print()
     print("| frozen tensors per layer | graph inputs from the layers | step us |")
     print("|---|---|---|")
