@@ -31,7 +31,8 @@ GUARD_KINDS = ("TENSOR_MATCH", "DIMENSION_DYNAMIC_MARKING_GUARD", "NO_TENSOR_ALI
 
 @contextlib.contextmanager
 def captured_guards():
-    """Dynamo's guard trees (TORCH_LOGS=guards) of the frames compiled inside the block, as text in the yielded list."""
+    """Dynamo's guard trees (TORCH_LOGS=guards) of the frames compiled inside the block, as text in the yielded list
+    (torch's log settings are reset to their defaults afterwards: a probe process's own)."""
     log = io.StringIO()
     handler = logging.StreamHandler(log)
     logger = logging.getLogger("torch._dynamo")
