@@ -67,10 +67,9 @@ torch.library.register_autograd("graph_input_cost::take", _take_backward, setup_
 
 
 class Layer(nn.Module):
-    fused = False  # --fused: the frozen tensors read by one inductor-fused pointwise kernel instead of the op
-
-    def __init__(self, extra: int, device):
+    def __init__(self, extra: int, device, fused: bool = False):
         super().__init__()
+        self.fused = fused  # --fused: the frozen tensors read by one inductor-fused pointwise kernel instead of the op
         self.names = tuple(f"frozen{i}" for i in range(extra))
         for name in self.names:
             self.register_parameter(name, nn.Parameter(torch.zeros(4, dtype=torch.uint8, device=device),
@@ -87,9 +86,9 @@ class Layer(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, layers: int, extra: int, device):
+    def __init__(self, layers: int, extra: int, device, fused: bool = False):
         super().__init__()
-        self.layers = nn.ModuleList(Layer(extra, device) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(extra, device, fused) for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -153,7 +152,6 @@ def main():
                     help="no custom op: the frozen tensors are read by an inductor-fused pointwise kernel in the forward "
                          "(the graph inputs' own cost, without a kernel's argument handling or a backward reading them)")
     args = ap.parse_args()
-    Layer.fused = args.fused
     dev = torch.device(args.device)
     if args.guards:
         guard_cost(dev)
@@ -163,7 +161,7 @@ def main():
     x = torch.randn(2, 8, device=dev, requires_grad=True)
     models = {}
     for e in extras:
-        model = torch.compile(Stack(args.layers, e, dev))
+        model = torch.compile(Stack(args.layers, e, dev, args.fused))
         for _ in range(3):
             model(x).sum().backward()
         models[e] = model
