@@ -8,6 +8,10 @@ timing steps with torch.compiler.set_stance(skip_guard_eval_unsafe=True) (only t
 apart are checked) against normal steps, alternating, in one process.
     python benchmarks/probe_compiled_host.py --shape smollm2-135m --layers 4 \
         --setups peft_bf16_compiled,ours_mxfp4_compiled,ours_nf4_compiled
+The whole model compiled (`_compiled_model` setups; --use-cache: transformers' default use_cache=True, which lets a
+whole-model graph skip SDPA's causal mask, see bench_e2e.USE_CACHE):
+    python benchmarks/probe_compiled_host.py --shape smollm2-135m --layers 30 --use-cache \
+        --setups peft_bf16_compiled_model,ours_mxfp4_compiled_model,ours_nf4_compiled_model
 """
 
 from __future__ import annotations
@@ -34,14 +38,20 @@ def main():
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--guards", action="store_true", help="time steps without full guard evaluation too")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--cuda-activity", action="store_true",
+                    help="profile CUDA activity too: the table then lists the CUDA runtime / driver calls (kernel "
+                         "launches and their host time) beside the ops")
+    E.add_attention_mask_args(ap)
     args = ap.parse_args()
     E.SHAPE = args.shape
+    E.apply_attention_mask_args(args)
     from torch._dynamo.utils import counters
 
     for key in args.setups.split(","):
         label, build = E.SETUPS[key][:2]
         counters.clear()
         model = build(args.layers)
+        E.causal_mask_policy()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
         ids = torch.randint(0, E.SHAPES[args.shape][5], (args.batch, args.seq), device="cuda")
@@ -82,6 +92,8 @@ def main():
             torch.cuda.empty_cache()
             continue
         acts = [torch.profiler.ProfilerActivity.CPU]
+        if args.cuda_activity:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(args.steps):
                 step()

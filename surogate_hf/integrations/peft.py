@@ -183,8 +183,10 @@ class SurogateLoraLinear(lora_layer.Linear):
         in the backward), where the quantized base takes its decode + GEMM route for x; None otherwise. The math is
         this layer's unfused path's (same aten calls), except that the input gradient adds the adapter's term inside
         one addmm instead of the autograd engine's separate add."""
-        base = self.get_base_layer()
-        if (len(active) != 1 or args or kwargs or not self._quantized_base or not self._fusable(active[0])
+        # the direct base only (a wrapping layer's forward would be skipped): get_base_layer's unwrapping loop costs
+        # a compiled model a hasattr guard per linear, which runs nn.Module.__getattr__ in Python on every call
+        base = self.base_layer
+        if (len(active) != 1 or args or kwargs or not _is_quantized(base) or not self._fusable(active[0])
                 or base._forward_hooks or base._forward_pre_hooks or "forward" in base.__dict__):
             return None  # (hooks on the base, or accelerate's forward wrapper, would be skipped)
         route = base.decoded_route(x2d)
