@@ -183,43 +183,6 @@ def graph_decoded_linear(x, x_lora, w, scales, gscale, levels, bias, lora_a, lor
                                                               scaling, fmt, n, k, block, *(nested or ()))[0]
 
 
-def graph_slot_plan(layer: "QuantizedLinear"):
-    """Which of the layer's slots, each as stored, are the decode ops' operands inside a compiled graph:
-    (names, fmt, n, k, block, min_numel), names being the Parameter names of (w, scales, gscale, levels, nested absmax,
-    nested code, offset), None where absent, and min_numel Format.decode_min_numel's; None where an operand is not a
-    stored slot as such (graph_route then builds the operands in traced torch ops, and says why where they do not fit).
-    Dynamo calls this with the real module at trace time and keeps the answer as a constant (the marker below),
-    guarding the module's identity only: what the answer rests on is the format (fixed per module) and the slots'
-    dtypes, shapes, strides and devices, which the graph's tensor guards on the slots, read by name, check anyway."""
-    from torch.distributed.tensor import DTensor
-
-    n, k = layer.out_features, layer.in_features
-    min_numel = layer.fmt.decode_min_numel(n, k)
-    operands = layer.graph_decode_operands() if min_numel is not None else None
-    if operands is None:
-        return None
-    stored = {name: S.raw_slot(layer, name) for name in layer.slot_names()}
-    if any(isinstance(t, DTensor) for t in stored.values()):
-        return None
-
-    def name_of(t):
-        for name, slot in stored.items():
-            if (t.data_ptr() == slot.data_ptr() and t.dtype == slot.dtype and t.shape == slot.shape
-                    and t.stride() == slot.stride()):
-                return name
-        return None
-
-    w, scales, gscale, levels, fmt, n, k, block, nested = operands
-    tensors = (w, scales, gscale, levels, *(nested or (None, None, None)))
-    names = tuple(None if t is None else name_of(t) for t in tensors)
-    if any(name is None and t is not None for name, t in zip(names, tensors)):
-        return None
-    return names, fmt, n, k, block, min_numel
-
-
-graph_slot_plan._dynamo_marked_constant = True  # torch.compiler.assume_constant_result, spelled out
-
-
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return PlannedLinearFunction.apply(x, plan)
@@ -396,44 +359,18 @@ class QuantizedLinear(nn.Linear):
         torch.compile, graph_decoded_linear (the same kernels as two graph ops, operands from the traced slots).
         SurogateLoraLinear fuses its adapter into the same call."""
         if (not x.is_cuda or x.dtype not in _DECODED_DTYPES or self.__dict__.get("recipe_gemm") is not None
+                or not self.fmt.decodes_in_gemm(x, self.out_features, self.in_features)
                 or (self.bias is not None and self.bias.requires_grad)):  # the op treats the bias as frozen
             return None
         if torch.compiler.is_compiling():
-            return self.compiled_route(x) if graph_decoded_linear_ready() else None
-        if not self.fmt.decodes_in_gemm(x, self.out_features, self.in_features):
-            return None
+            route = self.graph_route() if graph_decoded_linear_ready() else None
+            return None if route is None or route[1].device != x.device else route
         decoded = self._cuda_plan().decoded
         op = decoded_linear_op() if decoded is not None and decoded[0].device == x.device else None
         if op is None:
             return None
         *operands, nested = decoded
         return (op if nested is None else _with_nested(op, nested), *operands)
-
-    def compiled_route(self, x: Tensor):
-        """decoded_route inside torch.compile (x on the GPU, the extension loaded): the slots that graph_slot_plan
-        names, read from _parameters as graph inputs, else graph_route's operands built in traced torch ops."""
-        plan = graph_slot_plan(self)
-        if plan is not None:
-            return self._graph_route_from_slots(x, plan)
-        if not self.fmt.decodes_in_gemm(x, self.out_features, self.in_features):
-            return None
-        route = self.graph_route()
-        return None if route is None or route[1].device != x.device else route
-
-    def _graph_route_from_slots(self, x: Tensor, plan):
-        """compiled_route's tuple from graph_slot_plan's answer. What this traces is all the dynamo guards it adds per
-        layer besides the slots' tensor guards: graph_route's Format and slot-spec lookups added ~100 guard checks a
-        decoder layer (Python attribute and method lookups), walked on every call of a compiled model."""
-        names, fmt, n, k, block, min_numel = plan
-        if x.numel() < min_numel:
-            return None
-        params = self._parameters
-        w, s, g, levels, *nested = (None if name is None else params[name].detach() for name in names)
-        if w.device != x.device:
-            return None
-        if nested[0] is None:
-            return (graph_decoded_linear, w, s, g, levels, fmt, n, k, block)
-        return (functools.partial(graph_decoded_linear, nested=tuple(nested)), w, s, g, levels, fmt, n, k, block)
 
     def graph_route(self):
         """decoded_route's tuple inside torch.compile: graph_decoded_linear (with an NF4 base's nested absmax operands

@@ -288,61 +288,20 @@ def _graph_route(self, x2d):
     return self.graph_route()
 
 
-def _compiled_route(self, x2d):
-    """decoded_route inside torch.compile past its CUDA check: the slots graph_slot_plan names (the test sets the decode
-    route's token threshold to 1: the layers' inputs here are a few tokens)."""
-    return self.compiled_route(x2d)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_graph_slot_plan_names_graph_routes_operands(fmt, monkeypatch):
-    """graph_slot_plan names the stored slots that graph_route hands the ops (the same tensors, views and all), and
-    compiled_route reads them by those names; below the 4-bit formats' decode route token threshold it takes none."""
-    monkeypatch.setattr(L._paths, "DENSE_MIN_TOKENS", 4)
-    layer = _layer(fmt)
-    plan = L.graph_slot_plan(layer)
-    assert plan is not None
-    names, *_ = plan
-    assert set(filter(None, names)) <= set(layer.slot_names())
-    x = torch.randn(4, layer.in_features, dtype=torch.bfloat16)
-    got, want = layer.compiled_route(x), layer.graph_route()
-    assert got[0] is L.graph_decoded_linear or got[0].keywords["nested"] is not None
-    for g, w in zip((*got[1:], *(getattr(got[0], "keywords", {}).get("nested") or ())),
-                    (*want[1:], *(getattr(want[0], "keywords", {}).get("nested") or ()))):
-        if isinstance(w, torch.Tensor):
-            assert (g.data_ptr(), g.dtype, g.shape, g.stride()) == (w.data_ptr(), w.dtype, w.shape, w.stride())
-        else:
-            assert g == w
-    if fmt != "fp8":  # (a weight-only fp8 linear decodes at every token count)
-        assert layer.compiled_route(x[:3]) is None
-
-
-def test_graph_slot_plan_is_none_without_a_decode_route(monkeypatch):
-    """An fp8 weight on the W8A8 path (not weight-only) has no decode route, so no plan."""
-    import surogate_hf.formats.fp8 as F8
-
-    layer = _layer("fp8")
-    monkeypatch.setattr(F8, "FP8_WEIGHT_ONLY_MAX_PARAMS", 192 * 576)
-    assert not layer.fmt.weight_only(192, 576) and L.graph_slot_plan(layer) is None
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dropout,bias,route", [(0.0, True, "slots"), (0.2, False, "slots"), (0.0, True, "traced")])
-def test_compiled_fused_call_matches_the_eager_op(fmt, dropout, bias, route, monkeypatch):
+@pytest.mark.parametrize("dropout,bias", [(0.0, True), (0.2, False)])
+def test_compiled_fused_call_matches_the_eager_op(fmt, dropout, bias, monkeypatch):
     """A compiled LoRA layer (fullgraph: no graph break) on the graph route, forced onto CPU here, gives the eager C++
     op's loss and gradients (its reference and Python autograd standing in on CPU), dropout's mask included; the graph
-    holds one forward and one backward op per layer and no decode of its own. route: the operands read from the slots
-    graph_slot_plan names (what compiled models take), or built by graph_route in traced torch ops."""
+    holds one forward and one backward op per layer and no decode of its own."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
-    monkeypatch.setattr(L._paths, "DENSE_MIN_TOKENS", 1)
     results = []
     for compiled in (False, True):
         model = _peft_model(fmt, dropout, bias)
         if compiled:
-            monkeypatch.setattr(L.QuantizedLinear, "decoded_route",
-                                _compiled_route if route == "slots" else _graph_route)
+            monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
             torch._dynamo.reset()  # (every case compiles the same PeftModel.forward)
             backend = CompileCounterWithBackend("aot_eager")
             run = torch.compile(model, backend=backend, fullgraph=True)

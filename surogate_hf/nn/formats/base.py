@@ -136,14 +136,8 @@ class Format:
 
     def decodes_in_gemm(self, x: Tensor, n: int, k: int) -> bool:
         """Whether this format's GEMM of activation x over an [n, k] weight is a decode plus a dense GEMM (where a
-        compiled graph takes dequantize_traced): decode_min_numel's rule."""
-        least = self.decode_min_numel(n, k)
-        return least is not None and x.numel() >= least
-
-    def decode_min_numel(self, n: int, k: int) -> int | None:
-        """The fewest activation elements from which the GEMM over an [n, k] weight is a decode plus a dense GEMM
-        (None: never): the weight-only formats from paths.DENSE_MIN_TOKENS tokens on."""
-        return _paths.DENSE_MIN_TOKENS * k
+        compiled graph takes dequantize_traced): the weight-only formats from paths.DENSE_MIN_TOKENS tokens on."""
+        return x.numel() >= _paths.DENSE_MIN_TOKENS * k
 
     def linear(self, x: Tensor, t: dict[str, Tensor], n: int, k: int) -> Tensor:
         raise NotImplementedError

@@ -128,9 +128,9 @@ class FP8Format(Format):
         bn, bk, s = self._blocks(t, n, k)
         return F.dequantize_fp8_blocks(t[""], s, (bn, bk), dtype)
 
-    def decode_min_numel(self, n, k):
+    def decodes_in_gemm(self, x, n, k):
         # only a weight-only linear is a decode plus a GEMM; the W8A8 one also quantizes x, at every token count
-        return 0 if self.weight_only(n, k) else None
+        return self.weight_only(n, k)
 
     def linear(self, x, t, n, k):
         bn, bk, s = self._blocks(t, n, k)
