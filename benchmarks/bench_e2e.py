@@ -388,7 +388,7 @@ def _run_setup(key, layers, batch, seq, warmup, steps):
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, SHAPES[SHAPE][5], (batch, seq), device="cuda")
     dt, peak, loss, cpu = time_train_steps_cpu(train_step_fn(model, ids, opt), warmup, steps, pyspy_file(key),
-                                               PYSPY.get("exe", "py-spy"))
+                                               PYSPY.get("exe", "py-spy"), PYSPY.get("native", False))
     ntrain = sum(p.numel() for p in params)
     del model, opt, params
     return batch * seq * steps / dt, peak, ntrain, float(loss), 1e3 * cpu / steps, 1e3 * dt / steps
@@ -427,11 +427,12 @@ def main():
                     help="sample each setup run's timed steps with py-spy (attached after the warm-up, so no compile is "
                          "sampled) into DIR/spy_<setup>.txt for analyze_pyspy.py; the sampler slows the timed steps")
     ap.add_argument("--pyspy-exe", default="py-spy", help="the py-spy executable (a name on PATH or a path)")
+    ap.add_argument("--pyspy-native", action="store_true", help="--pyspy with C/C++ frames (py-spy --native)")
     ap.add_argument("--name", default="e2e_qwen3_1.7b")
     args = ap.parse_args()
     if args.pyspy:
         os.makedirs(args.pyspy, exist_ok=True)
-        PYSPY.update(dir=args.pyspy, exe=args.pyspy_exe, runs={})
+        PYSPY.update(dir=args.pyspy, exe=args.pyspy_exe, native=args.pyspy_native, runs={})
     if args.gc_off:
         from common import GC_OFF
 

@@ -82,9 +82,10 @@ PYSPY_ATTACH_S = 2.0  # py-spy's attach to a running process, waited out before 
 
 
 @contextlib.contextmanager
-def pyspy_sampling(path: str | None, exe: str = "py-spy"):
+def pyspy_sampling(path: str | None, exe: str = "py-spy", native: bool = False):
     """py-spy sampling this process (every thread, Python frames, 250 Hz, raw format: analyze_pyspy.py reads it) into
-    `path` for the block; nothing when path is None. Attached to the running process after the warm-up, so compiles
+    `path` for the block; nothing when path is None. native: C/C++ frames too (py-spy --native: what a custom op's
+    or the dispatcher's time is spent on). Attached to the running process after the warm-up, so compiles
     are never sampled: sampling a whole model's compile from the start (`py-spy record -- python ...`) made it take
     3x as long (PEFT's SmolLM2-135M setup 305 s against ~100 s, H200, session 38)."""
     if path is None:
@@ -94,7 +95,8 @@ def pyspy_sampling(path: str | None, exe: str = "py-spy"):
     if found is None:
         raise FileNotFoundError(f"--pyspy: no py-spy executable at {exe!r} (pip install py-spy; --pyspy-exe names it)")
     proc = subprocess.Popen([found, "record", "--pid", str(os.getpid()), "--threads", "--rate", "250", "--format",
-                             "raw", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "raw", "-o", path, *(["--native"] if native else [])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(PYSPY_ATTACH_S)
     if proc.poll() is not None:
         raise RuntimeError(f"py-spy exited before the timed steps: {proc.stderr.read().decode()[-500:]}")
@@ -108,15 +110,16 @@ def pyspy_sampling(path: str | None, exe: str = "py-spy"):
             proc.kill()
 
 
-def time_train_steps_cpu(step, warmup: int, steps: int, sample_to: str | None = None,
-                         pyspy_exe: str = "py-spy") -> tuple[float, float | None, torch.Tensor, float]:
+def time_train_steps_cpu(step, warmup: int, steps: int, sample_to: str | None = None, pyspy_exe: str = "py-spy",
+                         pyspy_native: bool = False) -> tuple[float, float | None, torch.Tensor, float]:
     """time_train_steps's (seconds, peak GiB, last loss), then the CPU seconds the process spent over the same timed
     steps (time.process_time: every thread, the autograd engine's included): close to the wall time where the host
     bounds the step (SmolLM2-135M's compiled QLoRA step: within 0.1 ms, H200, session 35), well under it where the
     GPU does (plus the closing synchronize's spin-wait). Raises on a non-finite loss: a broken setup must not report
     a speed. With GC_OFF set, the objects alive after the warm-up are frozen (gc.freeze) and the collector is off for
     the timed steps: a host-bound step otherwise takes a full collection's pause at a random step. sample_to: a file
-    for py-spy's samples of the timed steps (pyspy_sampling; the sampler's own cost slows them)."""
+    for py-spy's samples of the timed steps (pyspy_sampling; the sampler's own cost slows them; pyspy_native: with
+    C/C++ frames)."""
     import gc
 
     cuda = torch.cuda.is_available()
@@ -132,7 +135,7 @@ def time_train_steps_cpu(step, warmup: int, steps: int, sample_to: str | None = 
         gc.freeze()
         gc.disable()
     try:
-        with pyspy_sampling(sample_to, pyspy_exe):
+        with pyspy_sampling(sample_to, pyspy_exe, pyspy_native):
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 loss = step()  # analyze_pyspy.timed_loop() finds this line
