@@ -249,6 +249,12 @@ SETUPS = {
     **{f"ours_{f}_compiled_model": (f"ours {f} QLoRA, bf16 adapters, whole model compiled",
                                      compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
        for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
+    # the forward's base GEMM on the mixed-input kernel at every token count (SETUP_ENV): one decode launch and one
+    # dense-weight allocation fewer per linear and forward, for host-bound steps (results/host/no_graph_step_s39.md)
+    **{f"ours_{f}_compiled_model_mixed_input": (f"ours {f} QLoRA, bf16 adapters, whole model compiled, forward GEMMs "
+                                                 "on the mixed-input kernel (SUROGATE_HF_MIXED_INPUT=1)",
+                                                 compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
+       for f in ("nvfp4", "mxfp4", "nf4")},
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_bf16_fused_norms": ("full fine-tune bf16, eager, our FusedRMSNorm only (stock linears)",
                               lambda L: full(L, fused_norms_only=True), "full"),
@@ -292,6 +298,8 @@ TARGETS = {
     **{f"ours_{f}_triton_norms": [("peft_bf16", 1.0), (f"ours_{f}", 1.0)] for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     **{f"ours_{f}_compiled_model": [("peft_bf16_compiled_model", 1.0), (f"ours_{f}_compiled", 1.0)]
        for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
+    **{f"ours_{f}_compiled_model_mixed_input": [("peft_bf16_compiled_model", 1.0), (f"ours_{f}_compiled_model", 1.0)]
+       for f in ("nvfp4", "mxfp4", "nf4")},
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_nvfp4_compiled": [("full_bf16_compiled", 0.8), ("full_nvfp4", 1.0)],
@@ -322,7 +330,10 @@ def pyspy_file(key):
 
 
 # environment a setup runs under (read per call by the extension: an A/B of a path choice in one process, interleaved)
-SETUP_ENV = {f"ours_{f}_decode_route": {"SUROGATE_HF_MIXED_INPUT": "0"} for f in ("nvfp4", "mxfp4")}
+SETUP_ENV = {
+    **{f"ours_{f}_decode_route": {"SUROGATE_HF_MIXED_INPUT": "0"} for f in ("nvfp4", "mxfp4")},
+    **{f"ours_{f}_compiled_model_mixed_input": {"SUROGATE_HF_MIXED_INPUT": "1"} for f in ("nvfp4", "mxfp4", "nf4")},
+}
 
 
 def run_setup(key, layers, batch, seq, warmup, steps):

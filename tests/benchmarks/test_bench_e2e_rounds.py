@@ -45,6 +45,21 @@ def test_every_target_names_known_setups():
             assert peer in E.SETUPS and ratio > 0, (key, peer)
 
 
+def test_setup_environments_name_known_setups_and_are_restored(monkeypatch):
+    """SETUP_ENV's variables apply to their setup's run only (the C++ route reads SUROGATE_HF_MIXED_INPUT per call, so
+    a leftover value would change every later setup in the process)."""
+    import os
+
+    for key in E.SETUP_ENV:
+        assert key in E.SETUPS, key
+    seen = []
+    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
+    monkeypatch.setattr(E, "_run_setup", lambda key, *a: seen.append(os.environ.get("SUROGATE_HF_MIXED_INPUT")))
+    E.run_setup("ours_mxfp4_compiled_model_mixed_input", 1, 1, 8, 0, 1)
+    E.run_setup("ours_mxfp4_compiled_model", 1, 1, 8, 0, 1)
+    assert seen == ["1", None] and "SUROGATE_HF_MIXED_INPUT" not in os.environ
+
+
 def test_whole_model_setups_compile_the_model_as_the_trainer_does(monkeypatch):
     """The `_compiled_model` setups hand the built model to torch.compile whole, with --compile-mode's kwargs
     (TrainingArguments(torch_compile=True) goes through accelerate's torch.compile(model))."""
