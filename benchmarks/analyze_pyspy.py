@@ -12,6 +12,7 @@ own process after each setup's warm-up, so no compile is sampled):
         --pyspy-exe /tmp/site/bin/py-spy
 
 then here: python3 analyze_pyspy.py spy/spy_peft_bf16_compiled.txt spy/spy_ours_nf4_compiled.txt
+With `bench_e2e.py --pyspy-native` (C++ frames), `--frames 200` lists inclusive samples per frame side by side.
 (Session 35 recorded each setup's whole process, `py-spy record --threads --rate 250 --format raw -o ... -- python3
 bench_e2e.py ...`; a whole-model compile under the sampler took 3x as long, session 38.)
 """
@@ -81,10 +82,42 @@ def analyze(path: str) -> tuple[collections.Counter, int]:
     return parts, other_threads
 
 
+def frame_name(frame: str) -> str:
+    """A frame without its site-packages prefix or its shared library (`--native` frames name one)."""
+    frame = re.sub(r"\(\S*?/site-packages/", "(", frame)
+    return re.sub(r"\s*\([^()]*\.so[^()]*\)$", "", frame)
+
+
+def inclusive(path: str) -> collections.Counter:
+    """Samples in which each frame is on the stack (counted once a sample), keyed by (thread, frame); the thread is
+    "main" or "other" (the autograd engine's backward thread). For --native profiles: which C++ calls a custom op's
+    or the dispatcher's time sits under."""
+    counts = collections.Counter()
+    for frames, n in stacks(path):
+        thread = "main" if "MainThread" in frames[0] else "other"
+        for name in {frame_name(f) for f in frames[1:]}:
+            counts[(thread, name)] += n
+    return counts
+
+
+def print_frames(paths: list[str], rows: int) -> None:
+    """The `rows` frames with the most inclusive samples in any profile, side by side (and the last minus the first)."""
+    counts = [inclusive(p) for p in paths]
+    keys = sorted(set().union(*counts), key=lambda k: (-max(c[k] for c in counts), k))[:rows]
+    print("thread | " + " | ".join(paths) + " | last - first | frame")
+    for k in keys:
+        print(f"{k[0]} | " + " | ".join(str(c[k]) for c in counts) + f" | {counts[-1][k] - counts[0][k]:+d} | {k[1]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("profiles", nargs="+", help="py-spy raw outputs, one per setup")
+    ap.add_argument("--frames", type=int, default=None, metavar="N",
+                    help="instead of the parts table: the N frames with the most inclusive samples, per profile")
     args = ap.parse_args()
+    if args.frames:
+        print_frames(args.profiles, args.frames)
+        return
     results = {p: analyze(p) for p in args.profiles}
     keys = sorted({k for parts, _ in results.values() for k in parts}, key=lambda k: -max(r[0][k] for r in results.values()))
     print("| part (samples) | " + " | ".join(results) + " |")

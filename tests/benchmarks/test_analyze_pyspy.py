@@ -40,3 +40,17 @@ def test_samples_sort_into_the_parts_of_a_compiled_layer_call(tmp_path):
         "optimizer": 4,
     }
     assert other_threads == 6
+
+
+def test_frames_count_each_frame_once_a_sample_across_profiles(tmp_path, capsys):
+    """--frames: inclusive samples per (thread, frame), a recursive frame counted once a sample, the library of a
+    --native frame and the site-packages prefix dropped from its name."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("thread (1): MainThread;f (x.py:1);f (x.py:1);cublasGemmEx (libcublas.so.13) 3\n"
+                 "thread (2);g (/s/site-packages/torch/y.py:2) 2\n")
+    b.write_text("thread (1): MainThread;f (x.py:1);at::empty (surogate_hf_ext.so) 5\n")
+    assert A.inclusive(str(a)) == {("main", "f (x.py:1)"): 3, ("main", "cublasGemmEx"): 3,
+                                   ("other", "g (torch/y.py:2)"): 2}
+    A.print_frames([str(a), str(b)], 2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["main | 0 | 5 | +5 | at::empty", "main | 3 | 5 | +2 | f (x.py:1)"]
