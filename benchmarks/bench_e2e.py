@@ -441,6 +441,8 @@ def main():
     ap.add_argument("--pyspy-native", action="store_true", help="--pyspy with C/C++ frames (py-spy --native)")
     ap.add_argument("--name", default="e2e_qwen3_1.7b")
     args = ap.parse_args()
+    if args.pyspy_native and not args.pyspy:
+        ap.error("--pyspy-native samples with py-spy: it needs --pyspy DIR")
     if args.pyspy:
         os.makedirs(args.pyspy, exist_ok=True)
         PYSPY.update(dir=args.pyspy, exe=args.pyspy_exe, native=args.pyspy_native, runs={})
