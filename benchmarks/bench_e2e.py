@@ -14,6 +14,7 @@ model's host-bound step needs, and --use-cache keeps SDPA's causal mask out of a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import json
 import gc
@@ -255,6 +256,12 @@ SETUPS = {
                                                  "on the mixed-input kernel (SUROGATE_HF_MIXED_INPUT=1)",
                                                  compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
        for f in ("nvfp4", "mxfp4", "nf4")},
+    # every forward GEMM on decode + cuBLAS (SUROGATE_HF_MIXED_INPUT=0): the default's A/B since the mixed-input kernel
+    # takes small calls outside CUDA-graph capture (kernels.paths.mixed_input_kernel)
+    **{f"ours_{f}_compiled_model_decode_route": (f"ours {f} QLoRA, bf16 adapters, whole model compiled, forward GEMMs "
+                                                  "on decode + cuBLAS (SUROGATE_HF_MIXED_INPUT=0)",
+                                                  compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
+       for f in ("nvfp4", "mxfp4")},
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_bf16_fused_norms": ("full fine-tune bf16, eager, our FusedRMSNorm only (stock linears)",
                               lambda L: full(L, fused_norms_only=True), "full"),
@@ -300,6 +307,7 @@ TARGETS = {
        for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
     **{f"ours_{f}_compiled_model_mixed_input": [("peft_bf16_compiled_model", 1.0), (f"ours_{f}_compiled_model", 1.0)]
        for f in ("nvfp4", "mxfp4", "nf4")},
+    **{f"ours_{f}_compiled_model_decode_route": [("peft_bf16_compiled_model", 1.0)] for f in ("nvfp4", "mxfp4")},
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_nvfp4_compiled": [("full_bf16_compiled", 0.8), ("full_nvfp4", 1.0)],
@@ -331,12 +339,15 @@ def pyspy_file(key):
 
 # environment a setup runs under (read per call by the extension: an A/B of a path choice in one process, interleaved)
 SETUP_ENV = {
-    **{f"ours_{f}_decode_route": {"SUROGATE_HF_MIXED_INPUT": "0"} for f in ("nvfp4", "mxfp4")},
+    **{f"ours_{f}{c}_decode_route": {"SUROGATE_HF_MIXED_INPUT": "0"} for f in ("nvfp4", "mxfp4")
+       for c in ("", "_compiled_model")},
     **{f"ours_{f}_compiled_model_mixed_input": {"SUROGATE_HF_MIXED_INPUT": "1"} for f in ("nvfp4", "mxfp4", "nf4")},
 }
 
 
-def run_setup(key, layers, batch, seq, warmup, steps):
+@contextlib.contextmanager
+def setup_env(key):
+    """The process state setup `key` runs under: its SETUP_ENV variables (restored afterwards) and the norm path."""
     from surogate_hf.recipes import norm
 
     # FusedRMSNorm's eager CUDA path: the extension's C++ op, except in the `_triton_norms` A/B setups
@@ -344,13 +355,18 @@ def run_setup(key, layers, batch, seq, warmup, steps):
     saved = {name: os.environ.get(name) for name in SETUP_ENV.get(key, {})}
     os.environ.update(SETUP_ENV.get(key, {}))
     try:
-        return _run_setup(key, layers, batch, seq, warmup, steps)
+        yield
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def run_setup(key, layers, batch, seq, warmup, steps):
+    with setup_env(key):
+        return _run_setup(key, layers, batch, seq, warmup, steps)
 
 
 STOCK_CAUSAL_MASK = []  # --stock-causal-mask
@@ -385,7 +401,23 @@ def apply_attention_mask_args(args):
         USE_CACHE.append(True)
 
 
+class Prepared:
+    """A setup's model, optimizer and step, built once (--keep-models: timed again each round without a rebuild)."""
+
+    def __init__(self, key, layers, batch, seq):
+        self.model, self.opt, self.step, self.ntrain = _prepare(key, layers, batch, seq)
+
+    def time(self, key, warmup, steps, batch, seq):
+        dt, peak, loss, cpu = time_train_steps_cpu(self.step, warmup, steps, pyspy_file(key),
+                                                   PYSPY.get("exe", "py-spy"), PYSPY.get("native", False))
+        return batch * seq * steps / dt, peak, self.ntrain, float(loss), 1e3 * cpu / steps, 1e3 * dt / steps
+
+
 def _run_setup(key, layers, batch, seq, warmup, steps):
+    return Prepared(key, layers, batch, seq).time(key, warmup, steps, batch, seq)
+
+
+def _prepare(key, layers, batch, seq):
     model = SETUPS[key][1](layers)
     causal_mask_policy()
     if GRAD_CKPT:
@@ -398,11 +430,7 @@ def _run_setup(key, layers, batch, seq, warmup, steps):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, SHAPES[SHAPE][5], (batch, seq), device="cuda")
-    dt, peak, loss, cpu = time_train_steps_cpu(train_step_fn(model, ids, opt), warmup, steps, pyspy_file(key),
-                                               PYSPY.get("exe", "py-spy"), PYSPY.get("native", False))
-    ntrain = sum(p.numel() for p in params)
-    del model, opt, params
-    return batch * seq * steps / dt, peak, ntrain, float(loss), 1e3 * cpu / steps, 1e3 * dt / steps
+    return model, opt, train_step_fn(model, ids, opt), sum(p.numel() for p in params)
 
 
 def main():
@@ -430,6 +458,10 @@ def main():
                     help="measure every setup this many times, the setups interleaved round by round, and report the "
                          "median tok/s with the spread: host-bound rows (small models) vary by 10-20%% between runs of "
                          "one process, which one round cannot tell from a real difference")
+    ap.add_argument("--keep-models", action="store_true",
+                    help="build (and compile) every setup's model once, keep them all in memory, and time them round "
+                         "by round without a rebuild: one compile per setup however many rounds (each round's block "
+                         "after one more untimed step); the peak memory column then counts every kept model")
     add_attention_mask_args(ap)
     ap.add_argument("--gc-off", action="store_true",
                     help="freeze the objects alive after the warm-up and turn Python's garbage collector off for the "
@@ -469,7 +501,16 @@ def main():
         args.layers = SHAPES[SHAPE][6]
     errors, warned = {}, {}
     keys = args.setups.split(",")
-    runs = {}
+    runs, kept = {}, {}
+
+    def measure(key, rnd):
+        if not args.keep_models:
+            return run_setup(key, args.layers, args.batch, args.seq, args.warmup, args.steps)
+        with setup_env(key):
+            if key not in kept:
+                kept[key] = Prepared(key, args.layers, args.batch, args.seq)
+            return kept[key].time(key, args.warmup if rnd == 0 else 1, args.steps, args.batch, args.seq)
+
     for rnd in range(args.rounds):
         for key in keys:
             label = SETUPS[key][0]
@@ -478,8 +519,7 @@ def main():
             t0 = time.perf_counter()
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                res = attempt(label, lambda: run_setup(key, args.layers, args.batch, args.seq, args.warmup, args.steps),
-                              errors)
+                res = attempt(label, lambda: measure(key, rnd), errors)
             ours = sorted({str(w.message).split("\n")[0][:160] for w in seen if "surogate" in str(w.message)})
             if ours:
                 warned[key] = sorted(set(warned.get(key, [])) | set(ours))
@@ -487,6 +527,7 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
             if res is None:
+                kept.pop(key, None)
                 print(f"{label}: FAILED {errors[label]}", flush=True)
                 continue
             runs.setdefault(key, []).append(res)
@@ -541,6 +582,8 @@ def report(args, keys, runs, errors, warned, done=None):
     body = (f"Model: {SHAPE} shape ({arch} architecture, {_attention()} attention, {args.layers} layers, hidden {hidden}, intermediate {inter}, vocab {vocab}), "
             f"batch {args.batch} x {args.seq}, AdamW (fused), {args.warmup} warm-up + {args.steps} timed steps, "
             + (f"{args.rounds} rounds (setups interleaved; medians), " if args.rounds > 1 else "")
+            + ("every setup's model built and compiled once and kept (--keep-models: later rounds after 1 untimed "
+               "step; peak memory counts every kept model), " if args.keep_models else "")
             + ("activation checkpointing" if args.grad_ckpt else "no gradient checkpointing")
             + (f"; compiled setups with mode={args.compile_mode!r}" if args.compile_mode else "")
             + ("; transformers' stock SDPA mask function (--stock-causal-mask)" if args.stock_causal_mask else "")

@@ -173,6 +173,9 @@ def graph_decoded_linear_ready() -> bool:
 graph_decoded_linear_ready._dynamo_marked_constant = True  # torch.compiler.assume_constant_result, spelled out
 
 
+_NO_NESTED = (None, None, None)
+
+
 def graph_decoded_linear(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling: float, fmt: int, n: int,
                          k: int, block: int, nested: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """ext_decoded_linear inside a torch.compile graph: the forward op (y and the adapter's h) with the backward op
@@ -180,7 +183,7 @@ def graph_decoded_linear(x, x_lora, w, scales, gscale, levels, bias, lora_a, lor
     node. nested: an NF4 base's double-quantization operands (nested absmax, nested code, offset), de-nested by the
     decode kernel."""
     return torch.ops.surogate.ext_decoded_linear_fwd.default(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b,
-                                                              scaling, fmt, n, k, block, *(nested or ()))[0]
+                                                              scaling, fmt, n, k, block, *(nested or _NO_NESTED))[0]
 
 
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:

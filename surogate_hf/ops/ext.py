@@ -73,17 +73,19 @@ _lib.define("ext_mixed_input_gemm(Tensor x, Tensor w, Tensor scales, Tensor? gsc
             "-> Tensor")
 _lib.define("ext_dequantize(Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, int block, "
             "ScalarType dtype) -> Tensor")
-# (nested_*: NF4 double quantization's operands, as the module stores them: decode_reference)
+# (nested_*: NF4 double quantization's operands, as the module stores them: decode_reference. The graph ops _fwd /
+# _bwd give them no default: inductor passes every defaulted argument by keyword, and a keyword costs the op call's
+# argument parsing ~1.5 us more than a positional one, twice per linear and step.)
 _lib.define("ext_decoded_linear(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
             "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
             "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None) -> Tensor")
 _lib.define("ext_decoded_linear_fwd(Tensor x, Tensor? x_lora, Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, "
             "Tensor? bias, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
-            "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None) -> (Tensor, Tensor)")
+            "Tensor? nested_absmax, Tensor? nested_code, Tensor? nested_offset) -> (Tensor, Tensor)")
 _lib.define("ext_decoded_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor w, Tensor scales, Tensor? gscale, "
             "Tensor? levels, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
-            "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b, Tensor? nested_absmax=None, "
-            "Tensor? nested_code=None, Tensor? nested_offset=None) -> (Tensor, Tensor, Tensor, Tensor)")
+            "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b, Tensor? nested_absmax, "
+            "Tensor? nested_code, Tensor? nested_offset) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("ext_rmsnorm(Tensor x, Tensor weight, float eps, bool gemma, ScalarType out_dtype) -> Tensor")
 _lib.define("ext_fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor wq, Tensor? wqt, Tensor w_sinv, Tensor? xq, "
             "Tensor? xqt, Tensor x_sinv, Tensor x_scale, Tensor(a!) x_amax_bits, Tensor dy_scale, Tensor dy_amax_bits, "

@@ -111,3 +111,32 @@ def test_causal_mask_policy_follows_the_flag(monkeypatch):
     monkeypatch.setattr(E, "STOCK_CAUSAL_MASK", [True])
     E.causal_mask_policy()
     assert calls == ["install", "uninstall"]
+
+
+def test_keep_models_builds_each_setup_once_and_times_it_each_round_under_its_environment(monkeypatch):
+    """--keep-models: one Prepared (model build and compile) per setup, timed once a round, setups interleaved; the
+    first round after --warmup untimed steps, later ones after one; each block under its setup's SETUP_ENV."""
+    import os
+
+    built, timed, written = [], [], {}
+
+    class FakePrepared:
+        def __init__(self, key, layers, batch, seq):
+            built.append(key)
+
+        def time(self, key, warmup, steps, batch, seq):
+            timed.append((key, warmup, os.environ.get("SUROGATE_HF_MIXED_INPUT")))
+            return 100.0, 1.0, 2_000_000, 0.5, 50.0, 60.0
+
+    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
+    monkeypatch.setattr(E, "Prepared", FakePrepared)
+    monkeypatch.setattr(E, "write_result", lambda name, title, body: written.update(body=body))
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--shape", "smollm2-135m", "--setups",
+                                      "peft_bf16_compiled_model,ours_mxfp4_compiled_model_decode_route",
+                                      "--rounds", "2", "--warmup", "3", "--keep-models", "--name", "t"])
+    E.main()
+    assert built == ["peft_bf16_compiled_model", "ours_mxfp4_compiled_model_decode_route"]
+    assert timed == [("peft_bf16_compiled_model", 3, None), ("ours_mxfp4_compiled_model_decode_route", 3, "0"),
+                     ("peft_bf16_compiled_model", 1, None), ("ours_mxfp4_compiled_model_decode_route", 1, "0")]
+    assert "SUROGATE_HF_MIXED_INPUT" not in os.environ
+    assert "built and compiled once and kept (--keep-models" in written["body"]

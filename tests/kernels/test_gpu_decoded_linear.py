@@ -276,7 +276,7 @@ def test_graph_ops_are_the_eager_ops_bits(fmt, case):
         b = b0.clone().requires_grad_(True) if lora else None
         xl = x * mask if mask is not None else None
         args = (x, xl, w, s, g, lv, None, a, b, 2.0, code, n, k, block)
-        y = (torch.ops.surogate.ext_decoded_linear_fwd(*args)[0] if graph
+        y = (torch.ops.surogate.ext_decoded_linear_fwd(*args, None, None, None)[0] if graph
              else torch.ops.surogate.ext_decoded_linear(*args))
         y.backward(dy)
         return [y.detach()] + [t.grad for t in (x, a, b) if t is not None]

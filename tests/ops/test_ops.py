@@ -11,6 +11,7 @@ ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot
 # test_schema compares inputs before/after with allclose, which torch does not implement for fp8 tensors;
 # ops that take fp8 inputs run the other checks.
 NO_SCHEMA = ALL[1:]
+NO_NESTED = (None, None, None)  # the graph ops' NF4 nested operands, which they take without defaults
 
 
 def _cases():
@@ -102,22 +103,22 @@ def _cases():
          (grad(x), grad(x * 0.5), *dec["fp8"][:4], None, grad(lora_a.bfloat16()), grad(lora_b.bfloat16()), 0.5, 3,
           160, 256, 128), ALL),
         ("ext_decoded_linear_fwd_base", O.ext_decoded_linear_fwd,
-         (grad(x), None, *dec["mxfp4"][:4], None, None, None, 1.0, 1, 160, 256, 32), ALL),
+         (grad(x), None, *dec["mxfp4"][:4], None, None, None, 1.0, 1, 160, 256, 32, *NO_NESTED), ALL),
         ("ext_decoded_linear_fwd_lora", O.ext_decoded_linear_fwd,
          (grad(x.reshape(2, 3, 256)), None, *dec["nf4"][:4], torch.randn(160, dtype=torch.bfloat16), grad(lora_a),
-          grad(lora_b), 2.0, 2, 160, 256, 64), ALL),
+          grad(lora_b), 2.0, 2, 160, 256, 64, *NO_NESTED), ALL),
         ("ext_decoded_linear_fwd_lora_dropout", O.ext_decoded_linear_fwd,
          (grad(x), grad(x * 0.5), *dec["nvfp4"][:4], None, grad(lora_a.bfloat16()), grad(lora_b.bfloat16()), 0.5, 0,
-          160, 256, 16), ALL),
+          160, 256, 16, *NO_NESTED), ALL),
         ("ext_decoded_linear_bwd", O.ext_decoded_linear_bwd,
          (dy, x, x[:, :8].contiguous(), *dec["fp8"][:4], lora_a, lora_b, 2.0, 3, 160, 256, 128,
-          False, True, False, True, True), NO_SCHEMA),
+          False, True, False, True, True, *NO_NESTED), NO_SCHEMA),
         ("ext_decoded_linear_bwd_separate", O.ext_decoded_linear_bwd,
          (dy, x * 0.5, x[:, :8].contiguous(), *dec["nf4"][:4], lora_a, lora_b, 2.0, 2, 160, 256,
-          64, True, True, True, False, True), NO_SCHEMA),
+          64, True, True, True, False, True, *NO_NESTED), NO_SCHEMA),
         ("ext_decoded_linear_bwd_base", O.ext_decoded_linear_bwd,
          (dy, None, None, *dec["nvfp4"][:4], None, None, 1.0, 0, 160, 256, 16,
-          False, True, False, False, False), NO_SCHEMA),
+          False, True, False, False, False, *NO_NESTED), NO_SCHEMA),
         # a double-quantized NF4 absmax as stored (one-byte codes) with its nested operands
         ("ext_decoded_linear_nf4_nested", O.ext_decoded_linear,
          (grad(x), None, p4, st.absmax, None, code.float(), None, grad(lora_a), grad(lora_b), 2.0, 2, 160, 256, 64,
