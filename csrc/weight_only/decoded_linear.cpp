@@ -26,7 +26,6 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -313,15 +312,12 @@ at::Tensor gemm(const Mat& a, const Mat& b, const Blas& blas, at::IntArrayRef sh
 //   1024-2048 tokens (a fill of 0.85, 56 / 296 stages) measured 1.01-1.15x decode + cuBLAS's speed where the model
 //   said 0.91-1.0; every measured row of shorter runs at such fills (Qwen2.5-1.5B and Gemma-2-2B gate / up at 2048
 //   tokens: 24 / 36 stages) was 0.89-0.97x (H200, large_m_default_rule_models_h200.md);
-// - the default, too, for NVFP4 / MXFP4 calls of at most kMixedInputHostBoundMacs multiply-adds (M x n x k) outside
-//   CUDA-graph capture: there the host bounds the step (a small model's step without CUDA graphs, eager or compiled),
-//   and the decode + cuBLAS forward's extra host work (the decode's launch and its dense weight's allocation: ~7% of a
-//   compiled SmolLM2-135M step's forward-thread samples, session 39) is what the step pays, while the kernel's extra
-//   GPU time (0.63-1.0x decode + cuBLAS's speed on SmolLM2-135M / 360M and Qwen2.5-0.5B's weights of this size at
-//   8,192 tokens, 8-38 us a call; H200, benchmarks/results/decode/large_m_8192_small_s40.md) hides behind it. A
-//   captured graph replays without host work, so captures keep the GPU's faster route;
 // - off elsewhere, where it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), unless
 //   SUROGATE_HF_MIXED_INPUT=1 opts every call that can run it in; SUROGATE_HF_MIXED_INPUT=0 turns it off everywhere.
+//   Host-bound steps gain nothing from it either: taking it by default for every call of <= 2^33 multiply-adds outside
+//   CUDA-graph capture (1c62d8f) read 107k tok/s against decode + cuBLAS's 114k on a compiled SmolLM2-135M step without
+//   CUDA graphs, medians of five interleaved rounds in one process (PEFT 110k; H200, session 40,
+//   benchmarks/results/host/host_bound_default_ab_s40.md), so it was reverted.
 // The speed test and its constants are mixed_input_fast_enough in mixed_input_gemm.h.
 // surogate_hf.kernels.paths.mixed_input_kernel states the same rule. (The variable is read per call, as the Python
 // rule reads it.)
@@ -331,12 +327,6 @@ constexpr int64_t kMixedInputDefaultMinElements = 12 << 20;
 // Smaller weights whose launch splits no K (session 33: the Qwen3-1.7B q projection at 2048 tokens, 1.06-1.08x decode
 // + cuBLAS's speed; at 512-1024 tokens such weights took K-split or 128-token tiles and lost 0.68-0.93x)
 constexpr int64_t kMixedInputWholeKMinElements = 4 << 20;
-// A call whose GPU time (~30 us on an H200 at this size) stays within a host-bound step's host time per linear
-constexpr int64_t kMixedInputHostBoundMacs = int64_t{1} << 33;
-
-bool capturing_cuda_graph() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-}
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
@@ -353,12 +343,10 @@ bool mixed_input_applies(const at::Tensor& x, int64_t m, const Operands& op) {
   auto whole_k = [&] {
     return surogate::mixed_input_tiles(m, op.n, op.k, sms(), [](int, long long) { return true; }).split == 1;
   };
-  const bool faster_on_gpu = m <= kMixedInputDefaultMaxTokens &&
-                             (op.n * op.k >= kMixedInputDefaultMinElements ||
-                              (op.n * op.k >= kMixedInputWholeKMinElements && whole_k())) &&
-                             surogate::mixed_input_fast_enough(m, op.n, op.k, sms());
-  const bool host_bound = m * op.n <= kMixedInputHostBoundMacs / std::max<int64_t>(op.k, 1) && !capturing_cuda_graph();
-  const bool by_default = op.fmt <= 1 && m >= kMixedInputMinTokens && (host_bound || faster_on_gpu);
+  const bool by_default = op.fmt <= 1 && m >= kMixedInputMinTokens && m <= kMixedInputDefaultMaxTokens &&
+                          (op.n * op.k >= kMixedInputDefaultMinElements ||
+                           (op.n * op.k >= kMixedInputWholeKMinElements && whole_k())) &&
+                          surogate::mixed_input_fast_enough(m, op.n, op.k, sms());
   const bool enabled = choice == "1" || (choice != "0" && by_default);
   const bool nf4_blocks_ok = op.block >= 32 && (op.block & (op.block - 1)) == 0 && op.k % op.block == 0;
   return enabled && (op.fmt <= 1 || (op.fmt == 2 && nf4_blocks_ok)) && x.scalar_type() == at::kBFloat16 &&

@@ -138,7 +138,6 @@ MIXED_INPUT_MIN_TOKENS = 512  # csrc/weight_only/decoded_linear.cpp: kMixedInput
 MIXED_INPUT_DEFAULT_MAX_TOKENS = 2048  # kMixedInputDefaultMaxTokens
 MIXED_INPUT_DEFAULT_MIN_ELEMENTS = 12 << 20  # kMixedInputDefaultMinElements
 MIXED_INPUT_WHOLE_K_MIN_ELEMENTS = 4 << 20  # kMixedInputWholeKMinElements: smaller weights whose tiles need no K split
-MIXED_INPUT_HOST_BOUND_MACS = 1 << 33  # kMixedInputHostBoundMacs: calls this small outside CUDA-graph capture
 # csrc/weight_only/mixed_input_gemm.h: kMixedInputSpeed, kRouteDecodeTokens, kMixedInputLongFill,
 # kMixedInputLongSteps; kMixedInputRows, kMixedInputMaxSplit, kMixedInputMinSplitSteps, kMixedInputMinPairSteps
 MIXED_INPUT_SPEED, ROUTE_DECODE_TOKENS, MIXED_INPUT_LONG_FILL, MIXED_INPUT_LONG_STEPS = 0.97, 220, 0.8, 48
@@ -182,7 +181,7 @@ def mixed_input_fast_enough(m: int, n: int, k: int, sms: int) -> bool:
 
 
 def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None,
-                       sm90a_built: bool, nf4_block: int = 64, sms: int = 132, capturing: bool = False) -> bool:
+                       sm90a_built: bool, nf4_block: int = 64, sms: int = 132) -> bool:
     """Whether the decode route's forward base GEMM (surogate::ext_decoded_linear and its graph op) for an [n, k]
     weight and m rows of x, on a GPU of `sms` SMs, is the extension's mixed-input WGMMA kernel
     (csrc/weight_only/mixed_input_gemm.cu, the weight decoded inside the GEMM) rather than a dense decode + cuBLAS.
@@ -205,13 +204,6 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
     and Gemma-2-2B's q at 2048 tokens, GPT-OSS-20B's q at 1024-2048, Gemma-3-1B's gate / up at 512, Qwen2.5-0.5B's at
     768; benchmarks/results/decode/large_m_whole_k_rule_h200.md), while at 512-1024 tokens, where such weights take
     K-split or 128-token tiles, they measured 0.68-0.93x.
-    It is the default, too, for NVFP4 / MXFP4 calls of at most MIXED_INPUT_HOST_BOUND_MACS multiply-adds (m x n x k)
-    unless a CUDA graph is being captured (`capturing`: the current stream's capture status): there the host bounds
-    the step (a small model without CUDA graphs, eager or compiled), and what decode + cuBLAS adds on the host (the
-    decode's launch, its dense weight's allocation) is what the step pays, while the kernel's extra GPU time on such
-    calls (0.63-1.0x decode + cuBLAS's speed, 8-38 us a call on SmolLM2-135M / 360M and Qwen2.5-0.5B's weights at
-    8,192 tokens; benchmarks/results/decode/large_m_8192_small_s40.md) hides behind the host's; a captured graph
-    replays without host work and keeps decode + cuBLAS.
     Elsewhere it measured 0.43-1.18x (smaller weights, 4096 and more rows, NF4), so decode + cuBLAS stays there
     unless SUROGATE_HF_MIXED_INPUT=1 opts every call that can run the kernel in; SUROGATE_HF_MIXED_INPUT=0 turns it
     off. The C++ (mixed_input_applies in csrc/weight_only/decoded_linear.cpp) decides by the same rule, plus 16-byte
@@ -226,9 +218,8 @@ def mixed_input_kernel(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, cap
                          "run), 0 (never: decode + cuBLAS) or unset (the default rule)")
     large = n * k >= MIXED_INPUT_DEFAULT_MIN_ELEMENTS or (
         n * k >= MIXED_INPUT_WHOLE_K_MIN_ELEMENTS and mixed_input_tiles(m, n, k, sms)[1] == 1)
-    faster_on_gpu = m <= MIXED_INPUT_DEFAULT_MAX_TOKENS and large and mixed_input_fast_enough(m, n, k, sms)
-    host_bound = m * n * k <= MIXED_INPUT_HOST_BOUND_MACS and not capturing
-    by_default = fmt in ("nvfp4", "mxfp4") and m >= MIXED_INPUT_MIN_TOKENS and (host_bound or faster_on_gpu)
+    by_default = (fmt in ("nvfp4", "mxfp4") and MIXED_INPUT_MIN_TOKENS <= m <= MIXED_INPUT_DEFAULT_MAX_TOKENS
+                  and large and mixed_input_fast_enough(m, n, k, sms))
     return can_run and (choice == "1" or (choice != "0" and by_default))
 
 

@@ -231,15 +231,13 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
     splits no K (session 33, each measured 1.05-1.20x decode + cuBLAS's speed: the 2048x2048 q / o projections of
     Qwen3-1.7B and Llama-3.2-1B and Gemma-2-2B's q at 2048 tokens, GPT-OSS-20B's q at 1024-2048, Gemma-3-1B's gate /
     up at 512, Qwen2.5-0.5B's at 768). The k/v projections (their tiles split K), smaller models, more tokens and NF4
-    keep decode + cuBLAS. (This is the rule while a CUDA graph is captured; outside, host-bound calls join it: the test
-    below.) The C++ states the same constants (csrc/weight_only/decoded_linear.cpp: mixed_input_applies;
-    mixed_input_gemm.h: mixed_input_fast_enough)."""
+    keep decode + cuBLAS. The C++ states the same constants (csrc/weight_only/decoded_linear.cpp:
+    mixed_input_applies; mixed_input_gemm.h: mixed_input_fast_enough)."""
     source = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "decoded_linear.cpp").read_text()
     assert f"kMixedInputMinTokens = {P.MIXED_INPUT_MIN_TOKENS};" in source
     assert f"kMixedInputDefaultMaxTokens = {P.MIXED_INPUT_DEFAULT_MAX_TOKENS};" in source
     assert f"kMixedInputDefaultMinElements = {P.MIXED_INPUT_DEFAULT_MIN_ELEMENTS >> 20} << 20;" in source
     assert f"kMixedInputWholeKMinElements = {P.MIXED_INPUT_WHOLE_K_MIN_ELEMENTS >> 20} << 20;" in source
-    assert f"kMixedInputHostBoundMacs = int64_t{{1}} << {P.MIXED_INPUT_HOST_BOUND_MACS.bit_length() - 1};" in source
     header = (Path(__file__).resolve().parents[2] / "csrc" / "weight_only" / "mixed_input_gemm.h").read_text()
     assert f"kMixedInputSpeed = {P.MIXED_INPUT_SPEED};" in header
     assert f"kRouteDecodeTokens = {P.ROUTE_DECODE_TOKENS};" in header
@@ -250,7 +248,7 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
 
     def default(model, proj, m):
         k, n = S.linears(model)[proj]
-        return P.mixed_input_kernel(fmt, m, n, k, torch.bfloat16, SM90, True, capturing=True)
+        return P.mixed_input_kernel(fmt, m, n, k, torch.bfloat16, SM90, True)
 
     for model, proj, tokens in [("Llama-3.1-8B", p, (512, 2048)) for p in ("q", "o", "gate_up", "down")] + [
             ("Llama-3.1-8B", "q", (1024,)), ("Llama-3.1-8B", "down", (1024,)), ("Qwen3-1.7B", "gate_up", (512, 2048)),
@@ -279,35 +277,6 @@ def test_the_mixed_input_kernel_is_the_default_where_it_measured_faster(fmt, mon
     assert P.mixed_input_tiles(2048, 1024, 4096, 132)[1] == 2 and not default("Llama-3.1-8B", "kv", 2048)
     k, n = S.linears("Llama-3.1-8B")["q"]
     assert not P.mixed_input_kernel(fmt, 2048, n, k, torch.bfloat16, (10, 0), True)  # WGMMA is SM90a's
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
-def test_outside_cuda_graph_capture_the_mixed_input_kernel_takes_the_host_bound_calls(fmt, monkeypatch):
-    """Outside CUDA-graph capture, NVFP4 / MXFP4 calls of <= 2^33 multiply-adds (M x n x k) take the mixed-input
-    kernel too: every linear of SmolLM2-135M and the q / o / k / v of SmolLM2-360M and Qwen2.5-0.5B at 8,192 tokens
-    (a small model's step, bound by the host, pays the decode's launch and dense weight; the kernel's extra GPU time
-    hides), not their MLPs nor larger calls, and never while a graph is captured (replays have no host work) nor for
-    NF4 (no gain measured, session 39)."""
-    monkeypatch.delenv("SUROGATE_HF_MIXED_INPUT", raising=False)
-    fp4 = fmt != "nf4"
-
-    def default(model, proj, m, capturing=False):
-        k, n = S.linears(model)[proj]
-        return P.mixed_input_kernel(fmt, m, n, k, torch.bfloat16, SM90, True, capturing=capturing)
-
-    for proj in ("q", "kv", "gate_up", "down"):
-        for m in (512, 2048, 8192):
-            assert default("SmolLM2-135M", proj, m) == fp4, f"SmolLM2-135M {proj} M={m}"
-            assert not default("SmolLM2-135M", proj, m, capturing=True), f"SmolLM2-135M {proj} M={m} captured"
-        assert not default("SmolLM2-135M", proj, 511)  # below the decode route's rows
-    for model in ("SmolLM2-360M", "Qwen2.5-0.5B"):
-        for proj in ("q", "kv"):
-            assert default(model, proj, 8192) == fp4, f"{model} {proj}"
-        for proj in ("gate_up", "down"):
-            assert not default(model, proj, 8192), f"{model} {proj}"
-    assert not default("SmolLM2-135M", "down", 16384)  # 2^33.9 multiply-adds
-    monkeypatch.setenv("SUROGATE_HF_MIXED_INPUT", "0")
-    assert not default("SmolLM2-135M", "q", 2048)
 
 
 def test_few_token_wgmma_takes_the_large_4bit_weights_from_33_tokens_and_the_wide_ones_from_17():
