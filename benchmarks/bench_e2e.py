@@ -256,8 +256,8 @@ SETUPS = {
                                                  "on the mixed-input kernel (SUROGATE_HF_MIXED_INPUT=1)",
                                                  compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
        for f in ("nvfp4", "mxfp4", "nf4")},
-    # every forward GEMM on decode + cuBLAS (SUROGATE_HF_MIXED_INPUT=0): the default's A/B since the mixed-input kernel
-    # takes small calls outside CUDA-graph capture (kernels.paths.mixed_input_kernel)
+    # every forward GEMM on decode + cuBLAS (SUROGATE_HF_MIXED_INPUT=0): the A/B side against the default or the
+    # `_mixed_input` setups where the rule would take the kernel (results/host/host_bound_default_ab_s40.md)
     **{f"ours_{f}_compiled_model_decode_route": (f"ours {f} QLoRA, bf16 adapters, whole model compiled, forward GEMMs "
                                                   "on decode + cuBLAS (SUROGATE_HF_MIXED_INPUT=0)",
                                                   compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
