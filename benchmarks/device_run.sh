@@ -11,6 +11,8 @@
 #                                                      # from 40 tokens): GPU tests, determinism stress, bench (~5 min)
 #   bash benchmarks/device_run.sh large_m_e2e [OUTDIR] # 4-bit QLoRA steps (Qwen3-1.7B), decode + cuBLAS against
 #                                                      # the opted-in register-operand mixed-input kernel (~5 min)
+#   bash benchmarks/device_run.sh nograph   [OUTDIR]   # SmolLM2-135M compiled whole without CUDA graphs, PEFT / nf4 /
+#                                                      # nvfp4 (NOGRAPH_SETUPS), five rounds, models kept (~9 min)
 # The QLoRA rows of small models are host-bound: run them with nothing else on the machine (not beside a job on
 # the other GPU; measured: a busy host read SmolLM2-360M nf4 at 0.52x instead of 0.76x), with the extension built.
 # OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
@@ -103,5 +105,16 @@ case "$what" in
         --name e2e_qlora_4bit_mixed_rs --setups peft_bf16,ours_nvfp4,ours_mxfp4,ours_nf4
     cp results/e2e_qlora_4bit_*.md "$out/results/" 2>/dev/null
     ;;
-  *) echo "usage: device_run.sh tests|bench|compiled|rows|large_m|few|large_m_e2e [OUTDIR]"; exit 2 ;;
+  nograph)
+    # SmolLM2-135M compiled whole without CUDA graphs (host-bound): PEFT and the 4-bit formats, each compiled once and
+    # timed in five interleaved rounds in one process (--keep-models; a cold whole-model compile takes 100-150 s, so
+    # three setups fill a call)
+    step build 150 python3 -m surogate_hf.kernels.build
+    cd benchmarks
+    step e2e_nograph 460 python3 bench_e2e.py --shape smollm2-135m --use-cache --gc-off --steps 20 --keep-models \
+        --rounds 5 --setups "${NOGRAPH_SETUPS:-peft_bf16_compiled_model,ours_nf4_compiled_model,ours_nvfp4_compiled_model}" \
+        --name e2e_135m_nograph_keep_models
+    cp results/e2e_135m_nograph_keep_models.md "$out/results/" 2>/dev/null
+    ;;
+  *) echo "usage: device_run.sh tests|bench|compiled|rows|large_m|few|large_m_e2e|nograph [OUTDIR]"; exit 2 ;;
 esac
