@@ -138,6 +138,12 @@ def nf4_code(device=None) -> torch.Tensor:
     return _bnb().get_4bit_type("nf4", device=device or "cpu").float()
 
 
+def nested_code(device=None) -> torch.Tensor:
+    """The 256 values of double quantization's absmax code (bitsandbytes' signed dynamic map, what quantize_blockwise
+    encodes with by default)."""
+    return _bnb().create_dynamic_map(signed=True).to(device or "cpu").float()
+
+
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
     """bitsandbytes' 8-bit dequantize_blockwise in torch ops: code[codes] * absmax[block], one fp32 product per
     element (what its CPU and CUDA kernels compute, bit for bit). Plain ops, so it traces: bitsandbytes' own CPU op

@@ -286,6 +286,7 @@ def loftq_init(
             )
             for slot, v in slots.items():
                 S.set_slot(base, slot, v)
+            base.slots_loaded()  # what the layer derives from its slots (the shared graph tables)
             la, lb = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
             la.data = a.to(device=la.device, dtype=la.dtype)
             lb.data = b.to(device=lb.device, dtype=lb.dtype)

@@ -255,6 +255,10 @@ def slot_represents(shape, n: int, k: int, suffix: str) -> int:
     return (n * k) // max(1, math.prod(shape)) if suffix == "" else 0
 
 
+def _slots_loaded_after_load_state_dict(module, incompatible_keys) -> None:
+    module.slots_loaded()  # (a module-level function: a model with the hook stays picklable)
+
+
 class QuantizedLinear(nn.Linear):
     """Base of the quantized linears. Built on meta (every slot registered, nothing allocated);
     `from_linear` quantizes a dense nn.Linear; `load_dense_weight` fills the slots from a dense weight."""
@@ -288,11 +292,25 @@ class QuantizedLinear(nn.Linear):
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=self.dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        self.register_load_state_dict_post_hook(_slots_loaded_after_load_state_dict)
 
     def _apply(self, fn, recurse=True):
         # Module-wide casts (model.half(), .to(bf16)) must not re-type packed data or scales: they move
         # device only. Dtype changes of the bias follow the model as usual.
-        return _apply_keep_dtypes(self, fn, set(self.slot_names()), super()._apply, recurse)
+        moved = _apply_keep_dtypes(self, fn, set(self.slot_names()), super()._apply, recurse)
+        self.slots_loaded()  # the shared tables live per device
+        return moved
+
+    def slots_loaded(self) -> None:
+        """Rebuild what this layer derives from its slots' values (slots.DERIVED_ATTR, which setting a slot drops): the
+        format's shared constant tables that a compiled graph takes in place of this layer's own copies
+        (Format.shared_graph_tables). Runs after every load (slots.finalize_slots, load_state_dict, load_dense_weight)
+        and move, eagerly: it compares values."""
+        try:
+            tensors = self._tensors()
+        except KeyError:  # a loader has not filled every slot yet
+            return
+        self.__dict__[S.DERIVED_ATTR] = {"graph_tables": self.fmt.shared_graph_tables(tensors)}
 
     # ---- slots
     def slot_names(self) -> list[str]:
@@ -319,6 +337,7 @@ class QuantizedLinear(nn.Linear):
         for name, v in self.quantize_weight(w).items():
             S.set_slot(self, name, v)
         self.dtype = w.dtype
+        self.slots_loaded()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options) -> "QuantizedLinear":
@@ -390,7 +409,13 @@ class QuantizedLinear(nn.Linear):
         operands or None) from this layer's slots in torch ops that a compiled graph traces (the eager plan's are cached
         tensors a graph cannot take); None where the format has no decode route."""
         n, k = self.out_features, self.in_features
-        logical = self._tensors()
+        # a standard constant table (NF4's levels and nested code) as the one tensor every such layer shares on this
+        # device (Format.shared_graph_tables, rebuilt eagerly by slots_loaded): one graph input for the model, and this
+        # layer's own copy is never read into the graph
+        codes = S.get_slot(self, "weight")
+        shared = {suffix: table for suffix, table in
+                  self.__dict__.get(S.DERIVED_ATTR, {}).get("graph_tables", {}).items() if table.device == codes.device}
+        logical = {s: shared[s] if s in shared else S.get_slot(self, "weight" + s) for s in self.fmt.slots(n, k)}
         args = self.fmt.decode_args(logical, n, k)
         if args is None:
             return None
@@ -403,7 +428,7 @@ class QuantizedLinear(nn.Linear):
         # sharded slot outside FSDP2's unshard keeps its gathered logical view)
         from torch.distributed.tensor import DTensor
 
-        raw = {name: S.raw_slot(self, "weight" + name) for name in logical}
+        raw = {name: S.raw_slot(self, "weight" + name) for name in logical if name not in shared}
         stored = {name: t.detach() for name, t in raw.items() if not isinstance(t, DTensor)}
 
         def as_stored(t):

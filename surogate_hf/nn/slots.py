@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 
 SPECS_ATTR = "_surogate_slot_specs"  # on each quantized module: {slot name: (logical shape, logical dtype)}
+# on a module: what it derives from its slots' values (QuantizedLinear.slots_loaded), dropped whenever a slot is set
+DERIVED_ATTR = "_surogate_slot_derived"
 _STORAGE_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -159,6 +161,7 @@ def set_slot(module: nn.Module, name: str, value: Tensor) -> None:
         raise ValueError(f"{type(module).__name__}.{name}: got shape {list(value.shape)}, expected {list(shape)}")
     module._buffers.pop(name, None)
     module._parameters[name] = to_storage(value, represents)
+    module.__dict__.pop(DERIVED_ATTR, None)
 
 
 def get_slot(module: nn.Module, name: str) -> Tensor:
@@ -193,6 +196,9 @@ def finalize_slots(module: nn.Module) -> None:
         if v.dtype == storage_dtype(dtype) and v.dtype != dtype:
             v = v.view(dtype)
         set_slot(module, name, v.reshape(shape))
+    loaded = getattr(module, "slots_loaded", None)  # the module rebuilds what it derives from the values
+    if loaded is not None:
+        loaded()
 
 
 def named_slots(module: nn.Module) -> dict[str, Tensor]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from surogate_hf.kernels.registry import decode_operands
 from surogate_hf.nn import linear as L
+from surogate_hf.nn import slots as S
 
 FORMATS = ("nvfp4", "mxfp4", "nf4", "fp8")
 
@@ -222,10 +223,12 @@ def test_graph_operands_are_the_plans(fmt):
         else:
             assert a == b
     stored = [p for name, p in layer.named_parameters() if name.startswith("weight")]
+    shared = layer.__dict__[S.DERIVED_ATTR]["graph_tables"]  # NF4's standard tables: one tensor for every layer
+    assert set(shared) == ({"_quant_map", "_nested_quant_map"} if fmt == "nf4" else set())
     for t in flat(got):
         if isinstance(t, torch.Tensor):
-            assert any(t.dtype == p.dtype and t.data_ptr() == p.data_ptr() for p in stored), \
-                f"{fmt}: an operand is not its slot as stored"
+            assert any(t.dtype == p.dtype and t.data_ptr() == p.data_ptr() for p in stored) or any(
+                t is table for table in shared.values()), f"{fmt}: an operand is neither its slot as stored nor shared"
     dense = decode_reference(*got[:8], torch.bfloat16, got[8])
     assert torch.equal(dense, layer.dequantize(torch.bfloat16))
 
@@ -373,3 +376,63 @@ def test_inductor_passes_the_graph_ops_arguments_by_position(monkeypatch):
     assert any("_fwd.default(" in c for c in calls) and any("_bwd.default(" in c for c in calls), calls
     for call in calls:
         assert "nested_" not in call and "=" not in call.split("(", 1)[1], call
+
+
+def test_nf4_standard_tables_enter_a_compiled_graph_once_for_every_layer(monkeypatch):
+    """NF4's 16 levels and its 256-entry nested code are the same in every layer bitsandbytes or this package writes:
+    a compiled graph takes one shared tensor of each (Format.shared_graph_tables) instead of every layer's own copy, so
+    a layer hands the graph two tensors fewer (14 a decoder layer of seven linears), and the results are unchanged."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    import surogate_hf.formats as F
+
+    a, b = _layer("nf4"), _layer("nf4", 384, 256)
+    shared = [layer.__dict__[S.DERIVED_ATTR]["graph_tables"] for layer in (a, b)]
+    assert shared[0]["_quant_map"] is shared[1]["_quant_map"]
+    assert shared[0]["_nested_quant_map"] is shared[1]["_nested_quant_map"]
+    assert torch.equal(shared[0]["_quant_map"], F.nf4.nf4_code())
+    assert torch.equal(S.get_slot(a, "weight_quant_map"), F.nf4.nf4_code())
+    assert torch.equal(shared[0]["_nested_quant_map"], F.nf4.nested_code())
+    ops_a, ops_b = a.graph_decode_operands(), b.graph_decode_operands()
+    assert ops_a[3] is ops_b[3] and ops_a[8][1] is ops_b[8][1]
+
+    tables_in = []
+
+    def capture(gm, example_inputs):
+        tables_in.append(sum(1 for t in example_inputs if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                             and t.numel() in (16, 256)))
+        return make_boxed_func(gm.forward)
+
+    monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
+    torch._dynamo.reset()
+    model = _peft_model("nf4", 0.0, False)
+    x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
+    ref = model(x)
+    run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
+    got = run(x)
+    assert torch.equal(got, ref)
+    assert tables_in[0] == 2, "the levels and the nested code once each, for both layers"
+
+
+def test_an_nf4_layer_with_other_tables_keeps_its_own_in_the_graph():
+    """A layer whose tables differ from the standard ones (loaded through load_state_dict here) hands the graph its
+    own; setting a slot drops what the layer derived from the old values, and every load rebuilds it."""
+    layer = _layer("nf4")
+    assert set(layer.__dict__[S.DERIVED_ATTR]["graph_tables"]) == {"_quant_map", "_nested_quant_map"}
+    sd = layer.state_dict()
+    levels = sd["weight_quant_map"].view(torch.float32).clone()
+    levels[3] += 1e-3
+    sd["weight_quant_map"] = levels.view(sd["weight_quant_map"].dtype)
+    layer.load_state_dict(sd)
+    assert set(layer.__dict__[S.DERIVED_ATTR]["graph_tables"]) == {"_nested_quant_map"}
+    ops = layer.graph_decode_operands()
+    assert ops[3].data_ptr() == layer.weight_quant_map.data_ptr() and torch.equal(ops[3].view(torch.float32), levels)
+    S.set_slot(layer, "weight_quant_map", levels)
+    assert S.DERIVED_ATTR not in layer.__dict__  # the next load or move rebuilds it; until then the graph reads slots
+    assert layer.graph_decode_operands()[3].data_ptr() == layer.weight_quant_map.data_ptr()
+    S.finalize_slots(layer)
+    assert set(layer.__dict__[S.DERIVED_ATTR]["graph_tables"]) == {"_nested_quant_map"}
+    import pickle
+
+    assert pickle.loads(pickle.dumps(layer)).__dict__[S.DERIVED_ATTR]["graph_tables"].keys() == {"_nested_quant_map"}

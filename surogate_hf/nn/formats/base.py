@@ -134,6 +134,13 @@ class Format:
         decode route."""
         return None
 
+    def shared_graph_tables(self, t: dict[str, Tensor]) -> dict[str, Tensor]:
+        """{slot suffix: a process-wide tensor on the slot's device} for the slots of this unit that hold the format's
+        standard constant table, which a compiled graph then takes once for every layer instead of each layer's own
+        copy (a graph input costs host time every step: dynamo's guard, AOTAutograd's wrappers, inductor's size assert,
+        a saved tensor). Computed eagerly (it compares values), never while tracing. None here: no such tables."""
+        return {}
+
     def decodes_in_gemm(self, x: Tensor, n: int, k: int) -> bool:
         """Whether this format's GEMM of activation x over an [n, k] weight is a decode plus a dense GEMM (where a
         compiled graph takes dequantize_traced): the weight-only formats from paths.DENSE_MIN_TOKENS tokens on."""

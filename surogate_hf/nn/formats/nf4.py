@@ -63,6 +63,19 @@ class NF4Options(Options):
         check_bool("scale_search", self.scale_search)
 
 
+_SHARED_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _shared_table(suffix: str, device: torch.device, standard) -> torch.Tensor:
+    """One fp32 tensor of a standard table per device, shared by every NF4 unit that holds that table (see
+    NF4Format.shared_graph_tables); nothing writes into it."""
+    key = (suffix, torch.device(device))
+    table = _SHARED_TABLES.get(key)
+    if table is None:
+        table = _SHARED_TABLES[key] = standard(device).float().contiguous()
+    return table
+
+
 class NF4Format(Format):
     name = "nf4"
     options_class = NF4Options
@@ -174,6 +187,21 @@ class NF4Format(Format):
         nested = self._nested(t)
         absmax = t["_absmax"] if nested is not None else t["_absmax"].float().contiguous()
         return t[""], absmax, None, levels, self.block_size, nested
+
+    def shared_graph_tables(self, t):
+        # the 16 NF4 levels and double quantization's 256-entry code are the same in every unit that bitsandbytes or
+        # this package writes: 14 graph inputs a decoder layer of seven linears become two for the whole model
+        from torch.distributed.tensor import DTensor
+
+        shared = {}
+        for suffix, standard in (("_quant_map", F.nf4.nf4_code), ("_nested_quant_map", F.nf4.nested_code)):
+            v = t.get(suffix)
+            if v is None or isinstance(v, DTensor) or v.is_meta or v.dtype != torch.float32:
+                continue
+            table = _shared_table(suffix, v.device, standard)
+            if v.shape == table.shape and torch.equal(v, table):
+                shared[suffix] = table
+        return shared
 
     def path_options(self):
         return {"nf4_block": self.block_size}
