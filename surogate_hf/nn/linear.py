@@ -306,11 +306,10 @@ class QuantizedLinear(nn.Linear):
         format's shared constant tables that a compiled graph takes in place of this layer's own copies
         (Format.shared_graph_tables). Runs after every load (slots.finalize_slots, load_state_dict, load_dense_weight)
         and move, eagerly: it compares values."""
-        try:
-            tensors = self._tensors()
-        except KeyError:  # a loader has not filled every slot yet
-            return
-        self.__dict__[S.DERIVED_ATTR] = {"graph_tables": self.fmt.shared_graph_tables(tensors)}
+        self.__dict__.pop(S.DERIVED_ATTR, None)
+        if not all(S.is_storage_form(self, name) for name in self.slot_names()):
+            return  # a loader is still filling the slots (its stored layouts need not be the logical shapes yet)
+        self.__dict__[S.DERIVED_ATTR] = {"graph_tables": self.fmt.shared_graph_tables(self._tensors())}
 
     # ---- slots
     def slot_names(self) -> list[str]:
