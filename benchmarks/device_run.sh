@@ -110,8 +110,9 @@ case "$what" in
     # timed in five interleaved rounds in one process (--keep-models; a cold whole-model compile takes 100-150 s, so
     # three setups fill a call)
     step build 150 python3 -m surogate_hf.kernels.build
+    step gpu_decoded_linear 100 python3 -m pytest -q tests/kernels/test_gpu_decoded_linear.py
     cd benchmarks
-    step e2e_nograph 460 python3 bench_e2e.py --shape smollm2-135m --use-cache --gc-off --steps 20 --keep-models \
+    step e2e_nograph 430 python3 bench_e2e.py --shape smollm2-135m --use-cache --gc-off --steps 20 --keep-models \
         --rounds 5 --setups "${NOGRAPH_SETUPS:-peft_bf16_compiled_model,ours_nf4_compiled_model,ours_nvfp4_compiled_model}" \
         --name e2e_135m_nograph_keep_models
     cp results/e2e_135m_nograph_keep_models.md "$out/results/" 2>/dev/null
