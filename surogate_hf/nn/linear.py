@@ -31,7 +31,7 @@ from ..kernels import paths as _paths
 from ..ops._warn import warn_once
 from . import slots as S
 from .formats import FORMAT_CLASSES, FP8Format, Format, MXFP4Format, NF4Format, NVFP4Format, make_format
-from .formats.base import QUANTIZE_CHUNK_ELEMENTS, _row_chunks  # noqa: F401  (their home: nn/formats/base.py)
+from .formats.base import QUANTIZE_CHUNK_ELEMENTS, SHARED_GRAPH_TABLES, _row_chunks  # noqa: F401  (their home: nn/formats/base.py)
 
 __all__ = [  # the Format classes and make_format live in nn/formats/ (one home per format); re-exported here
     "FP8Format", "FP8Linear", "Format", "LINEAR_CLASSES", "MXFP4Format", "MXFP4Linear", "NF4Format", "NF4Linear",
@@ -412,8 +412,11 @@ class QuantizedLinear(nn.Linear):
         # device (Format.shared_graph_tables, rebuilt eagerly by slots_loaded): one graph input for the model, and this
         # layer's own copy is never read into the graph
         codes = S.get_slot(self, "weight")
-        shared = {suffix: table for suffix, table in
-                  self.__dict__.get(S.DERIVED_ATTR, {}).get("graph_tables", {}).items() if table.device == codes.device}
+        shared = {}
+        for suffix, key in self.__dict__.get(S.DERIVED_ATTR, {}).get("graph_tables", {}).items():
+            table = SHARED_GRAPH_TABLES.get(key)  # (absent in a process that unpickled this layer: its own copy then)
+            if table is not None and table.device == codes.device:
+                shared[suffix] = table
         logical = {s: shared[s] if s in shared else S.get_slot(self, "weight" + s) for s in self.fmt.slots(n, k)}
         args = self.fmt.decode_args(logical, n, k)
         if args is None:

@@ -5,6 +5,10 @@ the C++ ones."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +16,7 @@ from torch import nn
 from surogate_hf.kernels.registry import decode_operands
 from surogate_hf.nn import linear as L
 from surogate_hf.nn import slots as S
+from surogate_hf.nn.formats.base import SHARED_GRAPH_TABLES
 
 FORMATS = ("nvfp4", "mxfp4", "nf4", "fp8")
 
@@ -228,7 +233,8 @@ def test_graph_operands_are_the_plans(fmt):
     for t in flat(got):
         if isinstance(t, torch.Tensor):
             assert any(t.dtype == p.dtype and t.data_ptr() == p.data_ptr() for p in stored) or any(
-                t is table for table in shared.values()), f"{fmt}: an operand is neither its slot as stored nor shared"
+                t is SHARED_GRAPH_TABLES[key] for key in shared.values()), \
+                f"{fmt}: an operand is neither its slot as stored nor shared"
     dense = decode_reference(*got[:8], torch.bfloat16, got[8])
     assert torch.equal(dense, layer.dequantize(torch.bfloat16))
 
@@ -378,6 +384,23 @@ def test_inductor_passes_the_graph_ops_arguments_by_position(monkeypatch):
         assert "nested_" not in call and "=" not in call.split("(", 1)[1], call
 
 
+@contextlib.contextmanager
+def _captured_guards():
+    """Dynamo's guard text (TORCH_LOGS=guards) of the frames compiled inside the block, in the yielded list."""
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(guards=True)
+    logger.addHandler(handler)
+    out = []
+    try:
+        yield out
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+        out.append(log.getvalue())
+
+
 def test_nf4_standard_tables_enter_a_compiled_graph_once_for_every_layer(monkeypatch):
     """NF4's 16 levels and its 256-entry nested code are the same in every layer bitsandbytes or this package writes:
     a compiled graph takes one shared tensor of each (Format.shared_graph_tables) instead of every layer's own copy, so
@@ -388,12 +411,12 @@ def test_nf4_standard_tables_enter_a_compiled_graph_once_for_every_layer(monkeyp
     import surogate_hf.formats as F
 
     a, b = _layer("nf4"), _layer("nf4", 384, 256)
-    shared = [layer.__dict__[S.DERIVED_ATTR]["graph_tables"] for layer in (a, b)]
-    assert shared[0]["_quant_map"] is shared[1]["_quant_map"]
-    assert shared[0]["_nested_quant_map"] is shared[1]["_nested_quant_map"]
-    assert torch.equal(shared[0]["_quant_map"], F.nf4.nf4_code())
+    keys = [layer.__dict__[S.DERIVED_ATTR]["graph_tables"] for layer in (a, b)]
+    assert keys[0] == keys[1] == {"_quant_map": ("nf4", "_quant_map", "cpu"),
+                                  "_nested_quant_map": ("nf4", "_nested_quant_map", "cpu")}
+    assert torch.equal(SHARED_GRAPH_TABLES[keys[0]["_quant_map"]], F.nf4.nf4_code())
     assert torch.equal(S.get_slot(a, "weight_quant_map"), F.nf4.nf4_code())
-    assert torch.equal(shared[0]["_nested_quant_map"], F.nf4.nested_code())
+    assert torch.equal(SHARED_GRAPH_TABLES[keys[0]["_nested_quant_map"]], F.nf4.nested_code())
     ops_a, ops_b = a.graph_decode_operands(), b.graph_decode_operands()
     assert ops_a[3] is ops_b[3] and ops_a[8][1] is ops_b[8][1]
 
@@ -410,9 +433,14 @@ def test_nf4_standard_tables_enter_a_compiled_graph_once_for_every_layer(monkeyp
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
     ref = model(x)
     run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
-    got = run(x)
+    with _captured_guards() as guards:
+        got = run(x)
     assert torch.equal(got, ref)
     assert tables_in[0] == 2, "the levels and the nested code once each, for both layers"
+    # read through one global dict, not through each layer: no identity guard per layer that one layer's table is
+    # another's (those run in Python on every call)
+    identity = [line for line in guards[0].splitlines() if "LAMBDA_GUARD" in line and "graph_tables" in line]
+    assert "SHARED_GRAPH_TABLES" in guards[0] and not identity, identity[:2]
 
 
 def test_an_nf4_layer_with_other_tables_keeps_its_own_in_the_graph():

@@ -29,6 +29,20 @@ from ...kernels import paths as _paths
 QUANTIZE_CHUNK_ELEMENTS = 1 << 18
 
 
+# (format name, slot suffix, device) -> one process-wide tensor of a format's standard constant table
+# (Format.shared_graph_tables). A compiled graph reaches it through this one dict, so dynamo guards it once for the
+# model; read through each layer, every layer would add an identity guard that runs in Python on every call.
+SHARED_GRAPH_TABLES: dict[tuple[str, str, str], Tensor] = {}
+
+
+def register_shared_graph_table(key: tuple[str, str, str], make) -> Tensor:
+    """SHARED_GRAPH_TABLES[key], made by make() the first time; nothing writes into it afterwards."""
+    table = SHARED_GRAPH_TABLES.get(key)
+    if table is None:
+        table = SHARED_GRAPH_TABLES[key] = make()
+    return table
+
+
 def _row_chunks(n: int, k: int, multiple: int = 1):
     rows = max(multiple, (QUANTIZE_CHUNK_ELEMENTS // max(k, 1)) // multiple * multiple)
     return [(r, min(r + rows, n)) for r in range(0, n, rows)]
@@ -134,11 +148,12 @@ class Format:
         decode route."""
         return None
 
-    def shared_graph_tables(self, t: dict[str, Tensor]) -> dict[str, Tensor]:
-        """{slot suffix: a process-wide tensor on the slot's device} for the slots of this unit that hold the format's
-        standard constant table, which a compiled graph then takes once for every layer instead of each layer's own
-        copy (a graph input costs host time every step: dynamo's guard, AOTAutograd's wrappers, inductor's size assert,
-        a saved tensor). Computed eagerly (it compares values), never while tracing. None here: no such tables."""
+    def shared_graph_tables(self, t: dict[str, Tensor]) -> dict[str, tuple[str, str, str]]:
+        """{slot suffix: its SHARED_GRAPH_TABLES key} for the slots of this unit that hold the format's standard
+        constant table (registered on the slot's device), which a compiled graph then takes once for every layer
+        instead of each layer's own copy (a graph input costs host time every step: dynamo's guard, AOTAutograd's
+        wrappers, inductor's size assert, a saved tensor). Computed eagerly (it compares values), never while tracing.
+        None here: no such tables."""
         return {}
 
     def decodes_in_gemm(self, x: Tensor, n: int, k: int) -> bool:

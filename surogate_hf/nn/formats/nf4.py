@@ -22,7 +22,8 @@ from ... import formats as F
 from ... import ops
 from ...kernels import registry as _cuda
 from .base import (
-    Format, Layout, OptionError, Options, check_bool, expect, is_int, register, stack_units, unit_index,
+    Format, Layout, OptionError, Options, check_bool, expect, is_int, register, register_shared_graph_table, stack_units,
+    unit_index,
 )
 
 NF4_BLOCK_SIZES = F.nf4.NF4_BLOCK_SIZES
@@ -61,19 +62,6 @@ class NF4Options(Options):
             raise OptionError("block_size", f"unsupported {{opt}} {self.block_size!r}; expected one of {NF4_BLOCK_SIZES}")
         check_bool("double_quant", self.double_quant)
         check_bool("scale_search", self.scale_search)
-
-
-_SHARED_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _shared_table(suffix: str, device: torch.device, standard) -> torch.Tensor:
-    """One fp32 tensor of a standard table per device, shared by every NF4 unit that holds that table (see
-    NF4Format.shared_graph_tables); nothing writes into it."""
-    key = (suffix, torch.device(device))
-    table = _SHARED_TABLES.get(key)
-    if table is None:
-        table = _SHARED_TABLES[key] = standard(device).float().contiguous()
-    return table
 
 
 class NF4Format(Format):
@@ -198,9 +186,10 @@ class NF4Format(Format):
             v = t.get(suffix)
             if v is None or isinstance(v, DTensor) or v.is_meta or v.dtype != torch.float32:
                 continue
-            table = _shared_table(suffix, v.device, standard)
+            key = ("nf4", suffix, str(v.device))
+            table = register_shared_graph_table(key, lambda: standard(v.device).float().contiguous())
             if v.shape == table.shape and torch.equal(v, table):
-                shared[suffix] = table
+                shared[suffix] = key
         return shared
 
     def path_options(self):
