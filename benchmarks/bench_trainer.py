@@ -53,11 +53,12 @@ def step_times_note(stamps, warmup, steps) -> str:
     return f"step ms median {ms[len(ms) // 2]:.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
 
 
-def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None, profile_to=None):
-    """tokens/s of the Trainer's timed steps (after `warmup`), and a note (its optimizer, the steps' durations).
-    model: a built model (QLoRA) instead of the bf16 base with `recipe`'s callback; compile_mode: the Trainer's
-    torch_compile with this mode; profile_to: a file for torch.profiler's tables of two more steps after the timed
-    ones."""
+def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None, profile_to=None):
+    """A Trainer for the setup and a function that runs it once more (`Trainer.train()` again, the compiled model,
+    its CUDA graphs and the process kept: `warmup` steps, then `steps` timed ones) and returns (tokens/s, note: its
+    optimizer, the steps' durations). model: a built model (QLoRA) instead of the bf16 base with `recipe`'s callback;
+    compile_mode: the Trainer's torch_compile with this mode; profile_to: a file for torch.profiler's tables of two
+    more steps after the timed ones (each round)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from surogate_hf.integrations.trainer import SurogateRecipeCallback
@@ -69,15 +70,15 @@ def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_
             if profile_to and state.global_step == warmup + steps:
                 prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA]))
-                prof[0].__enter__()
+                prof[-1].__enter__()
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in (warmup, warmup + steps):  # the timed window's two ends
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
             if prof and state.global_step == warmup + steps + 2:
-                prof[0].__exit__(None, None, None)
-                write_profile_tables(prof[0], profile_to)
+                prof[-1].__exit__(None, None, None)
+                write_profile_tables(prof.pop(), profile_to)
 
     model = E.base_model(layers) if model is None else model
     E.causal_mask_policy()
@@ -89,11 +90,23 @@ def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_
     callbacks = [Clock()] + ([SurogateRecipeCallback(recipe)] if recipe else [])
     t = Trainer(model=model, args=args, train_dataset=_Ids(batch * args.max_steps, seq, E.SHAPES[E.SHAPE][5]),
                 callbacks=callbacks)
-    t.train()
-    optim = type(t.optimizer.optimizer if hasattr(t.optimizer, "optimizer") else t.optimizer).__name__
-    del t, model
-    return (batch * seq * steps / (stamps[warmup + steps - 1] - stamps[warmup - 1]),
-            f"{args.optim} ({optim}); {step_times_note(stamps, warmup, steps)}")
+
+    def run():
+        stamps.clear()
+        t.train()
+        optim = type(t.optimizer.optimizer if hasattr(t.optimizer, "optimizer") else t.optimizer).__name__
+        return (batch * seq * steps / (stamps[warmup + steps - 1] - stamps[warmup - 1]),
+                f"{args.optim} ({optim}); {step_times_note(stamps, warmup, steps)}")
+
+    return t, run
+
+
+def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None, profile_to=None):
+    """tokens/s of one Trainer run's timed steps (after `warmup`), and a note (trainer_rounds' run, once)."""
+    t, run = trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model, compile_mode, profile_to)
+    got = run()
+    del t, run
+    return got
 
 
 def write_profile_tables(prof, path):
@@ -131,6 +144,65 @@ QLORA_BUILDS = {"peft": ("PEFT LoRA, bf16 base, bf16 adapters", lambda L: E.peft
                    for f in ("fp8", "nf4", "nvfp4", "mxfp4")}}
 
 
+def qlora_rounds(args, layers, keys):
+    """QLoRA through the Trainer, every setup's Trainer built once and run again round by round (--rounds): the first
+    round compiles (and records the CUDA graphs), the later ones are timed; each setup's median over them and its
+    ratio to PEFT's, and PEFT's ratio per round (a process's host speed drifts by 10-20% between minutes, which
+    setups run in one order would read as their difference)."""
+    errors, runs, trainers = {}, {}, {}
+    for rnd in range(args.rounds):
+        for key in keys:
+            label = QLORA_BUILDS[key][0]
+            if label in errors:
+                continue
+            if key not in trainers:
+                got = attempt(label, lambda: trainer_rounds(None, layers, args.batch, args.seq, args.warmup,
+                                                            args.steps, f"/tmp/bench_trainer_{key}",
+                                                            model=QLORA_BUILDS[key][1](layers),
+                                                            compile_mode=args.torch_compile_mode), errors)
+                if got is None:
+                    continue
+                trainers[key] = got
+            t0 = time.perf_counter()
+            got = attempt(label, trainers[key][1], errors)
+            if got is None:
+                trainers.pop(key)
+                print(f"{label}: FAILED {errors[label]}", flush=True)
+                continue
+            if rnd > 0:
+                runs.setdefault(key, []).append(got)
+            print(f"{label}: {got[0]:,.0f} tok/s {got[1]} (round {rnd + 1}{', untimed' if rnd == 0 else ''}, "
+                  f"{time.perf_counter() - t0:.0f}s)", flush=True)
+            rounds_report(args, layers, keys, runs, errors)
+    rounds_report(args, layers, keys, runs, errors)
+
+
+def rounds_report(args, layers, keys, runs, errors):
+    medians = {k: sorted(r[0] for r in got)[(len(got) - 1) // 2] for k, got in runs.items()}
+    peft = medians.get("peft")
+    rows = []
+    for key in keys:
+        label = QLORA_BUILDS[key][0]
+        got = runs.get(key, [])
+        per_round = " / ".join(f"{a[0]:,.0f}" for a in got)
+        ratios = (" / ".join(f"{a[0] / b[0]:.3f}" for a, b in zip(got, runs.get("peft", []))) if key != "peft"
+                  else "")
+        rows.append([label, medians.get(key), medians[key] / peft if peft and key in medians and key != "peft"
+                     else None, per_round, ratios, got[-1][1] if got else errors.get(label, "")])
+    mode = args.torch_compile_mode
+    body = (f"{args.shape} shape, {layers} layers, batch {args.batch} x {args.seq}, through the HF Trainer"
+            + (f" with torch_compile=True, torch_compile_mode={mode!r}" if mode else " (eager)")
+            + f"; every setup's Trainer built once and trained {args.rounds} times in turn (`Trainer.train()` again: "
+            f"{args.warmup} warm-up + {args.steps} timed steps each), the first round untimed (the compile)"
+            + ("; use_cache=True" if args.use_cache else "")
+            + ("; logging_nan_inf_filter=False" if args.no_nan_inf_filter else "") + ".\n\n")
+    body += table(["setup", "tokens/s (median of the timed rounds)", "x PEFT", "per round", "x PEFT's same round",
+                   "last round's note"], rows)
+    if errors:
+        body += "\n\nErrors:\n" + "\n".join(f"- {k}: {v}" for k, v in errors.items())
+    write_result(args.name, "QLoRA through the HF Trainer, rounds", body)
+
+
 def qlora_main(args, layers):
     """QLoRA through the Trainer: each setup's tokens/s and its ratio to PEFT's Trainer run in this process."""
     import torch._dynamo
@@ -140,6 +212,10 @@ def qlora_main(args, layers):
     unknown = [k for k in keys if k not in QLORA_BUILDS]
     if unknown:
         raise SystemExit(f"--qlora: unknown setup(s) {unknown}; expected some of {sorted(QLORA_BUILDS)}")
+    if args.rounds > 1:
+        if args.plain or args.profile_dir:
+            raise SystemExit("--rounds: --plain and --profile-dir apply to one-round runs")
+        return qlora_rounds(args, layers, keys)
     for key in keys:
         label, build = QLORA_BUILDS[key]
         torch._dynamo.reset()
@@ -206,6 +282,9 @@ def main():
                          "each step's loss (two host syncs a step)")
     ap.add_argument("--plain", action="store_true",
                     help="with --qlora: also time each model in a plain loop, compiled the same way (Trainer x plain)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --qlora: build each setup's Trainer once and train it this many times in turn, the "
+                         "first round untimed (medians of the others; --plain and --profile-dir do not apply)")
     ap.add_argument("--profile-dir", default=None,
                     help="with --qlora: torch.profiler tables of two Trainer steps after the timed ones")
     args = ap.parse_args()

@@ -67,3 +67,34 @@ def test_bad_options_are_refused(monkeypatch):
     for opt in (["--torch-compile-mode", "default"], ["--plain"], ["--profile-dir", "/tmp/x"]):
         with pytest.raises(SystemExit, match=f"{opt[0]} applies to --qlora"):
             _run(monkeypatch, opt, {})
+
+
+def test_rounds_build_each_trainer_once_and_time_the_later_rounds(monkeypatch):
+    """--rounds: every setup's Trainer is built once and trained again round by round, setups in turn; the first
+    round (the compile) is untimed, the table gives medians and each round's ratio to PEFT's same round."""
+    built, ran, written = [], [], {}
+    speeds = {"peft": [1.0, 100.0, 90.0, 110.0], "nf4": [1.0, 95.0, 99.0, 100.0]}
+
+    def fake_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None, profile_to=None):
+        built.append((model, compile_mode))
+
+        def run():
+            ran.append(model)
+            return speeds[model][sum(1 for m in ran if m == model) - 1], "adamw_torch_fused (AdamW)"
+
+        return object(), run
+
+    monkeypatch.setattr(T, "trainer_rounds", fake_rounds)
+    monkeypatch.setattr(T, "QLORA_BUILDS", {k: (f"setup {k}", lambda layers, k=k: k) for k in ("peft", "nf4")})
+    monkeypatch.setattr(T, "write_result", lambda name, title, body: written.update(body=body))
+    monkeypatch.setattr(sys, "argv", ["bench_trainer.py", "--shape", "smollm2-135m", "--qlora", "peft,nf4",
+                                      "--torch-compile-mode", "reduce-overhead", "--rounds", "4"])
+    T.main()
+    assert built == [("peft", "reduce-overhead"), ("nf4", "reduce-overhead")]
+    assert ran == ["peft", "nf4"] * 4
+    body = written["body"]
+    assert "| 100.000 |" in body and "| 99.000 | 0.990 |" in body  # medians of rounds 2-4, ratio
+    assert "0.950 / 1.100 / 0.909" in body  # per round against PEFT's same round
+    with pytest.raises(SystemExit, match="--rounds"):
+        monkeypatch.setattr(sys, "argv", ["bench_trainer.py", "--qlora", "peft", "--rounds", "2", "--plain"])
+        T.main()
