@@ -93,7 +93,7 @@ def test_rounds_build_each_trainer_once_and_time_the_later_rounds(monkeypatch):
     assert built == [("peft", "reduce-overhead"), ("nf4", "reduce-overhead")]
     assert ran == ["peft", "nf4"] * 4
     body = written["body"]
-    assert "| 100.000 |" in body and "| 99.000 | 0.990 |" in body  # medians of rounds 2-4, ratio
+    assert "| setup peft | 100 |" in body and "| 99.000 | 0.990 |" in body  # medians of rounds 2-4, ratio
     assert "0.950 / 1.100 / 0.909" in body  # per round against PEFT's same round
     with pytest.raises(SystemExit, match="--rounds"):
         monkeypatch.setattr(sys, "argv", ["bench_trainer.py", "--qlora", "peft", "--rounds", "2", "--plain"])
