@@ -13,6 +13,9 @@
 #                                                      # the opted-in register-operand mixed-input kernel (~5 min)
 #   bash benchmarks/device_run.sh nograph   [OUTDIR]   # SmolLM2-135M compiled whole without CUDA graphs, PEFT / nf4 /
 #                                                      # nvfp4 (NOGRAPH_SETUPS), five rounds, models kept (~9 min)
+#   bash benchmarks/device_run.sh trainer   [OUTDIR]   # SmolLM2-135M QLoRA through the HF Trainer with CUDA graphs,
+#                                                      # PEFT / nf4 / mxfp4 (TRAINER_SETUPS), each Trainer trained
+#                                                      # again round by round (~9 min)
 # The QLoRA rows of small models are host-bound: run them with nothing else on the machine (not beside a job on
 # the other GPU; measured: a busy host read SmolLM2-360M nf4 at 0.52x instead of 0.76x), with the extension built.
 # OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
@@ -104,6 +107,15 @@ case "$what" in
     step e2e_4bit_mixed_rs 150 env SUROGATE_HF_MIXED_INPUT=1 SUROGATE_HF_MIXED_INPUT_KERNEL=rs python3 bench_e2e.py \
         --name e2e_qlora_4bit_mixed_rs --setups peft_bf16,ours_nvfp4,ours_mxfp4,ours_nf4
     cp results/e2e_qlora_4bit_*.md "$out/results/" 2>/dev/null
+    ;;
+  trainer)
+    # the Trainer waits for the GPU every step (its loss's isnan check), so host work between that wait and the next
+    # forward's graph replay is exposed: each setup's Trainer built and compiled once, then trained in turn, rounds
+    step build 150 python3 -m surogate_hf.kernels.build
+    cd benchmarks
+    step e2e_trainer 500 python3 bench_trainer.py --shape smollm2-135m --use-cache --torch-compile-mode reduce-overhead \
+        --qlora "${TRAINER_SETUPS:-peft,nf4,mxfp4}" --rounds 5 --warmup 3 --steps 20 --name trainer_135m_rounds
+    cp results/trainer_135m_rounds.md "$out/results/" 2>/dev/null
     ;;
   nograph)
     # SmolLM2-135M compiled whole without CUDA graphs (host-bound): PEFT and the 4-bit formats, each compiled once and
