@@ -12,7 +12,9 @@ the whole model compiled by accelerate):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import time
 
 import torch
@@ -71,6 +73,9 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
                 prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA]))
                 prof[-1].__enter__()
+            if profile_to and state.global_step == warmup + steps + 2:
+                prof.append(cProfile.Profile())
+                prof[-1].enable()
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in (warmup, warmup + steps):  # the timed window's two ends
@@ -79,11 +84,14 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
             if prof and state.global_step == warmup + steps + 2:
                 prof[-1].__exit__(None, None, None)
                 write_profile_tables(prof.pop(), profile_to)
+            if prof and state.global_step == warmup + steps + 2 + PYTHON_PROFILED_STEPS:
+                prof[-1].disable()
+                write_python_profile(prof.pop(), profile_to.replace(".txt", "") + ".python.txt")
 
     model = E.base_model(layers) if model is None else model
     E.causal_mask_policy()
     compile_kw = {} if compile_mode is None else {"torch_compile": True, "torch_compile_mode": compile_mode}
-    args = TrainingArguments(output_dir=out, max_steps=warmup + steps + (2 if profile_to else 0),
+    args = TrainingArguments(output_dir=out, max_steps=warmup + steps + (2 + PYTHON_PROFILED_STEPS if profile_to else 0),
                              per_device_train_batch_size=batch, learning_rate=1e-5, report_to=[], save_strategy="no",
                              logging_steps=10_000, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
                              **compile_kw, **TRAINER_KWARGS)
@@ -107,6 +115,19 @@ def trainer(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_
     got = run()
     del t, run
     return got
+
+
+PYTHON_PROFILED_STEPS = 4  # after the torch.profiler steps: cProfile's Python functions (the wrappers of the
+# compiled graphs, CUDA-graph trees, the Trainer's own per-step work), which torch.profiler's op tables do not name
+
+
+def write_python_profile(prof, path):
+    """cProfile's functions over the profiled steps, by own time and by cumulative time."""
+    with open(path, "w") as f:
+        f.write(f"cProfile of {PYTHON_PROFILED_STEPS} Trainer steps (totals)\n\n")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=f).sort_stats(key).print_stats(60)
+    print(f"python profile: {path}", flush=True)
 
 
 def write_profile_tables(prof, path):
