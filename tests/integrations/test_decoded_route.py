@@ -5,9 +5,8 @@ the C++ ones."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,9 @@ from surogate_hf.kernels.registry import decode_operands
 from surogate_hf.nn import linear as L
 from surogate_hf.nn import slots as S
 from surogate_hf.nn.formats.base import SHARED_GRAPH_TABLES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from probe_graph_inputs import captured_guards  # noqa: E402  (dynamo's guard text, as the probe reads it)
 
 FORMATS = ("nvfp4", "mxfp4", "nf4", "fp8")
 
@@ -384,23 +386,6 @@ def test_inductor_passes_the_graph_ops_arguments_by_position(monkeypatch):
         assert "nested_" not in call and "=" not in call.split("(", 1)[1], call
 
 
-@contextlib.contextmanager
-def _captured_guards():
-    """Dynamo's guard text (TORCH_LOGS=guards) of the frames compiled inside the block, in the yielded list."""
-    log = io.StringIO()
-    handler = logging.StreamHandler(log)
-    logger = logging.getLogger("torch._dynamo")
-    torch._logging.set_logs(guards=True)
-    logger.addHandler(handler)
-    out = []
-    try:
-        yield out
-    finally:
-        logger.removeHandler(handler)
-        torch._logging.set_logs()
-        out.append(log.getvalue())
-
-
 def test_nf4_standard_tables_enter_a_compiled_graph_once_for_every_layer(monkeypatch):
     """NF4's 16 levels and its 256-entry nested code are the same in every layer bitsandbytes or this package writes:
     a compiled graph takes one shared tensor of each (Format.shared_graph_tables) instead of every layer's own copy, so
@@ -433,7 +418,7 @@ def test_nf4_standard_tables_enter_a_compiled_graph_once_for_every_layer(monkeyp
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
     ref = model(x)
     run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
-    with _captured_guards() as guards:
+    with captured_guards() as guards:
         got = run(x)
     assert torch.equal(got, ref)
     assert tables_in[0] == 2, "the levels and the nested code once each, for both layers"
