@@ -31,7 +31,8 @@ from ..kernels import paths as _paths
 from ..ops._warn import warn_once
 from . import slots as S
 from .formats import FORMAT_CLASSES, FP8Format, Format, MXFP4Format, NF4Format, NVFP4Format, make_format
-from .formats.base import QUANTIZE_CHUNK_ELEMENTS, SHARED_GRAPH_TABLES, _row_chunks  # noqa: F401  (their home: nn/formats/base.py)
+from .formats.base import QUANTIZE_CHUNK_ELEMENTS, _row_chunks  # noqa: F401  (their home: nn/formats/base.py)
+from .formats.base import SHARED_GRAPH_TABLES
 
 __all__ = [  # the Format classes and make_format live in nn/formats/ (one home per format); re-exported here
     "FP8Format", "FP8Linear", "Format", "LINEAR_CLASSES", "MXFP4Format", "MXFP4Linear", "NF4Format", "NF4Linear",
