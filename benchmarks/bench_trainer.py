@@ -307,7 +307,8 @@ def main():
                     help="with --qlora: build each setup's Trainer once and train it this many times in turn, the "
                          "first round untimed (medians of the others; --plain and --profile-dir do not apply)")
     ap.add_argument("--profile-dir", default=None,
-                    help="with --qlora: torch.profiler tables of two Trainer steps after the timed ones")
+                    help="with --qlora: torch.profiler tables of two Trainer steps after the timed ones, then "
+                         f"cProfile's functions over {PYTHON_PROFILED_STEPS} more")
     args = ap.parse_args()
     E.SHAPE = args.shape
     E.apply_attention_mask_args(args)

@@ -186,7 +186,7 @@ class NF4Format(Format):
             v = t.get(suffix)
             if v is None or isinstance(v, DTensor) or v.is_meta or v.dtype != torch.float32:
                 continue
-            key = ("nf4", suffix, str(v.device))
+            key = (self.name, suffix, str(v.device))
             table = register_shared_graph_table(key, lambda: standard(v.device).float().contiguous())
             if v.shape == table.shape and torch.equal(v, table):
                 shared[suffix] = key
