@@ -5,6 +5,8 @@
 //                                block) -> y = x deq(W)^T (+ bias) (+ scaling * (x_lora A^T) B^T)
 //   surogate::ext_decoded_linear_fwd / ext_decoded_linear_bwd: the same forward (returning the adapter's h too) and
 //                                backward as two plain ops, for torch.compile graphs (see below)
+//   surogate::ext_registered_linear_fwd / _bwd(x, ..., w, ..., n, k): the same two ops taking the codes alone, the rest
+//                                of the weight's operands registered for them once (ext_decode_registry_set / _release)
 //
 // Why C++: at a small model's widths a layer's GEMMs take a few microseconds, so the step is bound by the host work per
 // layer. As a Python autograd.Function with a Triton decode, one frozen quantized linear (plus its LoRA adapter) cost
@@ -23,6 +25,8 @@
 #include <ATen/cuda/Exceptions.h>
 #include <algorithm>
 #include <climits>
+#include <mutex>
+#include <unordered_map>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -757,6 +761,176 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_autograd(
   return {out[0], out[1]};
 }
 
+
+// ---- The registered-operands route: a compiled graph hands each linear's op its codes only.
+// Every frozen operand a linear hands a compiled graph crosses it three times a step (a forward input, a forward output
+// saved for the backward's decode, a backward input), each crossing host work that CUDA graphs do not remove (dynamo's
+// guard, AOTAutograd's wrappers, CUDA-graph trees' input checks and output rebuilds). A layer registers its decode
+// operands once per load or move (surogate_hf.nn.linear, through ops.ext.register_decode_operands), keyed by its
+// codes' address; the graph ops take the codes alone (one graph input per linear, as a bf16 linear's weight) and find
+// the rest here. The registry holds the operands themselves, so an address stays the layer's while registered.
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::unordered_map<const void*, Operands>& registry() {
+  static std::unordered_map<const void*, Operands> r;
+  return r;
+}
+
+void decode_registry_set(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
+                         const c10::optional<at::Tensor>& levels, int64_t fmt, int64_t n, int64_t k, int64_t block,
+                         const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
+                         const c10::optional<at::Tensor>& nested_offset) {
+  EXT_CHECK(w.is_cuda(), "ext_decode_registry_set: CUDA operands expected");
+  Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
+              nested_of(nested_absmax, nested_code, nested_offset)};
+  op.check();
+  const std::lock_guard<std::mutex> lock(registry_mutex());
+  registry()[w.data_ptr()] = std::move(op);
+}
+
+void decode_registry_release(int64_t w_data_ptr) {
+  const std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().erase(reinterpret_cast<const void*>(w_data_ptr));
+}
+
+// The operands registered for the codes w (a copy: a few reference counts), checked against the call's [n, k].
+Operands registered_operands(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
+  const std::lock_guard<std::mutex> lock(registry_mutex());
+  const auto it = registry().find(w.data_ptr());
+  EXT_CHECK(it != registry().end(), who, ": no decode operands are registered for these codes (a quantized layer's "
+            "slots replaced after the graph was compiled, outside loading and moving the layer: call its "
+            "slots_loaded(), or torch._dynamo.reset())");
+  const Operands& op = it->second;
+  EXT_CHECK(op.n == n && op.k == k && op.w.numel() == w.numel(), who, ": the operands registered for these codes are "
+            "of a [", op.n, ", ", op.k, "] weight, the call's is [", n, ", ", k, "]");
+  return op;
+}
+
+std::tuple<at::Tensor, at::Tensor> registered_linear_fwd_cuda(
+    const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& lora_a,
+    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t n, int64_t k) {
+  EXT_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_registered_linear_fwd: lora_a and lora_b go together");
+  const Operands op = registered_operands(w, n, k, "ext_registered_linear_fwd");
+  const at::cuda::CUDAGuard guard(x.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
+  at::Tensor h;
+  at::Tensor y = forward_rows(x, or_undef(x_lora), op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling,
+                              out_shape(x, n), &h);
+  if (!h.defined()) h = at::empty({0}, x.options());
+  return {y, h};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> registered_linear_bwd_cuda(
+    const at::Tensor& dy, const c10::optional<at::Tensor>& x_lora, const c10::optional<at::Tensor>& h,
+    const at::Tensor& w, const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
+    double scaling, int64_t n, int64_t k, bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) {
+  const bool lora = lora_a.has_value() && lora_b.has_value();
+  EXT_CHECK(!lora || (x_lora.has_value() && h.has_value()),
+            "ext_registered_linear_bwd: an adapter's gradients need its input and h");
+  const Operands op = registered_operands(w, n, k, "ext_registered_linear_bwd");
+  const at::cuda::CUDAGuard guard(dy.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const int64_t m = n > 0 ? dy.numel() / n : 0;
+  const std::array<int64_t, 2> mk{m, k};
+  auto g = backward_rows(dy, or_undef(x_lora), or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
+                         separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora, want_b && lora, mk, mk);
+  for (auto& t : g)
+    if (!t.defined()) t = at::empty({0}, dy.options());
+  return {g[0], g[1], g[2], g[3]};
+}
+
+const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t, int64_t)>&
+registered_fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("surogate::ext_registered_linear_fwd", "")
+                              .typed<std::tuple<at::Tensor, at::Tensor>(
+                                  const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const at::Tensor&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t, int64_t, bool, bool, bool,
+    bool, bool)>&
+registered_bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("surogate::ext_registered_linear_bwd", "")
+                              .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                                  const at::Tensor&, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&, const at::Tensor&,
+                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, int64_t,
+                                  int64_t, bool, bool, bool, bool, bool)>();
+  return op;
+}
+
+// The registered forward's autograd in C++ for CUDA tensors (as DecodedLinearFwd: the backward op through the
+// dispatcher, so AOTAutograd traces it). Edges: x, then x_lora, lora_a, lora_b where given. It saves the codes, the
+// key of the operands, and nothing else of the weight.
+class RegisteredLinearFwd : public torch::autograd::Function<RegisteredLinearFwd> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& x_lora,
+                               const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
+                               const c10::optional<at::Tensor>& bias, const at::Tensor& w, double scaling, int64_t n,
+                               int64_t k) {
+    std::tuple<at::Tensor, at::Tensor> out;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      out = registered_fwd_op().call(x, x_lora, w, bias, lora_a, lora_b, scaling, n, k);
+    }
+    at::Tensor& h = std::get<1>(out);
+    ctx->mark_non_differentiable({h});
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({x_lora.has_value() ? *x_lora : x, h, w, or_undef(lora_a), or_undef(lora_b)});
+    save_call(ctx, x, x_lora, lora_a.has_value(), lora_b.has_value(), scaling, -1, n, k, 0);
+    return {std::get<0>(out), h};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(9);  // x, x_lora, lora_a, lora_b, bias, w, the constants: none
+    if (!grads[0].defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    auto opt_of = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+    const bool lora = saved[3].defined(), separate = d.at("edge_xl").toInt() >= 0;
+    const bool want_x = ctx->needs_input_grad(0), want_xl = wants(ctx, "edge_xl");
+    const bool want_a = wants(ctx, "edge_a"), want_b = wants(ctx, "edge_b");
+    auto g = registered_bwd_op().call(grads[0].contiguous(), lora ? opt_of(saved[0]) : c10::nullopt,
+                                      lora ? opt_of(saved[1]) : c10::nullopt, saved[2], opt_of(saved[3]),
+                                      opt_of(saved[4]), d.at("scaling").toDouble(), d.at("n").toInt(),
+                                      d.at("k").toInt(), separate, want_x, want_xl, want_a, want_b);
+    if (want_x) out[0] = std::get<0>(g).reshape(d.at("x_shape").toIntVector());
+    if (separate && want_xl && lora) out[1] = std::get<1>(g).reshape(d.at("xl_shape").toIntVector());
+    if (want_a && lora) out[2] = std::get<2>(g);
+    if (want_b && lora) out[3] = std::get<3>(g);
+    return out;
+  }
+};
+
+// AutogradCUDA of the registered forward graph op
+std::tuple<at::Tensor, at::Tensor> registered_linear_fwd_autograd(
+    const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& lora_a,
+    const c10::optional<at::Tensor>& lora_b, double scaling, int64_t n, int64_t k) {
+  EXT_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_registered_linear_fwd: lora_a and lora_b go together");
+  EXT_CHECK(!bias.has_value() || !bias->requires_grad(), "ext_registered_linear_fwd: the bias is frozen");
+  auto wants_grad = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); };
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || wants_grad(x_lora) || wants_grad(lora_a) ||
+                                       wants_grad(lora_b))) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return registered_fwd_op().call(x, x_lora, w, bias, lora_a, lora_b, scaling, n, k);
+  }
+  auto out = RegisteredLinearFwd::apply(x, x_lora, lora_a, lora_b, bias, w, scaling, n, k);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
@@ -764,9 +938,20 @@ TORCH_LIBRARY_IMPL(surogate, CUDA, m) {
   m.impl("ext_decoded_linear", &decoded_linear_cuda);
   m.impl("ext_decoded_linear_fwd", &decoded_linear_fwd_cuda);
   m.impl("ext_decoded_linear_bwd", &decoded_linear_bwd_cuda);
+  m.impl("ext_registered_linear_fwd", &registered_linear_fwd_cuda);
+  m.impl("ext_registered_linear_bwd", &registered_linear_bwd_cuda);
 }
 
 TORCH_LIBRARY_IMPL(surogate, AutogradCUDA, m) {
   m.impl("ext_decoded_linear", &decoded_linear_autograd);
   m.impl("ext_decoded_linear_fwd", &decoded_linear_fwd_autograd);
+  m.impl("ext_registered_linear_fwd", &registered_linear_fwd_autograd);
+}
+
+// The registry's two eager calls (never in a graph; schemas here: surogate_hf calls them only with the library loaded)
+TORCH_LIBRARY_FRAGMENT(surogate, m) {
+  m.def("ext_decode_registry_set(Tensor w, Tensor scales, Tensor? gscale, Tensor? levels, int fmt, int n, int k, "
+        "int block, Tensor? nested_absmax, Tensor? nested_code, Tensor? nested_offset) -> ()",
+        &decode_registry_set);
+  m.def("ext_decode_registry_release(int w_data_ptr) -> ()", &decode_registry_release);
 }

@@ -130,10 +130,14 @@ def load(build: bool = False):
         _error = (f"the loaded extension registers no CUDA kernel for surogate::ext_{missing[0]} (built from other "
                   f"sources?): delete {build_dir()} and run `python -m surogate_hf.kernels.build`")
         return None
+    from ..ops.ext import sync_decode_registry
+
+    sync_decode_registry()  # (layers loaded onto the GPU before the extension registered their operands here only)
     _module = ExtOps()
     return _module
 
 
 OPS = ("fp8_cast_amax", "fp8_cast_transpose_amax", "fp8_quantize_tiles", "transpose_bytes", "fp8_block_gemm",
        "nvfp4_amax", "nvfp4_qdq", "nvfp4_gemm", "few_token_gemm", "mixed_input_gemm", "dequantize", "decoded_linear",
-       "decoded_linear_fwd", "decoded_linear_bwd", "rmsnorm", "fp8_scaled_mm", "fp8_linear")
+       "decoded_linear_fwd", "decoded_linear_bwd", "registered_linear_fwd", "registered_linear_bwd", "rmsnorm",
+       "fp8_scaled_mm", "fp8_linear")

@@ -34,6 +34,8 @@ from .ext import (
     ext_nvfp4_amax,
     ext_nvfp4_gemm,
     ext_nvfp4_qdq,
+    ext_registered_linear_bwd,
+    ext_registered_linear_fwd,
     ext_rmsnorm,
     ext_transpose_bytes,
 )

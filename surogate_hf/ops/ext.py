@@ -86,6 +86,13 @@ _lib.define("ext_decoded_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor
             "Tensor? levels, Tensor? lora_a, Tensor? lora_b, float scaling, int fmt, int n, int k, int block, "
             "bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b, Tensor? nested_absmax, "
             "Tensor? nested_code, Tensor? nested_offset) -> (Tensor, Tensor, Tensor, Tensor)")
+# The registered-operands twins of the two graph ops: the codes alone, the weight's other operands registered for them
+# (register_decode_operands below); n and k state the call's weight for the fakes and the checks.
+_lib.define("ext_registered_linear_fwd(Tensor x, Tensor? x_lora, Tensor w, Tensor? bias, Tensor? lora_a, "
+            "Tensor? lora_b, float scaling, int n, int k) -> (Tensor, Tensor)")
+_lib.define("ext_registered_linear_bwd(Tensor dy, Tensor? x_lora, Tensor? h, Tensor w, Tensor? lora_a, Tensor? lora_b, "
+            "float scaling, int n, int k, bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("ext_rmsnorm(Tensor x, Tensor weight, float eps, bool gemma, ScalarType out_dtype) -> Tensor")
 _lib.define("ext_fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor wq, Tensor? wqt, Tensor w_sinv, Tensor? xq, "
             "Tensor? xqt, Tensor x_sinv, Tensor x_scale, Tensor(a!) x_amax_bits, Tensor dy_scale, Tensor dy_amax_bits, "
@@ -588,6 +595,142 @@ torch.library.register_autograd(f"{NS}::ext_decoded_linear_fwd", _decoded_linear
                                 setup_context=_decoded_linear_fwd_setup, lib=_lib)
 
 
+# ---- the registered-operands route (ext_registered_linear_fwd / _bwd): a compiled graph hands each linear's op its
+# codes alone. Every frozen operand a graph takes crosses it three times a step (a forward input, a forward output saved
+# for the backward, a backward input: host work per tensor that CUDA graphs do not remove), so a layer registers its
+# decode operands here once per load or move (surogate_hf.nn.linear) and the ops find them by the codes' address. The
+# registry holds the operands (views of the layer's own slots: no copy), so an address stays theirs while registered;
+# the extension keeps a C++ twin of it for its CUDA kernels (csrc/weight_only/decoded_linear.cpp).
+# (device, codes' data_ptr) -> (w, scales, gscale, levels, fmt, n, k, block, nested)
+REGISTERED_DECODE_OPERANDS: dict[tuple[str, int], tuple] = {}
+
+
+def decode_registry_key(w: Tensor) -> tuple[str, int]:
+    return str(w.device), w.data_ptr()
+
+
+def register_decode_operands(operands: tuple) -> tuple[str, int]:
+    """Register (w, scales, gscale, levels, fmt, n, k, block, nested) (kernels.registry.decode_operands' tuple and the
+    nested operands or None) for the registered graph ops, here and, for CUDA operands, in the extension (which must be
+    loaded). Returns the key release_decode_operands takes."""
+    key = decode_registry_key(operands[0])
+    REGISTERED_DECODE_OPERANDS[key] = tuple(operands)
+    if operands[0].is_cuda and _extension_registry() is not None:
+        _set_in_extension(operands)
+    return key
+
+
+def _extension_registry():
+    """The extension's ext_decode_registry_set op, or None before the extension is loaded (sync_decode_registry then
+    hands it every CUDA registration when it loads)."""
+    try:
+        return torch.ops.surogate.ext_decode_registry_set
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _set_in_extension(operands) -> None:
+    w, scales, gscale, levels, fmt, n, k, block, nested = operands
+    torch.ops.surogate.ext_decode_registry_set(w, scales, gscale, levels, fmt, n, k, block,
+                                               *(nested or (None, None, None)))
+
+
+def sync_decode_registry() -> None:
+    """Hand the just-loaded extension every CUDA registration made before it loaded (kernels.ext.load calls it)."""
+    for key, operands in REGISTERED_DECODE_OPERANDS.items():
+        if key[0].startswith("cuda"):
+            _set_in_extension(operands)
+
+
+def release_decode_operands(key: tuple[str, int]) -> None:
+    """Drop what register_decode_operands registered under key (nothing if absent)."""
+    if REGISTERED_DECODE_OPERANDS.pop(key, None) is not None and key[0].startswith("cuda"):
+        if _extension_registry() is not None:
+            torch.ops.surogate.ext_decode_registry_release(key[1])
+
+
+def registered_operands(w: Tensor, n: int, k: int, who: str) -> tuple:
+    """The operands registered for codes w, checked against the call's [n, k]; a clear error where there are none."""
+    operands = REGISTERED_DECODE_OPERANDS.get(decode_registry_key(w))
+    if operands is None:
+        raise RuntimeError(f"{who}: no decode operands are registered for these codes (a quantized layer's slots "
+                           "replaced after the graph was compiled, outside loading and moving the layer: call its "
+                           "slots_loaded(), or torch._dynamo.reset())")
+    # (Tensor.numel: a slot's PackedParameter counts the weights it represents in its own numel)
+    if operands[5] != n or operands[6] != k or Tensor.numel(operands[0]) != Tensor.numel(w):
+        raise RuntimeError(f"{who}: the operands registered for these codes are of a [{operands[5]}, {operands[6]}] "
+                           f"weight, the call's is [{n}, {k}]")
+    return operands
+
+
+def _registered_args(operands) -> tuple:
+    """ext_decoded_linear_fwd's weight operands (w, scales, gscale, levels) and constants (fmt, n, k, block, nested
+    x3) from a registered tuple."""
+    w, scales, gscale, levels, fmt, n, k, block, nested = operands
+    return (w, scales, gscale, levels), (fmt, n, k, block, *(nested or (None, None, None)))
+
+
+@torch.library.impl(f"{NS}::ext_registered_linear_fwd", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_registered_linear_fwd(x, x_lora, w, bias, lora_a, lora_b, scaling, n, k):
+    """ext_decoded_linear_fwd over the operands registered for the codes w (its reference kernel: a CPU call)."""
+    weight, (fmt, n_, k_, block, *nested) = _registered_args(registered_operands(w, n, k, "ext_registered_linear_fwd"))
+    return ext_decoded_linear_fwd(x, x_lora, *weight, bias, lora_a, lora_b, scaling, fmt, n_, k_, block, *nested)
+
+
+@torch.library.register_fake(f"{NS}::ext_registered_linear_fwd", lib=_lib)
+def _(x, x_lora, w, bias, lora_a, lora_b, scaling, n, k):
+    m = x.numel() // x.shape[-1]
+    return x.new_empty((*x.shape[:-1], n)), (x.new_empty((0,)) if lora_a is None else x.new_empty((m, lora_a.shape[0])))
+
+
+@torch.library.impl(f"{NS}::ext_registered_linear_bwd", "CompositeExplicitAutograd", lib=_lib)
+@warns_on_cuda
+@fresh_outputs
+def _ext_registered_linear_bwd(dy, x_lora, h, w, lora_a, lora_b, scaling, n, k, separate_xl, want_x, want_xl, want_a,
+                               want_b):
+    """ext_decoded_linear_bwd over the operands registered for the codes w."""
+    weight, (fmt, n_, k_, block, *nested) = _registered_args(registered_operands(w, n, k, "ext_registered_linear_bwd"))
+    return ext_decoded_linear_bwd(dy, x_lora, h, *weight, lora_a, lora_b, scaling, fmt, n_, k_, block, separate_xl,
+                                  want_x, want_xl, want_a, want_b, *nested)
+
+
+@torch.library.register_fake(f"{NS}::ext_registered_linear_bwd", lib=_lib)
+def _(dy, x_lora, h, w, lora_a, lora_b, scaling, n, k, separate_xl, want_x, want_xl, want_a, want_b):
+    m, lora = dy.numel() // n, lora_a is not None
+    return (dy.new_empty((m, k) if want_x else (0,)),
+            dy.new_empty((m, k) if want_xl and lora and separate_xl else (0,)),
+            lora_a.new_empty(lora_a.shape) if want_a and lora else dy.new_empty((0,)),
+            lora_b.new_empty(lora_b.shape) if want_b and lora else dy.new_empty((0,)))
+
+
+def _registered_linear_fwd_setup(ctx, inputs, output):
+    x, x_lora, w, bias, lora_a, lora_b, scaling, n, k = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x if x_lora is None else x_lora, output[1], w, lora_a, lora_b)
+    ctx.meta = (x.shape, None if x_lora is None else x_lora.shape, scaling, n, k)
+
+
+def _registered_linear_fwd_backward(ctx, dy, _dh):
+    xl, h, w, lora_a, lora_b = ctx.saved_tensors
+    x_shape, xl_shape, scaling, n, k = ctx.meta
+    want = ctx.needs_input_grad
+    if dy is None:
+        return (None,) * 9
+    separate, lora = xl_shape is not None, lora_a is not None
+    dx, dxl, da, db = ext_registered_linear_bwd(
+        dy.contiguous(), xl if lora else None, h if lora else None, w, lora_a, lora_b, scaling, n, k, separate,
+        want[0], want[1], want[4], want[5])
+    return (dx.reshape(x_shape) if want[0] else None, dxl.reshape(xl_shape) if separate and want[1] and lora else None,
+            None, None, da if want[4] and lora else None, db if want[5] and lora else None, None, None, None)
+
+
+torch.library.register_autograd(f"{NS}::ext_registered_linear_fwd", _registered_linear_fwd_backward,
+                                setup_context=_registered_linear_fwd_setup, lib=_lib)
+
+
 # ---- FusedRMSNorm's eager CUDA path (csrc/norm): one op forward, its backward a C++ autograd node
 def _rmsnorm_reference(x, weight, eps, gemma, out_dtype):
     from ..recipes.norm import rmsnorm_reference  # (the formulas live there; recipes imports ops)
@@ -644,6 +787,8 @@ ext_dequantize = torch.ops.surogate.ext_dequantize.default
 ext_decoded_linear = torch.ops.surogate.ext_decoded_linear.default
 ext_decoded_linear_fwd = torch.ops.surogate.ext_decoded_linear_fwd.default
 ext_decoded_linear_bwd = torch.ops.surogate.ext_decoded_linear_bwd.default
+ext_registered_linear_fwd = torch.ops.surogate.ext_registered_linear_fwd.default
+ext_registered_linear_bwd = torch.ops.surogate.ext_registered_linear_bwd.default
 ext_rmsnorm = torch.ops.surogate.ext_rmsnorm.default
 ext_fp8_scaled_mm = torch.ops.surogate.ext_fp8_scaled_mm.default
 ext_fp8_linear = torch.ops.surogate.ext_fp8_linear.default

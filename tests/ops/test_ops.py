@@ -1,17 +1,42 @@
 """Every surogate:: op passes torch.library.opcheck on CPU (schema, fake tensor, AOT dispatch)."""
 
+import contextlib
+
 import pytest
 import torch
 
 import surogate_hf.formats as F
 import surogate_hf.ops as O
+import surogate_hf.ops.ext as E
 from surogate_hf.kernels.fp8_layout import RECIPE_128X128, RECIPE_1X128, mm_scales
+from surogate_hf.ops.ext import register_decode_operands
 
 ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 # test_schema compares inputs before/after with allclose, which torch does not implement for fp8 tensors;
 # ops that take fp8 inputs run the other checks.
 NO_SCHEMA = ALL[1:]
 NO_NESTED = (None, None, None)  # the graph ops' NF4 nested operands, which they take without defaults
+
+
+REGISTERED_CASE_OPERANDS = []  # the operands the ext_registered_* cases' codes stand for
+
+
+@contextlib.contextmanager
+def _registered_by_content():
+    """The ext_registered_* cases' operands registered under their codes' contents instead of their address: opcheck
+    calls an op on copies of its arguments, whose codes no layer registered (what the key is, the registered-route tests
+    check: tests/integrations/test_registered_route.py)."""
+    def by_content(w):
+        return ("content", w.dtype, tuple(w.shape), w.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    original, E.decode_registry_key = E.decode_registry_key, by_content
+    keys = [register_decode_operands(ops) for ops in REGISTERED_CASE_OPERANDS]
+    try:
+        yield
+    finally:
+        E.decode_registry_key = original
+        for key in keys:
+            E.REGISTERED_DECODE_OPERANDS.pop(key, None)
 
 
 def _cases():
@@ -32,6 +57,14 @@ def _cases():
 
     def grad(t):
         return t.clone().requires_grad_(True)
+
+    def registered(w, s, gs, lv, fmt, block, nested_ops=None):
+        """codes whose other operands the registered-operands ops find (registered by _registered_by_content)."""
+        REGISTERED_CASE_OPERANDS.append((w, s, gs, lv, fmt, 160, 256, block, nested_ops))
+        return w
+
+    reg = {f: registered(*dec[f]) for f in ("nvfp4", "mxfp4", "fp8")}
+    reg["nf4"] = registered(p4, st.absmax, None, code.float(), 2, 64, nested)
 
     lora_a, lora_b = torch.randn(8, 256, generator=g) * 0.1, torch.randn(160, 8, generator=g) * 0.1
     return [
@@ -129,6 +162,20 @@ def _cases():
         ("ext_decoded_linear_bwd_nf4_nested", O.ext_decoded_linear_bwd,
          (dy, x, x[:, :8].contiguous(), p4, st.absmax, None, code.float(), lora_a, lora_b, 2.0, 2, 160, 256, 64,
           False, True, False, True, True, *nested), NO_SCHEMA),
+        ("ext_registered_linear_fwd_base", O.ext_registered_linear_fwd,
+         (grad(x), None, reg["mxfp4"], None, None, None, 1.0, 160, 256), ALL),
+        ("ext_registered_linear_fwd_lora_nf4_nested", O.ext_registered_linear_fwd,
+         (grad(x.reshape(2, 3, 256)), None, reg["nf4"], torch.randn(160, dtype=torch.bfloat16), grad(lora_a),
+          grad(lora_b), 2.0, 160, 256), ALL),
+        ("ext_registered_linear_fwd_lora_dropout", O.ext_registered_linear_fwd,
+         (grad(x), grad(x * 0.5), reg["nvfp4"], None, grad(lora_a.bfloat16()), grad(lora_b.bfloat16()), 0.5, 160, 256),
+         ALL),
+        ("ext_registered_linear_bwd", O.ext_registered_linear_bwd,
+         (dy, x, x[:, :8].contiguous(), reg["fp8"], lora_a, lora_b, 2.0, 160, 256, False, True, False, True, True),
+         NO_SCHEMA),
+        ("ext_registered_linear_bwd_separate", O.ext_registered_linear_bwd,
+         (dy, x * 0.5, x[:, :8].contiguous(), reg["nf4"], lora_a, lora_b, 2.0, 160, 256, True, True, True, False, True),
+         NO_SCHEMA),
         ("ext_rmsnorm_llama", O.ext_rmsnorm,
          (grad(x.reshape(2, 3, 256)), grad(torch.randn(256, generator=g).bfloat16()), 1e-6, False, torch.bfloat16), ALL),
         ("ext_rmsnorm_gemma_fp32_weight", O.ext_rmsnorm,
@@ -166,7 +213,8 @@ def test_every_surogate_op_has_an_opcheck_case():
 
 @pytest.mark.parametrize("name,op,args,checks", _cases(), ids=[c[0] for c in _cases()])
 def test_opcheck(name, op, args, checks):
-    torch.library.opcheck(op, args, test_utils=checks)
+    with _registered_by_content() if name.startswith("ext_registered") else contextlib.nullcontext():
+        torch.library.opcheck(op, args, test_utils=checks)
 
 
 @pytest.mark.parametrize("name,op,args,checks", _cases(), ids=[c[0] for c in _cases()])
@@ -174,7 +222,8 @@ def test_op_outputs_are_tensors_of_their_own(name, op, args, checks):
     """No op returns a view: compiled graphs take a fallback op's outputs as buffers of their own, and inductor reused
     one (an nvfp4 decode global that was a view) for a compiled loss, on which the Trainer's in-place `loss *=`
     failed (ops._outputs.fresh_outputs)."""
-    out = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    with _registered_by_content() if name.startswith("ext_registered") else contextlib.nullcontext():
+        out = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
         assert not (isinstance(o, torch.Tensor) and o._is_view()), f"{name}: output {i} is a view"
 
