@@ -119,6 +119,14 @@ def test_fsdp2_shards_the_packed_base(results, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_fsdp2_sharding_releases_the_registered_graph_operands(results, name):
+    """Each quantized linear registers its decode operands (views of its whole slots) for compiled graphs; sharding
+    replaces its Parameters, and the registrations go with them: no unsharded copy stays alive."""
+    f = results[name]["fsdp"]
+    assert f["registered_before_sharding"] > 0 and f["registered_after_sharding"] == 0, f
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_fsdp2_and_ddp_qlora_step_match_one_process(results, name):
     r = results[name]
     assert r["fsdp"]["trainable"] > 0

@@ -252,13 +252,13 @@ def _warn_at_trace_time(ctx):
     warn_once(ctx.get_local("key").as_python_constant(), ctx.get_local("msg").as_python_constant())
 
 
-def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block, nested=None):
+def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block, nested=None, quiet=False):
     """(w, scales, gscale, levels, fmt, n, k, block), the weight's arguments of surogate::ext_dequantize /
     ext_decoded_linear (fmt indexes ops.ext.DECODE_FORMATS), checked here once per plan so that the C++ ops never see
     operands they would refuse (the route also checks that x is on w's device). nested: an NF4 absmax's double
     quantization (nested absmax, nested code, offset; scales its one-byte codes), which the ops take as their
     trailing operands, checked here too. None, said once with the reason, when they do not fit: the layer then keeps the Python
-    plan (the same math, more host time)."""
+    plan (the same math, more host time); quiet: None without saying so."""
     from ..formats.nf4 import NF4_NESTED_BLOCK
     from ..ops.ext import DECODE_FORMATS, FP32_BYTES
 
@@ -290,6 +290,8 @@ def decode_operands(fmt_name, w, scales, gscale, levels, n, k, block, nested=Non
          "the 16 fp32 levels on the codes' device"),
     )
     for bad, what in problems:
+        if bad and quiet:  # (a caller that only asks, as a layer registering its operands at load does)
+            return None
         if bad:
             key = f"decode_operands:{fmt_name}"
             msg = (f"surogate_hf: a {fmt_name} layer [{n}, {k}] keeps a slower decode + GEMM path (the Python plan; "

@@ -36,7 +36,7 @@ from .formats.base import SHARED_GRAPH_TABLES
 
 __all__ = [  # the Format classes and make_format live in nn/formats/ (one home per format); re-exported here
     "FP8Format", "FP8Linear", "Format", "LINEAR_CLASSES", "MXFP4Format", "MXFP4Linear", "NF4Format", "NF4Linear",
-    "NVFP4Format", "NVFP4Linear", "QuantizedLinear", "linear_class", "make_format",
+    "NVFP4Format", "NVFP4Linear", "QuantizedLinear", "linear_class", "make_format", "set_registered_graph_route",
 ]
 
 
@@ -187,6 +187,55 @@ def graph_decoded_linear(x, x_lora, w, scales, gscale, levels, bias, lora_a, lor
                                                               scaling, fmt, n, k, block, *(nested or _NO_NESTED))[0]
 
 
+# (device, codes' data_ptr) -> the data_ptrs of the layer's slots when its operands were registered: what the compiled
+# route checks at trace time (graph_operands_registered), so that a layer whose slots were replaced since (FSDP2's
+# unsharded parameters, a slot set without a reload) keeps every operand in the graph
+_REGISTERED_SLOT_ADDRESSES: dict[tuple[str, int], tuple[int, ...]] = {}
+
+
+def graph_operands_registered(*raw_slots: Tensor) -> bool:
+    """Whether the decode operands registered for these slots (a layer's, as stored, codes first) are theirs. Dynamo
+    calls it with the real tensors at trace time and keeps the answer as a constant (the marker below): a graph that
+    other layers reuse (a compiled decoder layer) finds each one's operands registered by its own slots_loaded."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.distributed.tensor import DTensor
+
+    from ..ops.ext import decode_registry_key
+
+    if any(isinstance(t, DTensor) or t.is_meta or is_fake(t) for t in raw_slots):
+        return False  # (a shard, or no storage of its own: a meta or fake tensor, e.g. while exporting)
+    addresses = tuple(t.data_ptr() for t in raw_slots)
+    return _REGISTERED_SLOT_ADDRESSES.get(decode_registry_key(raw_slots[0])) == addresses
+
+
+graph_operands_registered._dynamo_marked_constant = True  # torch.compiler.assume_constant_result, spelled out
+
+
+def graph_registered_linear(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling: float, fmt: int,
+                            n: int, k: int, block: int) -> Tensor:
+    """graph_decoded_linear for a layer whose operands are registered: the codes w alone go in (scales, gscale, levels,
+    fmt and block are the registered ones and unused here), one graph input per linear as a bf16 linear's weight."""
+    return torch.ops.surogate.ext_registered_linear_fwd.default(x, x_lora, w, bias, lora_a, lora_b, scaling, n, k)[0]
+
+
+def set_registered_graph_route(model: nn.Module, enabled: bool) -> None:
+    """Whether the quantized linears of `model` register their decode operands (QuantizedLinear.registers_graph_operands,
+    re-registered or released now): registered, a compiled graph hands each one's ops its codes alone; not, every
+    operand as a graph input (the route before; benchmarks compare the two in one process)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.registers_graph_operands = bool(enabled)
+            module.slots_loaded()
+
+
+def _release_registration(key, operands) -> None:
+    from ..ops.ext import REGISTERED_DECODE_OPERANDS, release_decode_operands
+
+    if REGISTERED_DECODE_OPERANDS.get(key) is operands:  # (not a later layer's registration under the same address)
+        _REGISTERED_SLOT_ADDRESSES.pop(key, None)
+        release_decode_operands(key)
+
+
 def planned_linear(x: Tensor, plan: GemmPlan) -> Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return PlannedLinearFunction.apply(x, plan)
@@ -265,6 +314,9 @@ class QuantizedLinear(nn.Linear):
     `from_linear` quantizes a dense nn.Linear; `load_dense_weight` fills the slots from a dense weight."""
 
     quant_format = ""
+    # Register the decode operands at every load and move, for the compiled graphs' registered route (the codes alone
+    # in the graph); set_registered_graph_route switches a model's layers
+    registers_graph_operands = True
 
     def __init__(
         self,
@@ -308,9 +360,51 @@ class QuantizedLinear(nn.Linear):
         (Format.shared_graph_tables). Runs after every load (slots.finalize_slots, load_state_dict, load_dense_weight)
         and move, eagerly: it compares values."""
         self.__dict__.pop(S.DERIVED_ATTR, None)
+        self._release_graph_operands()
         if not all(S.is_storage_form(self, name) for name in self.slot_names()):
             return  # a loader is still filling the slots (its stored layouts need not be the logical shapes yet)
         self.__dict__[S.DERIVED_ATTR] = {"graph_tables": self.fmt.shared_graph_tables(self._tensors())}
+        self._register_graph_operands()
+
+    def _register_graph_operands(self) -> None:
+        """Register this layer's decode operands for the compiled graphs' registered route (ops.ext
+        register_decode_operands: views of the slots, no copy), keyed by the codes' address, for as long as the codes
+        Parameter lives or until the next load or move. Not for a sharded (DTensor) or meta layer, nor a format without
+        a decode route."""
+        from torch.distributed.tensor import DTensor
+
+        from ..ops.ext import decode_registry_key, register_decode_operands
+
+        raw = self._slot_sources()
+        if not self.registers_graph_operands or any(isinstance(t, DTensor) or t.is_meta for t in raw):
+            return
+        operands = self.graph_decode_operands(quiet=True)  # (operands that do not fit are said where a route asks)
+        if operands is None or operands[0].data_ptr() != raw[0].data_ptr():
+            return
+        key = decode_registry_key(raw[0])
+        operands = tuple(operands)
+        register_decode_operands(operands)
+        _REGISTERED_SLOT_ADDRESSES[key] = tuple(t.data_ptr() for t in raw)
+        # released with the codes Parameter (FSDP2's sharding drops it; so does a slot set anew) or the next load
+        registration = weakref.finalize(raw[0], _release_registration, key, operands)
+        registration.atexit = False  # (nothing to release at exit)
+        self.__dict__["_graph_registration"] = registration
+
+    def _release_graph_operands(self) -> None:
+        registration = self.__dict__.pop("_graph_registration", None)
+        if registration is not None:
+            registration()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_graph_registration", None)  # (a copy registers its own slots: __setstate__)
+        state.pop("_gemm_plans", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if all(name in self._parameters for name in self.slot_names()):
+            self.slots_loaded()
 
     # ---- slots
     def slot_names(self) -> list[str]:
@@ -395,8 +489,16 @@ class QuantizedLinear(nn.Linear):
         return (op if nested is None else _with_nested(op, nested), *operands)
 
     def graph_route(self):
-        """decoded_route's tuple inside torch.compile: graph_decoded_linear (with an NF4 base's nested absmax operands
-        bound) and graph_decode_operands' operands; None where the format has no decode route."""
+        """decoded_route's tuple inside torch.compile: graph_registered_linear and the codes where this layer's operands
+        are registered for its current slots (registers_graph_operands), else graph_decoded_linear (with an NF4 base's
+        nested absmax operands bound) and graph_decode_operands' operands; None where the format has no decode route."""
+        # (the slot names as cached by the registration: a read, nothing for dynamo to trace a write of)
+        names = self.__dict__.get("_slot_name_cache")
+        if names is not None:
+            raw = tuple(S.raw_slot(self, name) for name in names)
+            if graph_operands_registered(*raw):  # (a constant at trace time: the slots never enter the graph for it)
+                return (graph_registered_linear, raw[0].detach(), None, None, None, 0, self.out_features,
+                        self.in_features, 0)
         operands = self.graph_decode_operands()
         if operands is None:
             return None
@@ -404,10 +506,11 @@ class QuantizedLinear(nn.Linear):
         op = graph_decoded_linear if nested is None else functools.partial(graph_decoded_linear, nested=nested)
         return (op, *ops)
 
-    def graph_decode_operands(self):
+    def graph_decode_operands(self, quiet: bool = False):
         """The weight's operands of the decode ops (kernels.registry.decode_operands' tuple, then the NF4 nested absmax
         operands or None) from this layer's slots in torch ops that a compiled graph traces (the eager plan's are cached
-        tensors a graph cannot take); None where the format has no decode route."""
+        tensors a graph cannot take); None where the format has no decode route (or the operands do not fit the ops,
+        said once unless quiet)."""
         n, k = self.out_features, self.in_features
         # a standard constant table (NF4's levels and nested code) as the one tensor every such layer shares on this
         # device (Format.shared_graph_tables, rebuilt eagerly by slots_loaded): one graph input for the model, and this
@@ -443,7 +546,7 @@ class QuantizedLinear(nn.Linear):
         w, scales, gscale, levels, block, nested = args
         w, scales, gscale, levels = (None if t is None else as_stored(t) for t in (w, scales, gscale, levels))
         nested = None if nested is None else tuple(as_stored(t) for t in nested)
-        ops = decode_operands(self.fmt.name, w, scales, gscale, levels, n, k, block, nested)
+        ops = decode_operands(self.fmt.name, w, scales, gscale, levels, n, k, block, nested, quiet=quiet)
         return None if ops is None else (*ops, nested)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -162,6 +162,9 @@ def set_slot(module: nn.Module, name: str, value: Tensor) -> None:
     module._buffers.pop(name, None)
     module._parameters[name] = to_storage(value, represents)
     module.__dict__.pop(DERIVED_ATTR, None)
+    release = getattr(module, "_release_graph_operands", None)  # registered operands would now be stale
+    if release is not None:
+        release()
 
 
 def get_slot(module: nn.Module, name: str) -> Tensor:

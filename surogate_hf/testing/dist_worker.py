@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -71,6 +72,8 @@ def run_case(case_dir: str, out_dir: str) -> dict:
     from surogate_hf.distributed import ddp_broadcast_bytes, fsdp2_bytes_per_rank, packed_base_bytes, shard_model
     from surogate_hf.nn import quantized_modules
     from surogate_hf.nn import slots as S
+    from surogate_hf.nn.linear import QuantizedLinear
+    from surogate_hf.ops.ext import REGISTERED_DECODE_OPERANDS, decode_registry_key
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
@@ -109,7 +112,13 @@ def run_case(case_dir: str, out_dir: str) -> dict:
     # ---- fsdp: sharded bytes and one training step
     t0 = time.perf_counter()
     predicted = fsdp2_bytes_per_rank(pristine, world)[rank]
-    model = shard_model(fresh())
+    model = fresh()
+    # the decode operands each quantized linear registered for compiled graphs (views of its whole slots) go with the
+    # Parameters FSDP2 replaces by shards, so that they keep no unsharded copy alive
+    registered = {decode_registry_key(S.raw_slot(m, "weight")) for _, m in quantized_modules(model)
+                  if isinstance(m, QuantizedLinear)} & REGISTERED_DECODE_OPERANDS.keys()
+    model = shard_model(model)
+    gc.collect()
     local, total = packed_base_bytes(model)
     loss = step(model, mine)
     dist.all_reduce(loss)
@@ -120,6 +129,8 @@ def run_case(case_dir: str, out_dir: str) -> dict:
         "loss_rel": abs(loss.item() / world - ref_loss.item()) / abs(ref_loss.item()),
         "param_max_rel": max(_max_rel(_full(p), ref_params[n]) for n, p in model.named_parameters() if p.requires_grad),
         "trainable": sum(1 for p in model.parameters() if p.requires_grad),
+        "registered_before_sharding": len(registered),
+        "registered_after_sharding": len(registered & REGISTERED_DECODE_OPERANDS.keys()),
         "seconds": time.perf_counter() - t0,
     }
 

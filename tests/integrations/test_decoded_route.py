@@ -102,7 +102,9 @@ def test_operands_refused_inside_compile_are_said_at_trace_time():
     assert out == t[""].float().sum()
 
 
-def _peft_model(fmt, dropout, bias):
+def _peft_model(fmt, dropout, bias, registered=True):
+    """Two LoRA-adapted `fmt` bases; registered=False: their decode operands unregistered, so that a compiled graph
+    takes every operand (the explicit graph ops)."""
     from peft import LoraConfig, get_peft_model
 
     from surogate_hf.integrations.peft import install_peft_dispatch, set_lora_dtype
@@ -122,6 +124,7 @@ def _peft_model(fmt, dropout, bias):
     model = get_peft_model(Block(), LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, init_lora_weights="gaussian",
                                                target_modules=["up_proj", "down_proj"]))
     set_lora_dtype(model, torch.float32)
+    L.set_registered_graph_route(model, registered)
     return model
 
 
@@ -246,7 +249,7 @@ GRAPH_OPS = (torch.ops.surogate.ext_decoded_linear_fwd.default, torch.ops.suroga
 
 def _compiled_graph_nodes(fmt, monkeypatch):
     """The call_function nodes of the forward and backward graphs of a compiled LoRA layer over a `fmt` base on the
-    graph route (fullgraph, AOTAutograd's graphs as captured, no inductor)."""
+    graph route with every operand in the graph (fullgraph, AOTAutograd's graphs as captured, no inductor)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -258,7 +261,7 @@ def _compiled_graph_nodes(fmt, monkeypatch):
 
     monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
     torch._dynamo.reset()
-    model = _peft_model(fmt, 0.0, False)
+    model = _peft_model(fmt, 0.0, False, registered=False)
     run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
     run(torch.randn(2, 7, 256, dtype=torch.bfloat16, requires_grad=True)).float().square().mean().backward()
     assert len(graphs) == 2
@@ -301,16 +304,20 @@ def _graph_route(self, x2d):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dropout,bias", [(0.0, True), (0.2, False)])
-def test_compiled_fused_call_matches_the_eager_op(fmt, dropout, bias, monkeypatch):
+@pytest.mark.parametrize("registered", [True, False])
+def test_compiled_fused_call_matches_the_eager_op(fmt, dropout, bias, registered, monkeypatch):
     """A compiled LoRA layer (fullgraph: no graph break) on the graph route, forced onto CPU here, gives the eager C++
     op's loss and gradients (its reference and Python autograd standing in on CPU), dropout's mask included; the graph
-    holds one forward and one backward op per layer and no decode of its own."""
+    holds one forward and one backward op per layer and no decode of its own: the registered ops (the codes alone) where
+    the layer's operands are registered, else the ops taking every operand."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    graph_op = (torch.ops.surogate.ext_registered_linear_fwd if registered else
+                torch.ops.surogate.ext_decoded_linear_fwd).default
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
     results = []
     for compiled in (False, True):
-        model = _peft_model(fmt, dropout, bias)
+        model = _peft_model(fmt, dropout, bias, registered)
         if compiled:
             monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
             torch._dynamo.reset()  # (every case compiles the same PeftModel.forward)
@@ -328,21 +335,23 @@ def test_compiled_fused_call_matches_the_eager_op(fmt, dropout, bias, monkeypatc
         results.append((loss.detach(), xg.grad, grads))
     assert backend.frame_count == 1
     targets = [n.target for n in backend.graphs[0].graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.surogate.ext_decoded_linear_fwd.default) == 2
+    assert targets.count(graph_op) == 2
     assert torch.ops.surogate.ext_decoded_linear.default not in targets
     assert not any("dequantize" in str(t) for t in targets)
     _assert_trains_alike(*results)
 
 
-def test_compiled_route_under_checkpointing_and_accumulation(monkeypatch):
+@pytest.mark.parametrize("registered", [True, False])
+def test_compiled_route_under_checkpointing_and_accumulation(registered, monkeypatch):
     """The graph route inside a compiled, checkpointed region over two accumulated micro-batches: the gradients of the
     eager op without checkpointing, bit for bit (both sides run the same reference kernels)."""
     from torch.utils.checkpoint import checkpoint
 
+
     xs = [torch.randn(2, 5, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i)) for i in (7, 8)]
     grads = []
     for compiled in (False, True):
-        model = _peft_model("nf4", 0.0, True)
+        model = _peft_model("nf4", 0.0, True, registered)
         if compiled:
             monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
             torch._dynamo.reset()
@@ -362,7 +371,8 @@ def test_compiled_route_under_checkpointing_and_accumulation(monkeypatch):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)
 
 
-def test_inductor_passes_the_graph_ops_arguments_by_position(monkeypatch):
+@pytest.mark.parametrize("registered", [True, False])
+def test_inductor_passes_the_graph_ops_arguments_by_position(registered, monkeypatch):
     """Inductor's generated code passes a custom op's defaulted arguments by keyword, which costs the call's argument
     parsing more than positional ones; the graph ops take theirs (the NF4 nested operands) without defaults, so the
     compiled forward and backward call them with positional arguments only (session 39: ~1.5 us a call)."""
@@ -372,15 +382,16 @@ def test_inductor_passes_the_graph_ops_arguments_by_position(monkeypatch):
     # (a cached graph from before a schema change would keep its old call: its key does not cover the op's defaults)
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     torch._dynamo.reset()
-    model = _peft_model("mxfp4", 0.0, False)
+    model = _peft_model("mxfp4", 0.0, False, registered)
     run = torch.compile(model, fullgraph=True)
 
     def step():
         run(torch.randn(2, 7, 256, dtype=torch.bfloat16, requires_grad=True)).float().square().mean().backward()
 
     _, codes = run_and_get_code(step)
+    name = "ext_registered_linear_" if registered else "ext_decoded_linear_"
     calls = [line for code in codes for line in code.splitlines()
-             if "torch.ops.surogate.ext_decoded_linear_" in line and "(" in line and "=" in line.split("(")[0]]
+             if f"torch.ops.surogate.{name}" in line and "(" in line and "=" in line.split("(")[0]]
     assert any("_fwd.default(" in c for c in calls) and any("_bwd.default(" in c for c in calls), calls
     for call in calls:
         assert "nested_" not in call and "=" not in call.split("(", 1)[1], call
@@ -414,7 +425,7 @@ def test_nf4_standard_tables_enter_a_compiled_graph_once_for_every_layer(monkeyp
 
     monkeypatch.setattr(L.QuantizedLinear, "decoded_route", _graph_route)
     torch._dynamo.reset()
-    model = _peft_model("nf4", 0.0, False)
+    model = _peft_model("nf4", 0.0, False, registered=False)  # (the registered route takes no table at all)
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
     ref = model(x)
     run = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)

@@ -285,6 +285,47 @@ def test_graph_ops_are_the_eager_ops_bits(fmt, case):
         assert got.dtype == ref.dtype and torch.equal(got, ref), f"{fmt} {case}"
 
 
+@pytest.mark.parametrize("fmt", DECODE_FORMATS)
+@pytest.mark.parametrize("case", ["base", "lora", "lora_dropout_fp32_masters"])
+def test_registered_ops_are_the_graph_ops_bits(fmt, case):
+    """ext_registered_linear_fwd / _bwd (the codes alone, the other operands registered for them in the extension's
+    registry) give ext_decoded_linear_fwd / _bwd's output and gradients bit for bit; released, the codes are refused."""
+    from surogate_hf.ops.ext import register_decode_operands, release_decode_operands
+
+    n, k, m, r = 1536, 576, 1000, 16
+    w, s, g, lv, code, block = _cuda(*_operands(fmt, n, k))
+    key = register_decode_operands((w, s, g, lv, code, n, k, block, None))
+    gen = torch.Generator().manual_seed(6)
+    x0 = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+    dy = torch.randn(m, n, generator=gen).bfloat16().to(DEV)
+    lora = case != "base"
+    master = torch.float32 if "fp32" in case else torch.bfloat16
+    a0 = (torch.randn(r, k, generator=gen) * 0.05).to(master).to(DEV) if lora else None
+    b0 = (torch.randn(n, r, generator=gen) * 0.05).to(master).to(DEV) if lora else None
+    mask = (torch.rand(m, k, generator=gen) > 0.1).to(DEV) if "dropout" in case else None
+
+    def run(registered):
+        x = x0.clone().requires_grad_(True)
+        a = a0.clone().requires_grad_(True) if lora else None
+        b = b0.clone().requires_grad_(True) if lora else None
+        xl = x * mask if mask is not None else None
+        if registered:
+            y = torch.ops.surogate.ext_registered_linear_fwd(x, xl, w, None, a, b, 2.0, n, k)[0]
+        else:
+            y = torch.ops.surogate.ext_decoded_linear_fwd(x, xl, w, s, g, lv, None, a, b, 2.0, code, n, k, block,
+                                                          None, None, None)[0]
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in (x, a, b) if t is not None]
+
+    try:
+        for got, ref in zip(run(True), run(False)):
+            assert got.dtype == ref.dtype and torch.equal(got, ref), f"{fmt} {case}"
+    finally:
+        release_decode_operands(key)
+    with pytest.raises(RuntimeError, match="no decode operands are registered"):
+        torch.ops.surogate.ext_registered_linear_fwd(x0, None, w, None, None, None, 1.0, n, k)
+
+
 @pytest.mark.parametrize("n, k", [(1536, 576), (192, 576), (4864, 896)])
 def test_decode_ops_de_nest_the_nf4_absmax_bit_for_bit(n, k):
     """The graph ops and the eager op given a double-quantized NF4 absmax as stored (one-byte codes plus the nested
@@ -326,11 +367,20 @@ def test_decode_ops_de_nest_the_nf4_absmax_bit_for_bit(n, k):
             assert torch.equal(got, want), how
 
 
-def test_compiled_lora_model_takes_the_graph_ops():
-    """A PEFT LoRA model over nf4 bases compiled with inductor (fullgraph) runs the graph ops (no traced decode) and
-    trains like the eager model on the C++ op: loss and gradients within bf16 summation noise."""
+@pytest.mark.parametrize("registered", [True, False])
+def test_compiled_lora_model_takes_the_graph_ops(registered):
+    """A PEFT LoRA model over nf4 bases compiled with inductor (fullgraph) runs the graph ops (no traced decode): the
+    registered ops (the codes alone; the model moved to the GPU registered its operands) or, with the registered route
+    off, the ops taking every operand; and trains like the eager model on the C++ op: loss and gradients within bf16
+    summation noise."""
+    from surogate_hf.nn import linear as L
+
+    name = "ext_registered_linear" if registered else "ext_decoded_linear"
+
     def build():
-        return _two_layer_lora("nf4", down_bias=False).to(DEV)
+        model = _two_layer_lora("nf4", down_bias=False).to(DEV)
+        L.set_registered_graph_route(model, registered)
+        return model
 
     x = torch.randn(2, 512, 576, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
     results = []
@@ -346,7 +396,7 @@ def test_compiled_lora_model_takes_the_graph_ops():
             loss.backward()
         keys = {e.key: e.count for e in prof.key_averages()}
         if compiled:
-            assert keys.get("surogate::ext_decoded_linear_fwd") == 2 and keys.get("surogate::ext_decoded_linear_bwd") == 2
+            assert keys.get(f"surogate::{name}_fwd") == 2 and keys.get(f"surogate::{name}_bwd") == 2, keys
             assert "surogate::ext_decoded_linear" not in keys
         results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}))
     (l0, g0), (l1, g1) = results
