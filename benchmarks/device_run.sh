@@ -16,6 +16,9 @@
 #   bash benchmarks/device_run.sh trainer   [OUTDIR]   # SmolLM2-135M QLoRA through the HF Trainer with CUDA graphs,
 #                                                      # PEFT / nf4 / mxfp4 (TRAINER_SETUPS), each Trainer trained
 #                                                      # again round by round (~9 min)
+#   bash benchmarks/device_run.sh registered [OUTDIR]  # the registered-operands route: its GPU tests, then the Trainer
+#                                                      # with CUDA graphs, PEFT / nf4 / nf4 with every operand in the
+#                                                      # graph (TRAINER_SETUPS), rounds (~9 min)
 #   bash benchmarks/device_run.sh trainer_profile [OUTDIR] # the decoded-linear GPU tests, then one Trainer run each
 #                                                      # of nf4 and PEFT with CUDA graphs, profiled (torch.profiler
 #                                                      # tables and cProfile's functions; ~8 min)
@@ -119,6 +122,18 @@ case "$what" in
     step e2e_trainer 500 python3 bench_trainer.py --shape smollm2-135m --use-cache --torch-compile-mode reduce-overhead \
         --qlora "${TRAINER_SETUPS:-peft,nf4,mxfp4}" --rounds 5 --warmup 3 --steps 20 --name trainer_135m_rounds
     cp results/trainer_135m_rounds.md "$out/results/" 2>/dev/null
+    ;;
+  registered)
+    # the registered-operands route (a compiled graph takes each quantized linear's codes alone): its GPU tests, then the
+    # Trainer with CUDA graphs against PEFT and against the explicit route in the same process, rounds
+    step build 150 python3 -m surogate_hf.kernels.build
+    step gpu_decoded_linear 90 python3 -m pytest -q tests/kernels/test_gpu_decoded_linear.py -k \
+        "registered or graph_ops or compiled or lora_layers" -p no:cacheprovider --tb=short
+    cd benchmarks
+    step e2e_trainer 390 python3 bench_trainer.py --shape smollm2-135m --use-cache --torch-compile-mode reduce-overhead \
+        --qlora "${TRAINER_SETUPS:-peft,nf4,nf4_explicit}" --rounds 4 --warmup 3 --steps 20 \
+        --name trainer_135m_registered
+    cp results/trainer_135m_registered.md "$out/results/" 2>/dev/null
     ;;
   trainer_profile)
     step build 150 python3 -m surogate_hf.kernels.build

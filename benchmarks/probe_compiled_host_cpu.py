@@ -10,7 +10,8 @@ the forward graph's inputs, inductor's `assert_size_stride` calls, and the profi
 region's wrappers. Ours run their graph route (the extension's two graph ops per linear, as on the GPU); on a CPU those
 ops run their Python reference, so the op rows of a profile are not the GPU's; the structure around them is.
     python benchmarks/probe_compiled_host_cpu.py --setups peft,mxfp4,nf4 --layers 30
-(What a change to the tensors per linear would save can be read here before a GPU call measures it.)
+(What a change to the tensors per linear would save can be read here before a GPU call measures it: `nf4/explicit`
+runs a format's route with every operand in the graph, as before the registered route.)
 """
 
 from __future__ import annotations
@@ -82,12 +83,21 @@ def graph_route_on_cpu():
 
 
 def probe(setup: str, layers: int, tokens: int, steps: int) -> dict:
+    """setup: peft, a format, or `format/explicit` (the graph route with every operand in the graph instead of the
+    codes alone: nn.linear.set_registered_graph_route(model, False))."""
     from torch._inductor.compile_fx import compile_fx
 
+    from surogate_hf.nn import linear as L
+
+    setup, _, route = setup.partition("/")
+    if route not in ("", "explicit"):
+        raise ValueError(f"setup {setup}/{route}: the only route suffix is /explicit")
     undo = graph_route_on_cpu() if setup != "peft" else (lambda: None)
     try:
         torch._dynamo.reset()
         model = build(setup, layers)
+        if route == "explicit":
+            L.set_registered_graph_route(model, False)
         inputs = []
 
         def backend(gm, example_inputs):
@@ -126,7 +136,8 @@ def probe(setup: str, layers: int, tokens: int, steps: int) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--setups", default="peft,mxfp4,nvfp4,nf4",
-                    help="peft (nn.Linear bf16 bases) and our formats (mxfp4, nvfp4, nf4, fp8)")
+                    help="peft (nn.Linear bf16 bases) and our formats (mxfp4, nvfp4, nf4, fp8), each on the registered "
+                         "graph route, or with /explicit (e.g. nf4/explicit) on the route taking every operand")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)

@@ -8,7 +8,9 @@ A loop that waits for the GPU every step (the HF Trainer: its loss's isnan check
 compiles a real-shaped decoder (SmolLM2-135M's widths, LAYERS decoder layers, a 4,096-token vocabulary) through
 AOTAutograd at two depths and prints the difference, one decoder layer of seven LoRA-adapted linears. Ours run their
 graph route (the extension's two graph ops per linear, as on the GPU; their Python reference runs here).
-    python benchmarks/probe_graph_io_cpu.py --setups peft,mxfp4,nvfp4,nf4,fp8
+    python benchmarks/probe_graph_io_cpu.py --setups peft,mxfp4,nvfp4,nf4,fp8,nf4/explicit
+A format's linears take the registered route (their decode operands registered at load: the codes alone cross);
+`fmt/explicit` hands the graph every operand, as before it.
 """
 
 from __future__ import annotations
@@ -33,14 +35,19 @@ def graph_io(setup: str, layers: int) -> dict:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     undo = lambda: None  # noqa: E731
+    fmt, _, route = setup.partition("/")
+    if route not in ("", "explicit"):
+        raise ValueError(f"setup {setup}: the only route suffix is /explicit")
     if setup != "peft":
         from surogate_hf.nn import linear as L
         from surogate_hf.training import prepare_for_training
 
         for name, module in list(model.named_modules()):
             if name.split(".")[-1] in TARGETS:
-                model.set_submodule(name, L.LINEAR_CLASSES[setup].from_linear(module))
+                model.set_submodule(name, L.LINEAR_CLASSES[fmt].from_linear(module))
         prepare_for_training(model, gradient_checkpointing=False)
+        if route == "explicit":  # every operand of each linear in the graph, the route before the registered one
+            L.set_registered_graph_route(model, False)
         undo = graph_route_on_cpu()
     try:
         model = get_peft_model(model, LoraConfig(r=8, target_modules=TARGETS))
