@@ -769,14 +769,16 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_autograd(
 // operands once per load or move (surogate_hf.nn.linear, through ops.ext.register_decode_operands), keyed by its
 // codes' address; the graph ops take the codes alone (one graph input per linear, as a bf16 linear's weight) and find
 // the rest here. The registry holds the operands themselves, so an address stays the layer's while registered.
+// (Both leaked on purpose: destroying the registered CUDA tensors among the static destructors at exit, after the
+// CUDA runtime may have gone, could crash the process's exit.)
 std::mutex& registry_mutex() {
-  static std::mutex m;
-  return m;
+  static auto* m = new std::mutex();
+  return *m;
 }
 
 std::unordered_map<const void*, Operands>& registry() {
-  static std::unordered_map<const void*, Operands> r;
-  return r;
+  static auto* r = new std::unordered_map<const void*, Operands>();
+  return *r;
 }
 
 void decode_registry_set(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& gscale,
