@@ -73,3 +73,25 @@ def test_a_set_arch_list_is_kept(monkeypatch):
     assert ext.arch_flags() == [] and not ext.sm90a_built()
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
     assert ext.arch_flags() == [] and ext.sm90a_built()
+
+
+def _registrations(text: str, key: str) -> set[str]:
+    """The ext_* names a source text registers kernels for under TORCH_LIBRARY_IMPL(surogate, key, m)."""
+    blocks = re.findall(rf"TORCH_LIBRARY_IMPL\(surogate,\s*{key},\s*m\)\s*\{{(.*?)\}}", text, re.S)
+    return {name for block in blocks for name in re.findall(r'm\.impl\("ext_(\w+)"', block)}
+
+
+def test_the_sources_register_a_cuda_kernel_for_every_op_the_loader_expects_and_nothing_undeclared():
+    """What ext.load checks after building (a CUDA kernel for each of ext.OPS) is what csrc registers, and every kernel
+    csrc registers has a schema (declared in surogate_hf/ops/ext.py, or defined in csrc by TORCH_LIBRARY_FRAGMENT): a
+    mismatch would only show on the GPU machine, when the build loads. CPU only: reads the sources."""
+    import surogate_hf.ops  # noqa: F401  (declares the schemas)
+
+    text = "\n".join(p.read_text() for p in (REPO / "csrc").rglob("*") if p.suffix in (".cpp", ".cu"))
+    cuda, autograd = _registrations(text, "CUDA"), _registrations(text, "AutogradCUDA")
+    assert cuda == set(ext.OPS)
+    declared = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("surogate::ext_")}
+    defined_in_csrc = set(re.findall(r'm\.def\(\s*"(ext_\w+)\(', text))
+    assert {f"ext_{n}" for n in cuda | autograd} <= declared | defined_in_csrc
+    assert defined_in_csrc == {"ext_decode_registry_set", "ext_decode_registry_release"}
+    assert not defined_in_csrc & declared, "a schema is defined twice (Python and C++)"
