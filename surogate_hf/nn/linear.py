@@ -228,9 +228,19 @@ def set_registered_graph_route(model: nn.Module, enabled: bool) -> None:
             module.slots_loaded()
 
 
-def _release_registration(key, operands) -> None:
+# Whether a layer's operands are registered: a flag in its __dict__, always present (dynamo guards a key's value, not
+# its absence), read by the compiled route so that a graph traced on one route never serves a layer on the other
+# (dynamo's cache keys on the forward's code, which every instance of a class shares); the value is the same for every
+# registered layer, so one compiled decoder layer still serves them all.
+_REGISTERED_FLAG = "_graph_operands_registered"
+
+
+def _release_registration(key, operands, module_ref) -> None:
     from ..ops.ext import REGISTERED_DECODE_OPERANDS, release_decode_operands
 
+    module = module_ref()
+    if module is not None:
+        module.__dict__[_REGISTERED_FLAG] = False
     if REGISTERED_DECODE_OPERANDS.get(key) is operands:  # (not a later layer's registration under the same address)
         _REGISTERED_SLOT_ADDRESSES.pop(key, None)
         release_decode_operands(key)
@@ -346,6 +356,7 @@ class QuantizedLinear(nn.Linear):
         else:
             self.register_parameter("bias", None)
         self.register_load_state_dict_post_hook(_slots_loaded_after_load_state_dict)
+        self.__dict__[_REGISTERED_FLAG] = False  # (until slots_loaded registers the operands)
 
     def _apply(self, fn, recurse=True):
         # Module-wide casts (model.half(), .to(bf16)) must not re-type packed data or scales: they move
@@ -361,6 +372,7 @@ class QuantizedLinear(nn.Linear):
         and move, eagerly: it compares values."""
         self.__dict__.pop(S.DERIVED_ATTR, None)
         self._release_graph_operands()
+        self.__dict__[_REGISTERED_FLAG] = False
         if not all(S.is_storage_form(self, name) for name in self.slot_names()):
             return  # a loader is still filling the slots (its stored layouts need not be the logical shapes yet)
         self.__dict__[S.DERIVED_ATTR] = {"graph_tables": self.fmt.shared_graph_tables(self._tensors())}
@@ -386,9 +398,10 @@ class QuantizedLinear(nn.Linear):
         register_decode_operands(operands)
         _REGISTERED_SLOT_ADDRESSES[key] = tuple(t.data_ptr() for t in raw)
         # released with the codes Parameter (FSDP2's sharding drops it; so does a slot set anew) or the next load
-        registration = weakref.finalize(raw[0], _release_registration, key, operands)
+        registration = weakref.finalize(raw[0], _release_registration, key, operands, weakref.ref(self))
         registration.atexit = False  # (nothing to release at exit)
         self.__dict__["_graph_registration"] = registration
+        self.__dict__[_REGISTERED_FLAG] = True
 
     def _release_graph_operands(self) -> None:
         registration = self.__dict__.pop("_graph_registration", None)
@@ -398,6 +411,7 @@ class QuantizedLinear(nn.Linear):
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_graph_registration", None)  # (a copy registers its own slots: __setstate__)
+        state[_REGISTERED_FLAG] = False
         state.pop("_gemm_plans", None)
         return state
 
@@ -492,10 +506,10 @@ class QuantizedLinear(nn.Linear):
         """decoded_route's tuple inside torch.compile: graph_registered_linear and the codes where this layer's operands
         are registered for its current slots (registers_graph_operands), else graph_decoded_linear (with an NF4 base's
         nested absmax operands bound) and graph_decode_operands' operands; None where the format has no decode route."""
-        # (the slot names as cached by the registration: a read, nothing for dynamo to trace a write of)
-        names = self.__dict__.get("_slot_name_cache")
-        if names is not None:
-            raw = tuple(S.raw_slot(self, name) for name in names)
+        # (the flag, guarded; the slot names as cached by the registration: a read, nothing for dynamo to trace a
+        # write of)
+        if self.__dict__.get(_REGISTERED_FLAG, False):
+            raw = tuple(S.raw_slot(self, name) for name in self.__dict__["_slot_name_cache"])
             if graph_operands_registered(*raw):  # (a constant at trace time: the slots never enter the graph for it)
                 return (graph_registered_linear, raw[0].detach(), None, None, None, 0, self.out_features,
                         self.in_features, 0)

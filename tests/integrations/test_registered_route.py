@@ -127,21 +127,28 @@ def test_a_reload_reaches_the_compiled_graph(how, graph_route):
     torch.testing.assert_close(run(x), _eager(other, x), rtol=0, atol=0)
 
 
-def test_a_slot_replaced_behind_the_layers_back_is_an_error_not_stale_operands(graph_route):
+def test_a_slot_set_anew_is_never_decoded_with_stale_operands(graph_route):
     """A slot set anew without a reload (S.set_slot, the loaders' step before finalize_slots) releases the layer's
-    registration: the compiled graph then says what to do instead of decoding with the old scales; slots_loaded()
-    registers the new ones and the graph computes with them."""
+    registration: the compiled layer recompiles onto the route with every operand and computes with the new scales;
+    slots_loaded() registers them, and the registered route serves the layer again. Codes that lost their registration
+    while a graph still holds them (here released by hand) are refused with what to do, never decoded with stale
+    operands."""
+    from surogate_hf.ops.ext import release_decode_operands
+
     layer, other = _layer("nvfp4"), _layer("nvfp4", seed=1)
-    run, _ = _compiled(layer)
+    run, seen = _compiled(layer)
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     run(x)
     S.set_slot(layer, "weight_scale", S.get_slot(other, "weight_scale").clone())
     assert _key(layer) not in REGISTERED_DECODE_OPERANDS
-    with pytest.raises(RuntimeError, match="no decode operands are registered.*slots_loaded"):
-        run(x)
-    layer.slots_loaded()
     want = nn.functional.linear(x, layer.dequantize(torch.bfloat16))
     torch.testing.assert_close(run(x), want, rtol=0, atol=0)
+    assert EXPLICIT_FWD in seen["targets"]
+    layer.slots_loaded()
+    torch.testing.assert_close(run(x), want, rtol=0, atol=0)
+    release_decode_operands(_key(layer))
+    with pytest.raises(RuntimeError, match="no decode operands are registered.*slots_loaded"):
+        run(x)
 
 
 def test_a_layer_whose_slots_are_not_the_registered_ones_keeps_every_operand_in_the_graph(graph_route):
@@ -225,3 +232,22 @@ def test_the_trace_time_check_refuses_what_has_no_registered_address():
     assert not L.graph_operands_registered(*raw) and _key(layer) not in REGISTERED_DECODE_OPERANDS
     L.set_registered_graph_route(layer, True)
     assert L.graph_operands_registered(*raw)
+
+
+def test_a_layer_without_registration_never_reuses_a_graph_compiled_for_a_registered_one(graph_route):
+    """Two models of one class share dynamo's cache (it keys on the forward's code): a graph traced on the registered
+    route must not serve a model whose layers registered nothing (registration off, as bench_trainer's `_explicit`
+    setups; or a replaced slot), which would find no operands. The layer's registration is guarded: the second model
+    recompiles onto the route with every operand, and both compute their own weights."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    registered, explicit = _layer("nvfp4"), _layer("nvfp4", seed=1)
+    L.set_registered_graph_route(explicit, False)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    for layer in (registered, explicit, registered):
+        torch.testing.assert_close(torch.compile(layer, backend=counter, fullgraph=True)(x), _eager(layer, x),
+                                   rtol=0, atol=0)
+    assert counter.frame_count == 2
+    targets = [[n.target for n in g.graph.nodes if n.op == "call_function"] for g in counter.graphs]
+    assert REGISTERED_FWD in targets[0] and EXPLICIT_FWD in targets[1]
