@@ -57,6 +57,19 @@ def step_times_note(stamps, warmup, steps) -> str:
     return f"step ms median {ms[len(ms) // 2]:.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
 
 
+def phase_note(phases) -> str:
+    """Median ms of each part of the timed steps, from the Trainer's callbacks: forward + backward (with the loss's
+    isnan check, which waits for the GPU, and the FLOPs count), the clip and optimizer step, the scheduler and
+    zero_grad, and from one step's end to the next one's begin (logging checks, the next batch)."""
+    full = [p for p in phases if len(p) == 4]
+    if not full:
+        return "phases: n/a"
+    parts = [sorted((p[i + 1] - p[i]) * 1e3 for p in full) for i in range(3)]
+    gaps = sorted((b[0] - a[3]) * 1e3 for a, b in zip(full, full[1:]))
+    med = [ms[len(ms) // 2] for ms in parts] + [gaps[len(gaps) // 2] if gaps else float("nan")]
+    return "phases ms fwd+bwd {:.1f} / optimizer {:.1f} / zero_grad {:.1f} / between steps {:.1f}".format(*med)
+
+
 def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, compile_mode=None, profile_to=None):
     """A Trainer for the setup and a function that runs it once more (`Trainer.train()` again, the compiled model,
     its CUDA graphs and the process kept: `warmup` steps, then `steps` timed ones) and returns (tokens/s, note: its
@@ -67,10 +80,19 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
 
     from surogate_hf.integrations.trainer import SurogateRecipeCallback
 
-    stamps, prof = [], []
+    stamps, prof, phases = [], [], []
 
     class Clock(TrainerCallback):
+        # the host's clock at each callback of a step (no wait for the GPU added): phases[i] = (begin, before the
+        # optimizer, after it, end) of step i, so that a gap between setups shows in which part of the Trainer's step
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            phases[-1].append(time.perf_counter())
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            phases[-1].append(time.perf_counter())
+
         def on_step_begin(self, args, state, control, **kw):
+            phases.append([time.perf_counter()])
             if profile_to and state.global_step == warmup + steps:
                 prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA]))
@@ -83,6 +105,7 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
             if state.global_step in (warmup, warmup + steps):  # the timed window's two ends
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
+            phases[-1].append(stamps[-1])
             if prof and state.global_step == warmup + steps + 2:
                 prof[-1].__exit__(None, None, None)
                 write_profile_tables(prof.pop(), profile_to)
@@ -103,10 +126,12 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
 
     def run():
         stamps.clear()
+        phases.clear()
         t.train()
         optim = type(t.optimizer.optimizer if hasattr(t.optimizer, "optimizer") else t.optimizer).__name__
         return (batch * seq * steps / (stamps[warmup + steps - 1] - stamps[warmup - 1]),
-                f"{args.optim} ({optim}); {step_times_note(stamps, warmup, steps)}")
+                f"{args.optim} ({optim}); {step_times_note(stamps, warmup, steps)}; "
+                f"{phase_note(phases[warmup:warmup + steps])}")
 
     return t, run
 

@@ -98,3 +98,11 @@ def test_rounds_build_each_trainer_once_and_time_the_later_rounds(monkeypatch):
     with pytest.raises(SystemExit, match="--rounds"):
         monkeypatch.setattr(sys, "argv", ["bench_trainer.py", "--qlora", "peft", "--rounds", "2", "--plain"])
         T.main()
+
+
+def test_phase_note_splits_the_steps_at_the_trainers_callbacks():
+    import bench_trainer as B
+
+    steps = [[s, s + 0.050, s + 0.060, s + 0.062] for s in (0.0, 0.1, 0.2)]
+    assert B.phase_note(steps) == ("phases ms fwd+bwd 50.0 / optimizer 10.0 / zero_grad 2.0 / between steps 38.0")
+    assert B.phase_note([[0.0, 0.1]]) == "phases: n/a"
