@@ -117,6 +117,15 @@ def bnb_nf4(layers, bf16_adapters=False):
     return _lora(model, bf16_adapters=bf16_adapters)  # stock PEFT QLoRA: fp32 adapters unless asked
 
 
+def _explicit_operands(model):
+    """The model's quantized linears with their decode operands unregistered (nn.linear.set_registered_graph_route):
+    compiled, each hands its graph ops every operand instead of its codes alone."""
+    from surogate_hf.nn.linear import set_registered_graph_route
+
+    set_registered_graph_route(model, False)
+    return model
+
+
 def ours_qlora(layers, fmt, recipe=None, fused_norms=True, lora_dtype=torch.bfloat16):
     """The user's path: quantized bases, surogate_hf.prepare_for_training (no checkpointing here; it fuses the
     RMSNorms unless fused_norms=False), PEFT LoRA with bf16 adapters, optionally a recipe."""
@@ -262,6 +271,13 @@ SETUPS = {
                                                   "on decode + cuBLAS (SUROGATE_HF_MIXED_INPUT=0)",
                                                   compiled_model(lambda L, f=f: ours_qlora(L, f)), "lora")
        for f in ("nvfp4", "mxfp4")},
+    # the registered-operands route off (nn.linear.set_registered_graph_route): each linear hands the compiled graph
+    # every decode operand instead of its codes alone, the A/B side of the default `_compiled_model` setups
+    **{f"ours_{f}_compiled_model_explicit": (f"ours {f} QLoRA, bf16 adapters, whole model compiled, every decode "
+                                              "operand in the graph (registration off)",
+                                              compiled_model(lambda L, f=f: _explicit_operands(ours_qlora(L, f))),
+                                              "lora")
+       for f in ("nvfp4", "mxfp4", "nf4")},
     "full_bf16": ("full fine-tune bf16, eager", lambda L: full(L), "full"),
     "full_bf16_fused_norms": ("full fine-tune bf16, eager, our FusedRMSNorm only (stock linears)",
                               lambda L: full(L, fused_norms_only=True), "full"),
@@ -308,6 +324,7 @@ TARGETS = {
     **{f"ours_{f}_compiled_model_mixed_input": [("peft_bf16_compiled_model", 1.0), (f"ours_{f}_compiled_model", 1.0)]
        for f in ("nvfp4", "mxfp4", "nf4")},
     **{f"ours_{f}_compiled_model_decode_route": [("peft_bf16_compiled_model", 1.0)] for f in ("nvfp4", "mxfp4")},
+    **{f"ours_{f}_compiled_model_explicit": [("peft_bf16_compiled_model", 1.0)] for f in ("nvfp4", "mxfp4", "nf4")},
     "full_fp8": [("full_bf16", 1.15), ("full_bf16_fused_norms", 1.15)],
     "full_nvfp4": [("full_bf16", 0.8)],
     "full_nvfp4_compiled": [("full_bf16_compiled", 0.8), ("full_nvfp4", 1.0)],

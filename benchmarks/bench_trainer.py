@@ -187,20 +187,11 @@ def plain_qlora(build, layers, batch, seq, warmup, steps, compile_mode=None):
     return batch * seq * steps / (stamps[-1] - stamps[warmup - 1]), step_times_note(stamps, warmup, steps)
 
 
-def _explicit_operands(model):
-    """The model's quantized linears with their decode operands unregistered: compiled, each hands its graph ops every
-    operand (the route before the registered one), to compare the two in one process."""
-    from surogate_hf.nn.linear import set_registered_graph_route
-
-    set_registered_graph_route(model, False)
-    return model
-
-
 QLORA_BUILDS = {"peft": ("PEFT LoRA, bf16 base, bf16 adapters", lambda L: E.peft_bf16(L, True)),
                 **{f: (f"ours {f} QLoRA, bf16 adapters", lambda L, f=f: E.ours_qlora(L, f))
                    for f in ("fp8", "nf4", "nvfp4", "mxfp4")},
                 **{f"{f}_explicit": (f"ours {f} QLoRA, bf16 adapters, every operand in the graph",
-                                     lambda L, f=f: _explicit_operands(E.ours_qlora(L, f)))
+                                     lambda L, f=f: E._explicit_operands(E.ours_qlora(L, f)))
                    for f in ("nf4", "mxfp4")}}
 
 

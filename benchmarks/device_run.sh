@@ -12,7 +12,9 @@
 #   bash benchmarks/device_run.sh large_m_e2e [OUTDIR] # 4-bit QLoRA steps (Qwen3-1.7B), decode + cuBLAS against
 #                                                      # the opted-in register-operand mixed-input kernel (~5 min)
 #   bash benchmarks/device_run.sh nograph   [OUTDIR]   # SmolLM2-135M compiled whole without CUDA graphs, PEFT / nf4 /
-#                                                      # nvfp4 (NOGRAPH_SETUPS), five rounds, models kept (~9 min)
+#                                                      # nvfp4 (NOGRAPH_SETUPS; ours_nf4_compiled_model_explicit: nf4
+#                                                      # with every operand in the graph), five rounds, models kept
+#                                                      # (~9 min)
 #   bash benchmarks/device_run.sh trainer   [OUTDIR]   # SmolLM2-135M QLoRA through the HF Trainer with CUDA graphs,
 #                                                      # PEFT / nf4 / mxfp4 (TRAINER_SETUPS), each Trainer trained
 #                                                      # again round by round (~9 min)
