@@ -599,6 +599,40 @@ at::Tensor decoded_linear_cuda(const at::Tensor& x, const c10::optional<at::Tens
 // also returns the adapter's [M, r] intermediate h, saved for the backward; an empty tensor without an adapter) and,
 // through the forward's autograd (DecodedLinearFwd below for CUDA tensors), the backward: one opaque call each way,
 // the same aten calls as the node's. Gradients that are not wanted come back as empty tensors.
+//
+// The two graph ops' bodies on a weight's operands, given as arguments (ext_decoded_linear_fwd / _bwd) or registered for
+// its codes (ext_registered_linear_fwd / _bwd): (y, h), h empty without an adapter; and (dx, dx_lora, dA, dB), each
+// empty where not wanted, as 2-D gradients ([M, k], as the ops' schemas state them).
+std::tuple<at::Tensor, at::Tensor> graph_forward(const at::Tensor& x, const c10::optional<at::Tensor>& x_lora,
+                                                 const Operands& op, const c10::optional<at::Tensor>& bias,
+                                                 const c10::optional<at::Tensor>& lora_a,
+                                                 const c10::optional<at::Tensor>& lora_b, double scaling) {
+  const at::cuda::CUDAGuard guard(x.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
+  at::Tensor h;
+  at::Tensor y = forward_rows(x, or_undef(x_lora), op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling,
+                              out_shape(x, op.n), &h);
+  if (!h.defined()) h = at::empty({0}, x.options());
+  return {y, h};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> graph_backward(
+    const at::Tensor& dy, const c10::optional<at::Tensor>& x_lora, const c10::optional<at::Tensor>& h,
+    const Operands& op, const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
+    double scaling, bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b, const char* who) {
+  const bool lora = lora_a.has_value() && lora_b.has_value();
+  EXT_CHECK(!lora || (x_lora.has_value() && h.has_value()), who, ": an adapter's gradients need its input and h");
+  const at::cuda::CUDAGuard guard(dy.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const int64_t m = op.n > 0 ? dy.numel() / op.n : 0;
+  const std::array<int64_t, 2> mk{m, op.k};
+  auto g = backward_rows(dy, or_undef(x_lora), or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
+                         separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora, want_b && lora, mk, mk);
+  for (auto& t : g)
+    if (!t.defined()) t = at::empty({0}, dy.options());
+  return {g[0], g[1], g[2], g[3]};
+}
+
 std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& x_lora, const at::Tensor& w, const at::Tensor& scales,
     const c10::optional<at::Tensor>& gscale, const c10::optional<at::Tensor>& levels,
@@ -607,15 +641,9 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_cuda(
     const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
     const c10::optional<at::Tensor>& nested_offset) {
   EXT_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_decoded_linear_fwd: lora_a and lora_b go together");
-  const at::cuda::CUDAGuard guard(x.device());
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
-  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
-                    nested_of(nested_absmax, nested_code, nested_offset)};
-  at::Tensor h;
-  at::Tensor y = forward_rows(x, or_undef(x_lora), op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling,
-                              out_shape(x, n), &h);
-  if (!h.defined()) h = at::empty({0}, x.options());
-  return {y, h};
+  return graph_forward(x, x_lora, Operands{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
+                                           nested_of(nested_absmax, nested_code, nested_offset)},
+                       bias, lora_a, lora_b, scaling);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cuda(
@@ -626,21 +654,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decoded_linear_bwd_cu
     bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b,
     const c10::optional<at::Tensor>& nested_absmax, const c10::optional<at::Tensor>& nested_code,
     const c10::optional<at::Tensor>& nested_offset) {
-  const bool lora = lora_a.has_value() && lora_b.has_value();
-  EXT_CHECK(!lora || (x_lora.has_value() && h.has_value()),
-            "ext_decoded_linear_bwd: an adapter's gradients need its input and h");
-  const at::cuda::CUDAGuard guard(dy.device());
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
-  const Operands op{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
-                    nested_of(nested_absmax, nested_code, nested_offset)};
-  // (2-D gradients, as the op's schema states them: [M, k])
-  const int64_t m = n > 0 ? dy.numel() / n : 0;
-  const std::array<int64_t, 2> mk{m, k};
-  auto g = backward_rows(dy, or_undef(x_lora), or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
-                         separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora, want_b && lora, mk, mk);
-  for (auto& t : g)
-    if (!t.defined()) t = at::empty({0}, dy.options());
-  return {g[0], g[1], g[2], g[3]};
+  return graph_backward(dy, x_lora, h,
+                        Operands{w, scales, or_undef(gscale), or_undef(levels), fmt, n, k, block,
+                                 nested_of(nested_absmax, nested_code, nested_offset)},
+                        lora_a, lora_b, scaling, separate_xl, want_x, want_xl, want_a, want_b, "ext_decoded_linear_bwd");
 }
 
 
@@ -816,33 +833,16 @@ std::tuple<at::Tensor, at::Tensor> registered_linear_fwd_cuda(
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& lora_a,
     const c10::optional<at::Tensor>& lora_b, double scaling, int64_t n, int64_t k) {
   EXT_CHECK(lora_a.has_value() == lora_b.has_value(), "ext_registered_linear_fwd: lora_a and lora_b go together");
-  const Operands op = registered_operands(w, n, k, "ext_registered_linear_fwd");
-  const at::cuda::CUDAGuard guard(x.device());
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a backend kernel: its aten calls record no graph
-  at::Tensor h;
-  at::Tensor y = forward_rows(x, or_undef(x_lora), op, or_undef(bias), or_undef(lora_a), or_undef(lora_b), scaling,
-                              out_shape(x, n), &h);
-  if (!h.defined()) h = at::empty({0}, x.options());
-  return {y, h};
+  return graph_forward(x, x_lora, registered_operands(w, n, k, "ext_registered_linear_fwd"), bias, lora_a, lora_b,
+                       scaling);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> registered_linear_bwd_cuda(
     const at::Tensor& dy, const c10::optional<at::Tensor>& x_lora, const c10::optional<at::Tensor>& h,
     const at::Tensor& w, const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b,
     double scaling, int64_t n, int64_t k, bool separate_xl, bool want_x, bool want_xl, bool want_a, bool want_b) {
-  const bool lora = lora_a.has_value() && lora_b.has_value();
-  EXT_CHECK(!lora || (x_lora.has_value() && h.has_value()),
-            "ext_registered_linear_bwd: an adapter's gradients need its input and h");
-  const Operands op = registered_operands(w, n, k, "ext_registered_linear_bwd");
-  const at::cuda::CUDAGuard guard(dy.device());
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const int64_t m = n > 0 ? dy.numel() / n : 0;
-  const std::array<int64_t, 2> mk{m, k};
-  auto g = backward_rows(dy, or_undef(x_lora), or_undef(h), op, or_undef(lora_a), or_undef(lora_b), scaling,
-                         separate_xl, want_x, want_xl && lora && separate_xl, want_a && lora, want_b && lora, mk, mk);
-  for (auto& t : g)
-    if (!t.defined()) t = at::empty({0}, dy.options());
-  return {g[0], g[1], g[2], g[3]};
+  return graph_backward(dy, x_lora, h, registered_operands(w, n, k, "ext_registered_linear_bwd"), lora_a, lora_b,
+                        scaling, separate_xl, want_x, want_xl, want_a, want_b, "ext_registered_linear_bwd");
 }
 
 const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(

@@ -521,6 +521,11 @@ def _ext_decoded_linear_fwd(x, x_lora, w, scales, gscale, levels, bias, lora_a, 
 @torch.library.register_fake(f"{NS}::ext_decoded_linear_fwd", lib=_lib)
 def _(x, x_lora, w, scales, gscale, levels, bias, lora_a, lora_b, scaling, fmt, n, k, block, nested_absmax=None,
       nested_code=None, nested_offset=None):
+    return _graph_fwd_fake(x, lora_a, n)
+
+
+def _graph_fwd_fake(x, lora_a, n):
+    """The graph forward ops' outputs (y, h) as fakes: h [M, r], or empty without an adapter."""
     m = x.numel() // x.shape[-1]
     return x.new_empty((*x.shape[:-1], n)), (x.new_empty((0,)) if lora_a is None else x.new_empty((m, lora_a.shape[0])))
 
@@ -554,14 +559,19 @@ def _ext_decoded_linear_bwd(dy, x_lora, h, w, scales, gscale, levels, lora_a, lo
     return tuple(_empty_or(g, dy) for g in grads)
 
 
-@torch.library.register_fake(f"{NS}::ext_decoded_linear_bwd", lib=_lib)
-def _(dy, x_lora, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt, n, k, block, separate_xl, want_x,
-      want_xl, want_a, want_b, nested_absmax=None, nested_code=None, nested_offset=None):
+def _graph_bwd_fake(dy, lora_a, lora_b, n, k, separate_xl, want_x, want_xl, want_a, want_b):
+    """The graph backward ops' outputs (dx, dx_lora, dA, dB) as fakes: empty where not wanted or without an adapter."""
     m, lora = dy.numel() // n, lora_a is not None
     return (dy.new_empty((m, k) if want_x else (0,)),
             dy.new_empty((m, k) if want_xl and lora and separate_xl else (0,)),
             lora_a.new_empty(lora_a.shape) if want_a and lora else dy.new_empty((0,)),
             lora_b.new_empty(lora_b.shape) if want_b and lora else dy.new_empty((0,)))
+
+
+@torch.library.register_fake(f"{NS}::ext_decoded_linear_bwd", lib=_lib)
+def _(dy, x_lora, h, w, scales, gscale, levels, lora_a, lora_b, scaling, fmt, n, k, block, separate_xl, want_x,
+      want_xl, want_a, want_b, nested_absmax=None, nested_code=None, nested_offset=None):
+    return _graph_bwd_fake(dy, lora_a, lora_b, n, k, separate_xl, want_x, want_xl, want_a, want_b)
 
 
 def _decoded_linear_fwd_setup(ctx, inputs, output):
@@ -681,8 +691,7 @@ def _ext_registered_linear_fwd(x, x_lora, w, bias, lora_a, lora_b, scaling, n, k
 
 @torch.library.register_fake(f"{NS}::ext_registered_linear_fwd", lib=_lib)
 def _(x, x_lora, w, bias, lora_a, lora_b, scaling, n, k):
-    m = x.numel() // x.shape[-1]
-    return x.new_empty((*x.shape[:-1], n)), (x.new_empty((0,)) if lora_a is None else x.new_empty((m, lora_a.shape[0])))
+    return _graph_fwd_fake(x, lora_a, n)
 
 
 @torch.library.impl(f"{NS}::ext_registered_linear_bwd", "CompositeExplicitAutograd", lib=_lib)
@@ -698,11 +707,7 @@ def _ext_registered_linear_bwd(dy, x_lora, h, w, lora_a, lora_b, scaling, n, k, 
 
 @torch.library.register_fake(f"{NS}::ext_registered_linear_bwd", lib=_lib)
 def _(dy, x_lora, h, w, lora_a, lora_b, scaling, n, k, separate_xl, want_x, want_xl, want_a, want_b):
-    m, lora = dy.numel() // n, lora_a is not None
-    return (dy.new_empty((m, k) if want_x else (0,)),
-            dy.new_empty((m, k) if want_xl and lora and separate_xl else (0,)),
-            lora_a.new_empty(lora_a.shape) if want_a and lora else dy.new_empty((0,)),
-            lora_b.new_empty(lora_b.shape) if want_b and lora else dy.new_empty((0,)))
+    return _graph_bwd_fake(dy, lora_a, lora_b, n, k, separate_xl, want_x, want_xl, want_a, want_b)
 
 
 def _registered_linear_fwd_setup(ctx, inputs, output):

@@ -256,9 +256,14 @@ def test_decoded_linear_under_activation_checkpointing(reentrant):
 
 @pytest.mark.parametrize("fmt", DECODE_FORMATS)
 @pytest.mark.parametrize("case", ["base", "lora", "lora_dropout_fp32_masters"])
-def test_graph_ops_are_the_eager_ops_bits(fmt, case):
-    """ext_decoded_linear_fwd / _bwd (the route inside compiled graphs) give ext_decoded_linear's output and its C++
-    node's gradients bit for bit: the same aten calls on the same decode."""
+@pytest.mark.parametrize("route", ["explicit", "registered"])
+def test_graph_ops_are_the_eager_ops_bits(fmt, case, route):
+    """ext_decoded_linear_fwd / _bwd (the route inside compiled graphs) and their registered twins
+    ext_registered_linear_fwd / _bwd (the codes alone, the other operands registered for them in the extension's
+    registry) give ext_decoded_linear's output and its C++ node's gradients bit for bit: the same aten calls on the same
+    decode. Released, registered codes are refused."""
+    from surogate_hf.ops.ext import register_decode_operands, release_decode_operands
+
     n, k, m, r = 1536, 576, 1000, 16
     w, s, g, lv, code, block = _cuda(*_operands(fmt, n, k))
     gen = torch.Generator().manual_seed(6)
@@ -270,60 +275,31 @@ def test_graph_ops_are_the_eager_ops_bits(fmt, case):
     b0 = (torch.randn(n, r, generator=gen) * 0.05).to(master).to(DEV) if lora else None
     mask = (torch.rand(m, k, generator=gen) > 0.1).to(DEV) if "dropout" in case else None
 
-    def run(graph):
+    def run(how):
         x = x0.clone().requires_grad_(True)
         a = a0.clone().requires_grad_(True) if lora else None
         b = b0.clone().requires_grad_(True) if lora else None
         xl = x * mask if mask is not None else None
         args = (x, xl, w, s, g, lv, None, a, b, 2.0, code, n, k, block)
-        y = (torch.ops.surogate.ext_decoded_linear_fwd(*args, None, None, None)[0] if graph
-             else torch.ops.surogate.ext_decoded_linear(*args))
-        y.backward(dy)
-        return [y.detach()] + [t.grad for t in (x, a, b) if t is not None]
-
-    for got, ref in zip(run(True), run(False)):
-        assert got.dtype == ref.dtype and torch.equal(got, ref), f"{fmt} {case}"
-
-
-@pytest.mark.parametrize("fmt", DECODE_FORMATS)
-@pytest.mark.parametrize("case", ["base", "lora", "lora_dropout_fp32_masters"])
-def test_registered_ops_are_the_graph_ops_bits(fmt, case):
-    """ext_registered_linear_fwd / _bwd (the codes alone, the other operands registered for them in the extension's
-    registry) give ext_decoded_linear_fwd / _bwd's output and gradients bit for bit; released, the codes are refused."""
-    from surogate_hf.ops.ext import register_decode_operands, release_decode_operands
-
-    n, k, m, r = 1536, 576, 1000, 16
-    w, s, g, lv, code, block = _cuda(*_operands(fmt, n, k))
-    key = register_decode_operands((w, s, g, lv, code, n, k, block, None))
-    gen = torch.Generator().manual_seed(6)
-    x0 = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
-    dy = torch.randn(m, n, generator=gen).bfloat16().to(DEV)
-    lora = case != "base"
-    master = torch.float32 if "fp32" in case else torch.bfloat16
-    a0 = (torch.randn(r, k, generator=gen) * 0.05).to(master).to(DEV) if lora else None
-    b0 = (torch.randn(n, r, generator=gen) * 0.05).to(master).to(DEV) if lora else None
-    mask = (torch.rand(m, k, generator=gen) > 0.1).to(DEV) if "dropout" in case else None
-
-    def run(registered):
-        x = x0.clone().requires_grad_(True)
-        a = a0.clone().requires_grad_(True) if lora else None
-        b = b0.clone().requires_grad_(True) if lora else None
-        xl = x * mask if mask is not None else None
-        if registered:
+        if how == "explicit":
+            y = torch.ops.surogate.ext_decoded_linear_fwd(*args, None, None, None)[0]
+        elif how == "registered":
             y = torch.ops.surogate.ext_registered_linear_fwd(x, xl, w, None, a, b, 2.0, n, k)[0]
         else:
-            y = torch.ops.surogate.ext_decoded_linear_fwd(x, xl, w, s, g, lv, None, a, b, 2.0, code, n, k, block,
-                                                          None, None, None)[0]
+            y = torch.ops.surogate.ext_decoded_linear(*args)
         y.backward(dy)
         return [y.detach()] + [t.grad for t in (x, a, b) if t is not None]
 
+    key = register_decode_operands((w, s, g, lv, code, n, k, block, None)) if route == "registered" else None
     try:
-        for got, ref in zip(run(True), run(False)):
-            assert got.dtype == ref.dtype and torch.equal(got, ref), f"{fmt} {case}"
+        for got, ref in zip(run(route), run("eager")):
+            assert got.dtype == ref.dtype and torch.equal(got, ref), f"{fmt} {case} {route}"
     finally:
-        release_decode_operands(key)
-    with pytest.raises(RuntimeError, match="no decode operands are registered"):
-        torch.ops.surogate.ext_registered_linear_fwd(x0, None, w, None, None, None, 1.0, n, k)
+        if key is not None:
+            release_decode_operands(key)
+    if key is not None:
+        with pytest.raises(RuntimeError, match="no decode operands are registered"):
+            torch.ops.surogate.ext_registered_linear_fwd(x0, None, w, None, None, None, 1.0, n, k)
 
 
 @pytest.mark.parametrize("n, k", [(1536, 576), (192, 576), (4864, 896)])
