@@ -607,7 +607,8 @@ torch.library.register_autograd(f"{NS}::ext_decoded_linear_fwd", _decoded_linear
 
 # ---- the registered-operands route (ext_registered_linear_fwd / _bwd): a compiled graph hands each linear's op its
 # codes alone. Every frozen operand a graph takes crosses it three times a step (a forward input, a forward output saved
-# for the backward, a backward input: host work per tensor that CUDA graphs do not remove), so a layer registers its
+# for the backward, a backward input: host work per tensor; through the Trainer with CUDA graphs it measured no gain,
+# docs/kernels.md), so a layer registers its
 # decode operands here once per load or move (surogate_hf.nn.linear) and the ops find them by the codes' address. The
 # registry holds the operands (views of the layer's own slots: no copy), so an address stays theirs while registered;
 # the extension keeps a C++ twin of it for its CUDA kernels (csrc/weight_only/decoded_linear.cpp).
@@ -621,8 +622,8 @@ def decode_registry_key(w: Tensor) -> tuple[str, int]:
 
 def register_decode_operands(operands: tuple) -> tuple[str, int]:
     """Register (w, scales, gscale, levels, fmt, n, k, block, nested) (kernels.registry.decode_operands' tuple and the
-    nested operands or None) for the registered graph ops, here and, for CUDA operands, in the extension (which must be
-    loaded). Returns the key release_decode_operands takes."""
+    nested operands or None) for the registered graph ops, here and, for CUDA operands, in the extension (now if it is
+    loaded, else when it loads: sync_decode_registry). Returns the key release_decode_operands takes."""
     key = decode_registry_key(operands[0])
     REGISTERED_DECODE_OPERANDS[key] = tuple(operands)
     if operands[0].is_cuda and _extension_registry() is not None:
