@@ -781,8 +781,8 @@ std::tuple<at::Tensor, at::Tensor> decoded_linear_fwd_autograd(
 
 // ---- The registered-operands route: a compiled graph hands each linear's op its codes only.
 // Every frozen operand a linear hands a compiled graph crosses it three times a step (a forward input, a forward output
-// saved for the backward's decode, a backward input), each crossing host work that CUDA graphs do not remove (dynamo's
-// guard, AOTAutograd's wrappers, CUDA-graph trees' input checks and output rebuilds). A layer registers its decode
+// saved for the backward's decode, a backward input), each crossing host work (dynamo's guard, AOTAutograd's wrappers,
+// inductor's checks; through the HF Trainer with CUDA graphs removing them measured no gain). A layer registers its decode
 // operands once per load or move (surogate_hf.nn.linear, through ops.ext.register_decode_operands), keyed by its
 // codes' address; the graph ops take the codes alone (one graph input per linear, as a bf16 linear's weight) and find
 // the rest here. The registry holds the operands themselves, so an address stays the layer's while registered.
