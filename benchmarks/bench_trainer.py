@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import gzip
+import os
 import pstats
+import shutil
 import time
 
 import torch
 
 import bench_e2e as E
+from trace_gaps import gap_report
 from common import attempt, table, time_train_steps, train_step_fn, write_result
 
 
@@ -80,16 +84,26 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
 
     from surogate_hf.integrations.trainer import SurogateRecipeCallback
 
-    stamps, prof, phases = [], [], []
+    stamps, prof, phases, marks = [], [], [], []
+
+    def mark(phase):
+        # while torch.profiler runs: the Trainer's step phases as annotations of its trace (trace_gaps reads them)
+        while marks:
+            marks.pop().__exit__(None, None, None)
+        if phase and prof and isinstance(prof[-1], torch.profiler.profile):
+            marks.append(torch.profiler.record_function("phase:" + phase))
+            marks[-1].__enter__()
 
     class Clock(TrainerCallback):
         # the host's clock at each callback of a step (no wait for the GPU added): phases[i] = (begin, before the
         # optimizer, after it, end) of step i, so that a gap between setups shows in which part of the Trainer's step
         def on_pre_optimizer_step(self, args, state, control, **kw):
             phases[-1].append(time.perf_counter())
+            mark("optimizer")
 
         def on_optimizer_step(self, args, state, control, **kw):
             phases[-1].append(time.perf_counter())
+            mark("zero_grad")
 
         def on_step_begin(self, args, state, control, **kw):
             phases.append([time.perf_counter()])
@@ -97,6 +111,7 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
                 prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA]))
                 prof[-1].__enter__()
+            mark("fwd+bwd")
             if profile_to and state.global_step == warmup + steps + 2:
                 prof.append(cProfile.Profile())
                 prof[-1].enable()
@@ -106,7 +121,9 @@ def trainer_rounds(recipe, layers, batch, seq, warmup, steps, out, model=None, c
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
             phases[-1].append(stamps[-1])
+            mark("between steps")
             if prof and state.global_step == warmup + steps + 2:
+                mark(None)
                 prof[-1].__exit__(None, None, None)
                 write_profile_tables(prof.pop(), profile_to)
             if prof and state.global_step == warmup + steps + 2 + PYTHON_PROFILED_STEPS:
@@ -164,6 +181,15 @@ def write_profile_tables(prof, path):
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90) + "\n")
         f.write(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90) + "\n")
     print(f"profile tables: {path}", flush=True)
+    # the timeline: the trace (gzipped) and where in the Trainer's step the GPU idles, and on what host work
+    trace = path.replace(".txt", "") + ".trace.json"
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(trace)
+    with open(path.replace(".txt", "") + ".gaps.md", "w") as f:
+        f.write(gap_report(trace + ".gz"))
+    print(f"trace and GPU idle report: {trace}.gz", flush=True)
 
 
 def plain_qlora(build, layers, batch, seq, warmup, steps, compile_mode=None):
