@@ -69,8 +69,9 @@ def gap_report(path, top=25) -> str:
         t1 = max(e["ts"] + e["dur"] for e in events)
         phases = [{"name": "phase:window", "ts": t0, "dur": t1 - t0}]
 
-    lines = ["| phase | count | wall ms | GPU busy ms | GPU idle ms |", "|---|---|---|---|---|"]
-    by_phase = defaultdict(lambda: [0, 0.0, 0.0])
+    lines = ["| phase | count | wall ms | GPU busy ms | GPU idle ms | idle gaps <5 us / 5-50 us / >50 us (n, ms) |",
+             "|---|---|---|---|---|---|"]
+    by_phase = defaultdict(lambda: [0, 0.0, 0.0, [[0, 0.0], [0, 0.0], [0, 0.0]]])
     idle_by_host = defaultdict(float)
     idle_total = 0.0
     for ph in phases:
@@ -92,6 +93,9 @@ def gap_report(path, top=25) -> str:
             idle.append((cursor, p1))
         for i0, i1 in idle:
             idle_total += i1 - i0
+            bucket = row[3][0 if i1 - i0 < 5 else 1 if i1 - i0 < 50 else 2]
+            bucket[0] += 1
+            bucket[1] += i1 - i0
             covered = 0.0
             for e in ops[max(0, bisect_right(starts, i0) - 1):]:
                 if e["ts"] >= i1:
@@ -101,8 +105,9 @@ def gap_report(path, top=25) -> str:
                     idle_by_host[e["name"]] += ov
                     covered += ov
             idle_by_host["python (no op)"] += (i1 - i0) - covered
-    for name, (n, wall, busy) in sorted(by_phase.items()):
-        lines.append(f"| {name[6:]} | {n} | {wall / 1e3:.2f} | {busy / 1e3:.2f} | {(wall - busy) / 1e3:.2f} |")
+    for name, (n, wall, busy, gaps) in sorted(by_phase.items()):
+        hist = " / ".join(f"{c}, {us / 1e3:.2f}" for c, us in gaps)
+        lines.append(f"| {name[6:]} | {n} | {wall / 1e3:.2f} | {busy / 1e3:.2f} | {(wall - busy) / 1e3:.2f} | {hist} |")
     lines += ["", f"GPU idle inside the phases: {idle_total / 1e3:.2f} ms; the host's work meanwhile (outermost ops of "
                   "the main thread):", "", "| host work while the GPU idles | ms |", "|---|---|"]
     for name, us in sorted(idle_by_host.items(), key=lambda kv: -kv[1])[:top]:
