@@ -222,16 +222,31 @@ def test_the_trace_time_check_refuses_what_has_no_registered_address():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     layer = _layer("mxfp4")
-    raw = layer._slot_sources()
-    assert L.graph_operands_registered(*raw)
+    codes = S.raw_slot(layer, "weight")
+    assert L.graph_operands_registered(codes)
     assert not L.graph_operands_registered(torch.empty(3, device="meta"))
     with FakeTensorMode():
         fake = torch.empty(384, 128, dtype=torch.uint8)
     assert not L.graph_operands_registered(fake)
     L.set_registered_graph_route(layer, False)
-    assert not L.graph_operands_registered(*raw) and _key(layer) not in REGISTERED_DECODE_OPERANDS
+    assert not L.graph_operands_registered(codes) and _key(layer) not in REGISTERED_DECODE_OPERANDS
     L.set_registered_graph_route(layer, True)
-    assert L.graph_operands_registered(*raw)
+    assert L.graph_operands_registered(codes)
+
+
+def test_the_trace_time_check_sees_a_scale_slot_replaced_behind_the_registration():
+    """The check takes the codes alone (what the traced code touches) and compares every current slot of their layer
+    with the registered addresses: a scale slot swapped in without set_slot or a reload (so nothing released the
+    registration) makes the layer's route the one with every operand."""
+    layer = _layer("mxfp4")
+    codes = S.raw_slot(layer, "weight")
+    assert L.graph_operands_registered(codes)
+    old = layer._parameters["weight_scale"]
+    layer._parameters["weight_scale"] = S.PackedParameter(old.detach().clone(), 0)
+    assert not L.graph_operands_registered(codes)
+    layer._parameters["weight_scale"] = old
+    assert L.graph_operands_registered(codes)
+    assert not L.graph_operands_registered(codes.detach().clone())  # codes of no registered layer
 
 
 def test_a_layer_without_registration_never_reuses_a_graph_compiled_for_a_registered_one(graph_route):
@@ -251,3 +266,16 @@ def test_a_layer_without_registration_never_reuses_a_graph_compiled_for_a_regist
     assert counter.frame_count == 2
     targets = [[n.target for n in g.graph.nodes if n.op == "call_function"] for g in counter.graphs]
     assert REGISTERED_FWD in targets[0] and EXPLICIT_FWD in targets[1]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_compiled_registered_layer_guards_its_codes_alone(graph_route, fmt):
+    """Dynamo guards every tensor the traced code touches, on every call: on the registered route the codes are the
+    layer's only slot it touches (nf4's six slots guarded cost SmolLM2-135M's compiled model 0.94 ms of guards a step on
+    the CPU, against PEFT's 0.64 ms)."""
+    layer = _layer(fmt)
+    guarded = []
+    run = torch._dynamo.optimize("eager", guard_export_fn=lambda guards: guarded.extend(g.name for g in guards))(layer)
+    run(torch.randn(4, 256, dtype=torch.bfloat16))
+    touched = {name for name in guarded if "_parameters['weight" in name}
+    assert touched == {"L['self']._parameters['weight']"}
