@@ -271,8 +271,8 @@ def test_a_layer_without_registration_never_reuses_a_graph_compiled_for_a_regist
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_compiled_registered_layer_guards_its_codes_alone(graph_route, fmt):
     """Dynamo guards every tensor the traced code touches, on every call: on the registered route the codes are the
-    layer's only slot it touches (nf4's six slots guarded cost SmolLM2-135M's compiled model 0.94 ms of guards a step on
-    the CPU, against PEFT's 0.64 ms)."""
+    layer's only slot it touches (with every slot touched, SmolLM2-135M's compiled nvfp4 model spent 3.05 ms a call
+    in its guards on a CPU, PEFT's 0.60: benchmarks/probe_guard_time_cpu.py)."""
     layer = _layer(fmt)
     guarded = []
     run = torch._dynamo.optimize("eager", guard_export_fn=lambda guards: guarded.extend(g.name for g in guards))(layer)
