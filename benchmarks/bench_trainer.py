@@ -25,8 +25,8 @@ import time
 import torch
 
 import bench_e2e as E
-from trace_gaps import gap_report
 from common import attempt, table, time_train_steps, train_step_fn, write_result
+from trace_gaps import gap_report
 
 
 class _Ids(torch.utils.data.Dataset):
