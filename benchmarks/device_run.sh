@@ -22,8 +22,10 @@
 #                                                      # with CUDA graphs, PEFT / nf4 / nf4 with every operand in the
 #                                                      # graph (TRAINER_SETUPS), rounds (~9 min)
 #   bash benchmarks/device_run.sh trainer_profile [OUTDIR] # the decoded-linear GPU tests, then one Trainer run each
-#                                                      # of nf4 and PEFT with CUDA graphs, profiled (torch.profiler
-#                                                      # tables and cProfile's functions; ~8 min)
+#                                                      # of nf4 and PEFT (TRAINER_SETUPS) with CUDA graphs, profiled
+#                                                      # (torch.profiler tables, the trace with the Trainer's phases
+#                                                      # and trace_gaps.py's GPU-idle report, cProfile's functions;
+#                                                      # ~8 min)
 # The QLoRA rows of small models are host-bound: run them with nothing else on the machine (not beside a job on
 # the other GPU; measured: a busy host read SmolLM2-360M nf4 at 0.52x instead of 0.76x), with the extension built.
 # OUTDIR defaults to $OUT, else ./device_out. Each step's log goes to OUTDIR/<step>.log, tables to OUTDIR/results/.
@@ -142,9 +144,10 @@ case "$what" in
     step gpu_decoded_linear 100 python3 -m pytest -q tests/kernels/test_gpu_decoded_linear.py
     cd benchmarks
     step e2e_trainer_profile 330 python3 bench_trainer.py --shape smollm2-135m --use-cache \
-        --torch-compile-mode reduce-overhead --qlora nf4,peft --warmup 3 --steps 10 --profile-dir "$out/results" \
-        --name trainer_135m_profile
+        --torch-compile-mode reduce-overhead --qlora "${TRAINER_SETUPS:-nf4,peft}" --warmup 3 --steps 10 \
+        --profile-dir "$out/results" --name trainer_135m_profile
     cp results/trainer_135m_profile.md "$out/results/" 2>/dev/null
+    for f in "$out"/results/*.gaps.md; do echo "== $f"; cat "$f"; done
     ;;
   nograph)
     # SmolLM2-135M compiled whole without CUDA graphs (host-bound): PEFT and the 4-bit formats, each compiled once and
