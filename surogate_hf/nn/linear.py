@@ -406,9 +406,10 @@ class QuantizedLinear(nn.Linear):
         key = decode_registry_key(raw[0])
         operands = tuple(operands)
         register_decode_operands(operands)
-        _REGISTERED_SLOT_ADDRESSES[key] = (tuple(t.data_ptr() for t in raw), weakref.ref(self))
+        layer = weakref.ref(self)
+        _REGISTERED_SLOT_ADDRESSES[key] = (tuple(t.data_ptr() for t in raw), layer)
         # released with the codes Parameter (FSDP2's sharding drops it; so does a slot set anew) or the next load
-        registration = weakref.finalize(raw[0], _release_registration, key, operands, weakref.ref(self))
+        registration = weakref.finalize(raw[0], _release_registration, key, operands, layer)
         registration.atexit = False  # (nothing to release at exit)
         self.__dict__["_graph_registration"] = registration
         self.__dict__[_REGISTERED_FLAG] = True

@@ -608,8 +608,8 @@ torch.library.register_autograd(f"{NS}::ext_decoded_linear_fwd", _decoded_linear
 # ---- the registered-operands route (ext_registered_linear_fwd / _bwd): a compiled graph hands each linear's op its
 # codes alone. Every frozen operand a graph takes crosses it three times a step (a forward input, a forward output saved
 # for the backward, a backward input: host work per tensor; through the Trainer with CUDA graphs it measured no gain,
-# docs/kernels.md), so a layer registers its
-# decode operands here once per load or move (surogate_hf.nn.linear) and the ops find them by the codes' address. The
+# docs/kernels.md), so a layer registers its decode operands here once per load or move (surogate_hf.nn.linear) and
+# the ops find them by the codes' address. The
 # registry holds the operands (views of the layer's own slots: no copy), so an address stays theirs while registered;
 # the extension keeps a C++ twin of it for its CUDA kernels (csrc/weight_only/decoded_linear.cpp).
 # (device, codes' data_ptr) -> (w, scales, gscale, levels, fmt, n, k, block, nested)
